@@ -1,0 +1,134 @@
+"""Compile keys and the tuned tile table.
+
+A ``FwdConfig`` IS the compile key of a forward kernel: it holds exactly what changes the
+generated code (architecture family, compile target, dtype, head dims, tile shape, feature flags)
+and nothing else. Tensors, sequence lengths, batch and head counts never appear here: layouts
+stay dynamic, so a new sequence length or batch reuses the compiled kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+DTYPES = ("bf16", "fp16")
+
+# Compile targets by compute capability. The sm80 kernel family runs on every GPU from Ampere up;
+# it is compiled for the device's own target (SASS does not run across major versions).
+TARGETS = {
+    (8, 0): "sm_80",
+    (8, 6): "sm_86",
+    (8, 7): "sm_87",
+    (8, 9): "sm_89",
+    (9, 0): "sm_90a",
+    (10, 0): "sm_100a",
+    (10, 3): "sm_103a",
+    (12, 0): "sm_120a",
+}
+
+# Shared memory a CTA may use (bytes) per target, from the CUDA programming guide.
+SMEM_CAPACITY = {
+    "sm_80": 163 * 1024,
+    "sm_86": 99 * 1024,
+    "sm_87": 163 * 1024,
+    "sm_89": 99 * 1024,
+    "sm_90a": 227 * 1024,
+    "sm_100a": 227 * 1024,
+    "sm_103a": 227 * 1024,
+    "sm_120a": 99 * 1024,
+}
+
+
+def target_for_capability(major: int, minor: int) -> str:
+    """Compile target of a device with the given compute capability."""
+    try:
+        return TARGETS[(major, minor)]
+    except KeyError:
+        raise NotImplementedError(
+            f"compute capability {major}.{minor} has no compile target in cute_fa "
+            f"(known: {sorted(TARGETS)})"
+        ) from None
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Compile key of a forward kernel. Every field changes the generated code."""
+
+    arch: int  # kernel family: 80 (ampere package), 90 (hopper), 100 (blackwell)
+    target: str  # compile target, e.g. "sm_90a"; see TARGETS
+    dtype: str  # "bf16" | "fp16"
+    head_dim: int
+    head_dim_v: int
+    tile_m: int
+    tile_n: int
+    num_warps: int
+    causal: bool = False
+    local: bool = False  # sliding window; window bounds are runtime values
+    has_softcap: bool = False  # the softcap value itself is a runtime value
+    varlen_q: bool = False  # cu_seqlens_q given
+    varlen_k: bool = False  # cu_seqlens_k given
+    seqused_q: bool = False
+    seqused_k: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"FwdConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.causal and self.local:
+            raise ValueError("FwdConfig: causal and local are exclusive (causal is a window)")
+
+    def replace(self, **changes) -> FwdConfig:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def name(self) -> str:
+        """Short human-readable name, used in messages and cache file names."""
+        flags = [
+            f
+            for f in ("causal", "local", "varlen_q", "varlen_k", "seqused_q", "seqused_k")
+            if getattr(self, f)
+        ]
+        if self.has_softcap:
+            flags.append("softcap")
+        dv = "" if self.head_dim_v == self.head_dim else f"x{self.head_dim_v}"
+        return (
+            f"fwd_sm{self.arch}_{self.target}_{self.dtype}_d{self.head_dim}{dv}"
+            f"_{self.tile_m}x{self.tile_n}w{self.num_warps}"
+            + ("_" + "_".join(flags) if flags else "")
+        )
+
+
+# Tuned forward tiles of the sm80 (FA2-design) kernel: head_dim -> (tile_m, tile_n, num_warps).
+# Each entry's reason is beside it; the performance log in docs/performance.md has the numbers.
+# Shared memory per CTA = (tile_m + 2 * tile_n) * head_dim * 2 bytes (Q, K, V tiles).
+SM80_FWD_TILES = {
+    # d64: small K/V tiles are cheap; 128 keys per step halves the loop overhead.
+    64: (128, 128, 4),
+    # d96: 128x64 keeps acc_O + acc_S within 255 registers with 4 warps.
+    96: (128, 64, 4),
+    # d128: 128x64 with 4 warps (FA2's choice on A100/H100); acc_O is 64 fp32 a thread.
+    128: (128, 64, 4),
+    # d192: 128x64 with 8 warps: 16 query rows a warp keeps acc_O at 96 fp32 a thread.
+    192: (128, 64, 8),
+    # d256: 128x64 with 8 warps: acc_O 128 fp32 a thread; smem 128 KiB.
+    256: (128, 64, 8),
+}
+
+# Smaller tiles for targets with 99 KiB of shared memory (sm86, sm89, sm120).
+SM80_FWD_TILES_SMALL_SMEM = {
+    64: (128, 128, 4),
+    96: (128, 64, 4),
+    128: (128, 64, 4),
+    192: (64, 64, 4),
+    256: (64, 64, 4),
+}
+
+
+def sm80_fwd_tile(head_dim: int, target: str) -> tuple[int, int, int]:
+    """(tile_m, tile_n, num_warps) of the sm80 forward kernel for a head dim and target."""
+    table = SM80_FWD_TILES if SMEM_CAPACITY.get(target, 0) >= 160 * 1024 else SM80_FWD_TILES_SMALL_SMEM
+    if head_dim not in table:
+        raise NotImplementedError(
+            f"head_dim={head_dim} is not supported by the sm80 forward kernel "
+            f"(supported: {sorted(table)})"
+        )
+    return table[head_dim]

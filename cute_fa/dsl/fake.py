@@ -1,0 +1,74 @@
+"""Fake (compile-time) arguments of the kernels, so they compile without tensors or a GPU.
+
+Every extent except the head dims is a symbolic runtime value, so one compiled kernel serves any
+batch, sequence length and head count. Strides are symbolic too (q/k/v may be views of a packed
+qkv tensor), with the innermost stride fixed to 1 and the others divisible by 8 elements
+(16 bytes), which the interface checks before every launch.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+
+from ..config import FwdConfig
+
+DTYPE = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+
+
+def fake_qkv(dtype, head_dim: int):
+    """(batch, seqlen, heads, head_dim) with dynamic extents and strides, 16-byte aligned."""
+    shape = (cute.sym_int(), cute.sym_int(), cute.sym_int(), head_dim)
+    stride = (
+        cute.sym_int(64, divisibility=8),
+        cute.sym_int(64, divisibility=8),
+        cute.sym_int(64, divisibility=8),
+        1,
+    )
+    return make_fake_tensor(dtype, shape, stride, assumed_align=16)
+
+
+def fake_lse():
+    """(batch, heads, seqlen) fp32, seqlen contiguous."""
+    shape = (cute.sym_int(), cute.sym_int(), cute.sym_int())
+    stride = (cute.sym_int(64), cute.sym_int(64), 1)
+    return make_fake_tensor(cutlass.Float32, shape, stride, assumed_align=4)
+
+
+def fake_int32_vector():
+    return make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4)
+
+
+def fwd_fake_args(config: FwdConfig) -> tuple:
+    """Arguments of ``kernel(...)`` for ``cute.compile``, in the order of the forward protocol.
+
+    Forward protocol (every arch's forward kernel ``__call__`` takes exactly these):
+      mQ   (b, sq, h, d)        varlen: (1, total_q, h, d)
+      mK   (b, sk, h_kv, d)     varlen: (1, total_k, h_kv, d)
+      mV   (b, sk, h_kv, dv)
+      mO   (b, sq, h, dv)
+      mLSE (b, h, sq) fp32      varlen: (1, h, total_q)
+      softmax_scale: Float32, softcap: Float32 (ignored unless config.has_softcap),
+      window_left: Int32, window_right: Int32 (ignored unless config.local),
+      mCuSeqlensQ, mCuSeqlensK: (b + 1,) int32 or None,
+      mSeqUsedQ, mSeqUsedK: (b,) int32 or None,
+      stream
+    """
+    dtype = DTYPE[config.dtype]
+    return (
+        fake_qkv(dtype, config.head_dim),
+        fake_qkv(dtype, config.head_dim),
+        fake_qkv(dtype, config.head_dim_v),
+        fake_qkv(dtype, config.head_dim_v),
+        fake_lse(),
+        cutlass.Float32(1.0),
+        cutlass.Float32(0.0),
+        cutlass.Int32(0),
+        cutlass.Int32(0),
+        fake_int32_vector() if config.varlen_q else None,
+        fake_int32_vector() if config.varlen_k else None,
+        fake_int32_vector() if config.seqused_q else None,
+        fake_int32_vector() if config.seqused_k else None,
+        make_fake_stream(),
+    )
