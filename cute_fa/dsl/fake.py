@@ -22,8 +22,8 @@ def fake_qkv(dtype, head_dim: int):
     shape = (cute.sym_int(), cute.sym_int(), cute.sym_int(), head_dim)
     stride = (
         cute.sym_int(64, divisibility=8),
-        cute.sym_int(64, divisibility=8),
-        cute.sym_int(64, divisibility=8),
+        cute.sym_int(32, divisibility=8),
+        cute.sym_int(32, divisibility=8),
         1,
     )
     return make_fake_tensor(dtype, shape, stride, assumed_align=16)
@@ -51,6 +51,8 @@ def fwd_fake_args(config: FwdConfig) -> tuple:
       mLSE (b, h, sq) fp32      varlen: (1, h, total_q)
       softmax_scale: Float32, softcap: Float32 (ignored unless config.has_softcap),
       window_left: Int32, window_right: Int32 (ignored unless config.local),
+      max_seqlen_q: Int32 (the longest query sequence; the grid has ceil(max_seqlen_q / tile_m)
+        query blocks per (head, batch)),
       mCuSeqlensQ, mCuSeqlensK: (b + 1,) int32 or None,
       mSeqUsedQ, mSeqUsedK: (b,) int32 or None,
       stream
@@ -64,6 +66,7 @@ def fwd_fake_args(config: FwdConfig) -> tuple:
         fake_lse(),
         cutlass.Float32(1.0),
         cutlass.Float32(0.0),
+        cutlass.Int32(0),
         cutlass.Int32(0),
         cutlass.Int32(0),
         fake_int32_vector() if config.varlen_q else None,

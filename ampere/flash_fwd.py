@@ -1,0 +1,465 @@
+"""sm80 forward kernel: FlashAttention-2 design on mma.sync, cp.async and ldmatrix."""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warp
+
+from cute_fa.config import SMEM_CAPACITY, FwdConfig
+from cute_fa.dsl.fake import DTYPE
+from cute_fa.dsl.mask import apply_mask, block_range
+from cute_fa.dsl.seqlen import seqlen_info
+from cute_fa.dsl.softmax import LOG2_E, OnlineSoftmax, mn_view
+
+from .mma import acc_as_A_operand, gemm
+
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+
+
+class FlashAttentionForwardSm80:
+    """Exact attention forward, FA2 design, for every GPU from sm80 up.
+
+    Grid and work split
+      grid = (ceil(max_seqlen_q / tile_m), num_heads, batch); one CTA owns one tile_m block of
+      queries of one (head, batch) and visits its key blocks from the last to the first (so the
+      one that needs the seqlen/causal mask comes first). Causal grids run query blocks in reverse
+      (the longest rows first). Consecutive CTAs share a (head, batch), so K/V tiles hit in L2.
+    Warps (num_warps, all identical: no warp specialization on sm80)
+      Sliced-Q: warp w owns query rows [16 w, 16 w + 16) of the tile (per MMA M repetition); K and
+      V tiles are shared by all warps; a row's max and sum stay inside one quad of one warp, so no
+      inter-warp reduction exists anywhere.
+    Shared memory: sQ (tile_m x d), sK and sV (tile_n x d), swizzled (no ldmatrix bank conflicts);
+      sO reuses sQ for the epilogue.
+    Pipeline (cp.async groups; every wait is followed by a CTA barrier):
+      prologue: Q and K[n_max - 1] -> commit
+      per key block n (from n_max - 1 down to n_min):
+        wait(K[n]); barrier; issue V[n]; commit       V[n] lands while S = Q K[n]^T multiplies
+        S = Q K^T (ldmatrix k-slice k+1 overlaps mma of slice k)
+        wait(V[n]); barrier; issue K[n-1]; commit     K[n-1] lands during softmax and P V
+        mask (only blocks cutting the seqlen tail, causal diagonal or window edge)
+        online softmax (base 2, scale folded in; cute_fa/dsl/softmax.py), rescale acc_O
+        O += P V with P converted to 16-bit in registers as the A operand (never through smem)
+      epilogue: O / l once, O -> sO -> 128-bit stores; LSE from the quad leaders.
+    Out-of-range rows: Q rows past seqlen_q are computed but never stored; K rows past seqlen_k
+      are masked to -inf; V rows past seqlen_k are zero-filled (0 * garbage could be NaN).
+    """
+
+    arch = 80
+
+    def __init__(self, config: FwdConfig):
+        ok, reason = self.can_implement(config)
+        if not ok:
+            raise NotImplementedError(f"FlashAttentionForwardSm80: {reason}")
+        self.config = config
+        self.dtype = DTYPE[config.dtype]
+        self.tile_m = config.tile_m
+        self.tile_n = config.tile_n
+        self.tile_hdim = config.head_dim
+        self.num_threads = config.num_warps * 32
+        self.causal = config.causal
+        self.local = config.local
+        self.has_softcap = config.has_softcap
+        # P @ V's B slices span the whole head dim; double-buffering them costs 2 * d / 4
+        # registers a thread, which d >= 128 with 4 warps cannot afford next to acc_O.
+        self.prefetch_pv = True
+
+    @staticmethod
+    def can_implement(config: FwdConfig) -> tuple[bool, str]:
+        if config.arch != 80:
+            return False, f"config is for sm{config.arch}, this kernel is sm80"
+        if config.head_dim not in SUPPORTED_HEAD_DIMS:
+            return False, f"head_dim {config.head_dim} not in {SUPPORTED_HEAD_DIMS}"
+        if config.head_dim_v != config.head_dim:
+            return False, "head_dim_v != head_dim is not supported on sm80"
+        if config.tile_m % (16 * config.num_warps) != 0:
+            return False, f"tile_m {config.tile_m} is not a multiple of 16 * num_warps"
+        if config.tile_n % 16 != 0:
+            return False, f"tile_n {config.tile_n} is not a multiple of 16"
+        smem = (config.tile_m + 2 * config.tile_n) * config.head_dim * 2
+        if smem > SMEM_CAPACITY.get(config.target, 0):
+            return False, f"tile needs {smem} B of shared memory, more than {config.target} has"
+        return True, ""
+
+    # ------------------------------------------------------------------------------------------
+    # Host side
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        softmax_scale: Float32,
+        softcap: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        max_seqlen_q: Int32,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedQ: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
+        stream: cuda.CUstream,
+    ):
+        # Shared memory: 8-row swizzled atoms, 64 (or 32) columns wide, so ldmatrix and the
+        # 128-bit cp.async writes are both bank-conflict free.
+        kblock = 64 if self.tile_hdim % 64 == 0 else 32
+        atom = cute.make_composed_layout(
+            cute.make_swizzle(3 if kblock == 64 else 2, 3, 3),
+            0,
+            cute.make_layout((8, kblock), stride=(kblock, 1)),
+        )
+        sQ_layout = cute.tile_to_shape(atom, (self.tile_m, self.tile_hdim), (0, 1))
+        sKV_layout = cute.tile_to_shape(atom, (self.tile_n, self.tile_hdim), (0, 1))
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+
+        # Global <-> shared copies: 16 bytes a thread, a row of kblock columns per kblock/8 threads.
+        elems = 128 // self.dtype.width
+        threads_per_row = kblock // elems
+        thr_layout = cute.make_layout(
+            (self.num_threads // threads_per_row, threads_per_row), stride=(threads_per_row, 1)
+        )
+        val_layout = cute.make_layout((1, elems))
+        copy_g2s = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(
+                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                self.dtype,
+                num_bits_per_copy=128,
+            ),
+            thr_layout,
+            val_layout,
+        )
+        copy_r2g = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
+            thr_layout,
+            val_layout,
+        )
+        tiled_mma = cute.make_tiled_mma(
+            warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)),
+            (self.num_threads // 32, 1, 1),
+            permutation_mnk=(self.num_threads // 32 * 16, 16, 16),
+        )
+
+        # Softcap folds the scale into tanh's argument: s' = softcap * tanh(s * scale / softcap),
+        # and the exponent then only needs softcap * log2(e).
+        score_scale = Float32(1.0)
+        scale_log2 = softmax_scale * LOG2_E
+        if cutlass.const_expr(self.has_softcap):
+            score_scale = softmax_scale / softcap
+            scale_log2 = softcap * LOG2_E
+
+        batch = mQ.shape[0]
+        if cutlass.const_expr(mCuSeqlensQ is not None):
+            batch = mCuSeqlensQ.shape[0] - 1
+        grid = (cute.ceil_div(max_seqlen_q, self.tile_m), cute.size(mQ.shape[2]), batch)
+        self.kernel(
+            mQ, mK, mV, mO, mLSE,
+            score_scale, scale_log2, window_left, window_right,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+            sQ_layout, sKV_layout, copy_g2s, copy_r2g, tiled_mma, SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        score_scale: Float32,
+        scale_log2: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedQ: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        copy_g2s: cute.TiledCopy,
+        copy_r2g: cute.TiledCopy,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        if cutlass.const_expr(self.causal):
+            m_block = cute.arch.grid_dim()[0] - 1 - m_block
+        offset_q, seqlen_q, offset_k, seqlen_k = seqlen_info(
+            batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK
+        )
+        if m_block * self.tile_m < seqlen_q:
+            # This (batch, head)'s slices, moved to the sequence start for varlen.
+            head_kv = head // (mQ.shape[2] // mK.shape[2])
+            qb = 0 if cutlass.const_expr(mCuSeqlensQ is not None) else batch
+            kb = 0 if cutlass.const_expr(mCuSeqlensK is not None) else batch
+            mQ_cur = cute.domain_offset((offset_q, 0), mQ[qb, None, head, None])
+            mO_cur = cute.domain_offset((offset_q, 0), mO[qb, None, head, None])
+            mLSE_cur = cute.domain_offset((offset_q,), mLSE[qb, head, None])
+            mK_cur = cute.domain_offset((offset_k, 0), mK[kb, None, head_kv, None])
+            mV_cur = cute.domain_offset((offset_k, 0), mV[kb, None, head_kv, None])
+            n_block_min, n_block_max, n_block_no_right, n_block_no_left = block_range(
+                m_block, seqlen_q, seqlen_k, window_left, window_right,
+                self.tile_m, self.tile_n, self.causal, self.local,
+            )  # fmt: skip
+            rows_left = seqlen_q - m_block * self.tile_m
+            if n_block_max <= n_block_min:
+                self.store_empty(mO_cur, mLSE_cur, m_block, rows_left, copy_r2g, tidx)
+            else:
+                smem = cutlass.utils.SmemAllocator()
+                storage = smem.allocate(SharedStorage)
+                sQ = storage.sQ.get_tensor(sQ_layout)
+                sK = storage.sK.get_tensor(sKV_layout)
+                sV = storage.sV.get_tensor(sKV_layout)
+                self.attend(
+                    mQ_cur, mK_cur, mV_cur, mO_cur, mLSE_cur, sQ, sK, sV,
+                    m_block, rows_left, seqlen_q, seqlen_k,
+                    n_block_min, n_block_max, n_block_no_right, n_block_no_left,
+                    score_scale, scale_log2, window_left, window_right,
+                    copy_g2s, copy_r2g, tiled_mma, tidx,
+                )  # fmt: skip
+
+    @cute.jit
+    def attend(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        m_block: Int32,
+        rows_left: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        n_block_min: Int32,
+        n_block_max: Int32,
+        n_block_no_right: Int32,
+        n_block_no_left: Int32,
+        score_scale: Float32,
+        scale_log2: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        copy_g2s: cute.TiledCopy,
+        copy_r2g: cute.TiledCopy,
+        tiled_mma: cute.TiledMma,
+        tidx: Int32,
+    ):
+        """Main loop of one query block over its key blocks, then the epilogue."""
+        tile_m, tile_n, d = self.tile_m, self.tile_n, self.tile_hdim
+        barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_threads)
+        gQ = cute.local_tile(mQ, (tile_m, d), (m_block, 0))
+        gK = cute.local_tile(mK, (tile_n, d), (None, 0))  # (tile_n, d, n_blocks)
+        gV = cute.local_tile(mV, (tile_n, d), (None, 0))
+        # V^T view of sV for the B operand of P @ V (read with ldmatrix.trans).
+        sVt = cute.composition(sV, cute.make_layout((d, tile_n), stride=(tile_n, 1)))
+
+        thr_g2s = copy_g2s.get_slice(tidx)
+        tQgQ = thr_g2s.partition_S(gQ)
+        tQsQ = thr_g2s.partition_D(sQ)
+        tQcQ = thr_g2s.partition_S(cute.make_identity_tensor((tile_m, d)))
+        tKgK = thr_g2s.partition_S(gK)
+        tKsK = thr_g2s.partition_D(sK)
+        tVgV = thr_g2s.partition_S(gV)
+        tVsV = thr_g2s.partition_D(sV)
+        tKVcKV = thr_g2s.partition_S(cute.make_identity_tensor((tile_n, d)))
+
+        thr_mma = tiled_mma.get_slice(tidx)
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((tile_m, d)), Float32)
+        acc_O.fill(0.0)
+        tScS = mn_view(thr_mma.partition_C(cute.make_identity_tensor((tile_m, tile_n))))
+
+        ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
+        ldsm_t = warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4)
+        s2r_Q = cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, self.dtype), tiled_mma)
+        s2r_K = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, self.dtype), tiled_mma)
+        s2r_V = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm_t, self.dtype), tiled_mma)
+        thr_s2r_Q = s2r_Q.get_slice(tidx)
+        thr_s2r_K = s2r_K.get_slice(tidx)
+        thr_s2r_V = s2r_V.get_slice(tidx)
+        tSsQ = thr_s2r_Q.partition_S(sQ)
+        tSrQ_view = thr_s2r_Q.retile(tSrQ)
+        tSsK = thr_s2r_K.partition_S(sK)
+        tSrK_view = thr_s2r_K.retile(tSrK)
+        tOsVt = thr_s2r_V.partition_S(sVt)
+        tOrVt_view = thr_s2r_V.retile(tOrVt)
+
+        # Prologue: Q (rows past seqlen_q skipped) and the first key block (rows past seqlen_k
+        # skipped: they are masked to -inf).
+        for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
+            if tQcQ[0, m, 0][0] < rows_left:
+                cute.copy(copy_g2s, tQgQ[None, m, None], tQsQ[None, m, None])
+        self.load_kv(copy_g2s, tKgK, tKsK, tKVcKV, n_block_max - 1, seqlen_k, True, False)
+        cute.arch.cp_async_commit_group()
+
+        softmax = OnlineSoftmax(scale_log2, cute.size(tScS.shape[0]))
+        softmax.reset()
+        mma = (tiled_mma, thr_mma, tSrQ, tSrK, tOrVt, acc_O, tScS)
+        s2r = (s2r_Q, s2r_K, s2r_V, tSsQ, tSrQ_view, tSsK, tSrK_view, tOsVt, tOrVt_view)
+        g2s = (copy_g2s, tKgK, tKsK, tVgV, tVsV, tKVcKV)
+        mask_args = (m_block, seqlen_q, seqlen_k, window_left, window_right)
+
+        # Key blocks from n_block_max - 1 down: [start_unmasked, n_block_max) cut the seqlen tail
+        # or the right edge (the first block is always treated as such), [start_left_masked,
+        # start_unmasked) need no mask, [n_block_min, start_left_masked) cut the left edge.
+        start_unmasked = cutlass.max(cutlass.min(n_block_no_right, n_block_max - 1), n_block_min)
+        start_left_masked = cutlass.min(cutlass.max(n_block_no_left, n_block_min), start_unmasked)
+        self.step(n_block_max - 1, n_block_min, softmax, score_scale, mma, s2r, g2s, mask_args,
+                  barrier, True, True)  # fmt: skip
+        for i in cutlass.range(n_block_max - 1 - start_unmasked, unroll=1):
+            self.step(n_block_max - 2 - i, n_block_min, softmax, score_scale, mma, s2r, g2s,
+                      mask_args, barrier, False, True)  # fmt: skip
+        for i in cutlass.range(start_unmasked - start_left_masked, unroll=1):
+            self.step(start_unmasked - 1 - i, n_block_min, softmax, score_scale, mma, s2r, g2s,
+                      mask_args, barrier, False, False)  # fmt: skip
+        if cutlass.const_expr(self.local):
+            for i in cutlass.range(start_left_masked - n_block_min, unroll=1):
+                self.step(start_left_masked - 1 - i, n_block_min, softmax, score_scale, mma, s2r,
+                          g2s, mask_args, barrier, False, True)  # fmt: skip
+
+        # Epilogue: normalise once, stage O through sQ (every warp finished reading sQ before the
+        # last block's V barrier), store 16 bytes a thread.
+        lse = cute.make_rmem_tensor(cute.size(tScS.shape[0]), Float32)
+        softmax.finalize(acc_O, lse)
+        rO = cute.make_fragment_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        sO = sQ
+        r2s_O = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), tiled_mma
+        )
+        thr_r2s_O = r2s_O.get_slice(tidx)
+        cute.copy(r2s_O, thr_r2s_O.retile(rO), thr_r2s_O.partition_D(sO))
+        if tidx % 4 == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = tScS[r, 0][0]
+                if row < rows_left:
+                    mLSE[m_block * tile_m + row] = lse[r]
+        barrier.arrive_and_wait()
+        gO = cute.local_tile(mO, (tile_m, d), (m_block, 0))
+        thr_r2g = copy_r2g.get_slice(tidx)
+        tOsO = thr_r2g.partition_S(sO)
+        tOgO = thr_r2g.partition_D(gO)
+        tOcO = thr_r2g.partition_D(cute.make_identity_tensor((tile_m, d)))
+        tOrO = cute.make_fragment_like(tOgO, self.dtype)
+        cute.autovec_copy(tOsO, tOrO)
+        for m in cutlass.range_constexpr(cute.size(tOgO.shape[1])):
+            if tOcO[0, m, 0][0] < rows_left:
+                cute.copy(copy_r2g, tOrO[None, m, None], tOgO[None, m, None])
+
+    @cute.jit
+    def step(
+        self,
+        n_block: Int32,
+        n_block_min: Int32,
+        softmax: OnlineSoftmax,
+        score_scale: Float32,
+        mma: tuple,
+        s2r: tuple,
+        g2s: tuple,
+        mask_args: tuple,
+        barrier: pipeline.NamedBarrier,
+        is_first: cutlass.Constexpr[bool],
+        masked: cutlass.Constexpr[bool],
+    ):
+        """One key block: S = Q K^T, mask, online softmax, O += P V, with the next K in flight."""
+        tiled_mma, thr_mma, tSrQ, tSrK, tOrVt, acc_O, tScS = mma
+        s2r_Q, s2r_K, s2r_V, tSsQ, tSrQ_view, tSsK, tSrK_view, tOsVt, tOrVt_view = s2r
+        copy_g2s, tKgK, tKsK, tVgV, tVsV, tKVcKV = g2s
+        m_block, seqlen_q, seqlen_k, window_left, window_right = mask_args
+
+        cute.arch.cp_async_wait_group(0)
+        barrier.arrive_and_wait()
+        self.load_kv(copy_g2s, tVgV, tVsV, tKVcKV, n_block, seqlen_k, is_first, True)
+        cute.arch.cp_async_commit_group()
+
+        acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        acc_S.fill(0.0)
+        gemm(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSrQ_view, tSsK, tSrK_view, s2r_Q, s2r_K)
+        if cutlass.const_expr(self.has_softcap):
+            acc_S.store(cute.math.tanh(acc_S.load() * score_scale, fastmath=True))
+
+        cute.arch.cp_async_wait_group(0)
+        barrier.arrive_and_wait()
+        if n_block > n_block_min:
+            self.load_kv(copy_g2s, tKgK, tKsK, tKVcKV, n_block - 1, seqlen_k, False, False)
+            cute.arch.cp_async_commit_group()
+
+        if cutlass.const_expr(masked):
+            apply_mask(
+                mn_view(acc_S), tScS, m_block * self.tile_m, n_block * self.tile_n,
+                seqlen_q, seqlen_k, window_left, window_right, self.causal, self.local,
+            )  # fmt: skip
+        softmax.step(acc_S, acc_O, is_first, masked and (self.causal or self.local))
+
+        rP = cute.make_fragment_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+        gemm(tiled_mma, acc_O, acc_as_A_operand(rP), tOrVt, None, None, tOsVt, tOrVt_view,
+             None, s2r_V, self.prefetch_pv)  # fmt: skip
+
+    @cute.jit
+    def load_kv(
+        self,
+        copy_g2s: cute.TiledCopy,
+        tXgX: cute.Tensor,
+        tXsX: cute.Tensor,
+        tXcX: cute.Tensor,
+        n_block: Int32,
+        seqlen_k: Int32,
+        predicate: cutlass.Constexpr[bool],
+        zero_fill: cutlass.Constexpr[bool],
+    ):
+        """cp.async one K or V tile; with ``predicate`` rows past seqlen_k are skipped (and
+        zero-filled with ``zero_fill``). Only the first visited block can hold such rows."""
+        if cutlass.const_expr(predicate):
+            rows_left = seqlen_k - n_block * self.tile_n
+            for n in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
+                if tXcX[0, n, 0][0] < rows_left:
+                    cute.copy(copy_g2s, tXgX[None, n, None, n_block], tXsX[None, n, None])
+                elif cutlass.const_expr(zero_fill):
+                    tXsX[None, n, None].fill(0)
+        else:
+            cute.copy(copy_g2s, tXgX[None, None, None, n_block], tXsX)
+
+    @cute.jit
+    def store_empty(
+        self,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        m_block: Int32,
+        rows_left: Int32,
+        copy_r2g: cute.TiledCopy,
+        tidx: Int32,
+    ):
+        """A query block that sees no key: O = 0 and LSE = -inf for its rows."""
+        gO = cute.local_tile(mO, (self.tile_m, self.tile_hdim), (m_block, 0))
+        thr_r2g = copy_r2g.get_slice(tidx)
+        tOgO = thr_r2g.partition_D(gO)
+        tOcO = thr_r2g.partition_D(cute.make_identity_tensor((self.tile_m, self.tile_hdim)))
+        tOrO = cute.make_fragment_like(tOgO, self.dtype)
+        tOrO.fill(0.0)
+        for m in cutlass.range_constexpr(cute.size(tOgO.shape[1])):
+            if tOcO[0, m, 0][0] < rows_left:
+                cute.copy(copy_r2g, tOrO[None, m, None], tOgO[None, m, None])
+        for i in cutlass.range_constexpr(cute.ceil_div(self.tile_m, self.num_threads)):
+            row = tidx + i * self.num_threads
+            if row < cutlass.min(rows_left, self.tile_m):
+                mLSE[m_block * self.tile_m + row] = -Float32.inf

@@ -1,0 +1,103 @@
+"""Sequence-length, causal and sliding-window masks, and which key blocks a query block visits.
+
+Note [bottom-right aligned masks]
+---------------------------------
+As in flash_attn: with ``offset = seqlen_k - seqlen_q``, query row ``i`` sees key ``j`` iff
+``i + offset - left <= j <= i + offset + right`` and ``j < seqlen_k``. Causal is ``right = 0``,
+``left = inf``. Window bounds may be negative (a band shifted off the diagonal); unbounded sides
+arrive as a large sentinel (``WINDOW_INF``). A query row that sees no key at all produces
+``O = 0`` and ``LSE = -inf`` (see softmax.py).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+# Unbounded window side, small enough that ``row + offset +/- WINDOW_INF`` cannot overflow int32
+# for any sequence shorter than 2**29.
+WINDOW_INF = 1 << 29
+
+
+@cute.jit
+def block_range(
+    m_block: Int32,
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    window_left: Int32,
+    window_right: Int32,
+    tile_m: cutlass.Constexpr[int],
+    tile_n: cutlass.Constexpr[int],
+    causal: cutlass.Constexpr[bool],
+    local: cutlass.Constexpr[bool],
+):
+    """Key blocks of one query block.
+
+    Returns (n_block_min, n_block_max, n_block_no_right_mask, n_block_min_no_left_mask). Blocks
+    are visited from n_block_max - 1 down to n_block_min; an empty range (n_block_max <=
+    n_block_min) means no row of the block sees any key. Blocks at or above
+    n_block_no_right_mask may cut the seqlen_k tail or the causal/right window edge; blocks below
+    n_block_min_no_left_mask may cut the left window edge (local only).
+    """
+    offset = seqlen_k - seqlen_q
+    n_max = cute.ceil_div(seqlen_k, tile_n)
+    n_min = Int32(0)
+    n_min_no_left = Int32(0)
+    n_no_right = seqlen_k // tile_n
+    row_last = cutlass.min((m_block + 1) * tile_m, seqlen_q) - 1
+    if cutlass.const_expr(causal or local):
+        right = Int32(0) if cutlass.const_expr(causal) else window_right
+        col_end = row_last + offset + right + 1  # one past the last key any row sees
+        n_max = cutlass.min(n_max, cute.ceil_div(cutlass.max(col_end, 0), tile_n))
+        col_end_first_row = m_block * tile_m + offset + right + 1
+        n_no_right = cutlass.max(cutlass.min(col_end_first_row, seqlen_k), 0) // tile_n
+    if cutlass.const_expr(local):
+        col_first = m_block * tile_m + offset - window_left  # first key of the first row
+        n_min = cutlass.max(col_first, 0) // tile_n
+        col_first_last_row = row_last + offset - window_left  # the last row starts furthest right
+        n_min_no_left = cutlass.max(cute.ceil_div(cutlass.max(col_first_last_row, 0), tile_n), n_min)
+    return n_min, n_max, n_no_right, n_min_no_left
+
+
+@cute.jit
+def apply_mask(
+    S: cute.Tensor,
+    coords: cute.Tensor,
+    row_base: Int32,
+    col_base: Int32,
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    window_left: Int32,
+    window_right: Int32,
+    causal: cutlass.Constexpr[bool],
+    local: cutlass.Constexpr[bool],
+):
+    """Set masked scores of ``S`` (an (rows, cols) view) to -inf.
+
+    ``coords`` is the identity tensor of the tile partitioned and viewed like ``S``: its entries are
+    (row, col) inside the tile; ``row_base`` / ``col_base`` place the tile in the sequence.
+    """
+    offset = seqlen_k - seqlen_q
+    num_rows = cute.size(S.shape[0])
+    num_cols = cute.size(S.shape[1])
+    if cutlass.const_expr(not causal and not local):
+        for c in cutlass.range_constexpr(num_cols):
+            if coords[0, c][1] + col_base >= seqlen_k:
+                for r in cutlass.range_constexpr(num_rows):
+                    S[r, c] = -Float32.inf
+    else:
+        for r in cutlass.range_constexpr(num_rows):
+            row = coords[r, 0][0] + row_base
+            right = Int32(0) if cutlass.const_expr(causal) else window_right
+            col_limit_right = cutlass.min(row + offset + right + 1, seqlen_k) - col_base
+            col_limit_left = Int32(0)
+            if cutlass.const_expr(local):
+                col_limit_left = row + offset - window_left - col_base
+            for c in cutlass.range_constexpr(num_cols):
+                col = coords[0, c][1]
+                masked = col >= col_limit_right
+                if cutlass.const_expr(local):
+                    masked = masked or col < col_limit_left
+                if masked:
+                    S[r, c] = -Float32.inf

@@ -1,0 +1,125 @@
+"""Online softmax in base 2, shared by every forward kernel.
+
+Note [base-2 online softmax]
+----------------------------
+Scores arrive unscaled (``s = q . k``). With ``scale_log2 = softmax_scale * log2(e)``, one FFMA
+and one MUFU.EX2 give ``p = exp2(s * scale_log2 - m * scale_log2)``, which equals
+``exp(scale * (s - m))``. The running row max ``m`` is kept unscaled; a row whose max is still
+``-inf`` (every key masked so far) uses 0 in place of ``m * scale_log2`` so that no ``-inf - -inf``
+NaN appears: its ``p`` are all ``exp2(-inf) = 0`` and its sum stays 0. The accumulator is
+rescaled by ``exp2((m_old - m_new) * scale_log2)`` only for rows whose max moved (FA2). At the end
+``O / l`` normalises once, and ``lse = (m * scale_log2 + log2(l)) * ln(2)``; a row with ``l == 0``
+saw no key and gets ``O = 0`` and ``lse = -inf``.
+
+Accumulator views: an mma accumulator fragment has layout ((vals), MMA_M, MMA_N); ``mn_view``
+regroups it as (rows, cols) of the thread's own elements so row loops are plain indexing. Each
+row of an sm80 m16n8 accumulator lives in the 4 threads of a quad, so row reductions finish with
+two butterfly shuffles (``quad_allreduce``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+
+def mn_view(acc: cute.Tensor) -> cute.Tensor:
+    """((2, 2), MMA_M, MMA_N) accumulator (sm80 m16n8 C layout) -> ((2, MMA_M), (2, MMA_N)).
+
+    Mode 0 of the C fragment is (column pair, row pair); rows are (row pair, MMA_M) and columns
+    (column pair, MMA_N).
+    """
+    shape = acc.layout.shape
+    stride = acc.layout.stride
+    layout = cute.make_layout(
+        ((shape[0][1], shape[1]), (shape[0][0], shape[2])),
+        stride=((stride[0][1], stride[1]), (stride[0][0], stride[2])),
+    )
+    return cute.make_tensor(acc.iterator, layout)
+
+
+@cute.jit
+def quad_allreduce(val: Float32, op: cutlass.Constexpr) -> Float32:
+    """Reduce over the 4 threads of a quad (lanes 4i..4i+3) that share an accumulator row."""
+    val = op(val, cute.arch.shuffle_sync_bfly(val, offset=2))
+    val = op(val, cute.arch.shuffle_sync_bfly(val, offset=1))
+    return val
+
+
+def _fmax(a, b):
+    return cute.arch.fmax(a, b)
+
+
+def _add(a, b):
+    return a + b
+
+
+class OnlineSoftmax:
+    """Per-thread running max and sum of the rows this thread holds (Note [base-2 online softmax])."""
+
+    def __init__(self, scale_log2: Float32, num_rows: int):
+        self.scale_log2 = scale_log2
+        self.num_rows = num_rows
+        self.row_max = cute.make_rmem_tensor(num_rows, Float32)
+        self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
+
+    @cute.jit
+    def reset(self):
+        self.row_max.fill(-Float32.inf)
+        self.row_sum.fill(0.0)
+
+    @cute.jit
+    def step(
+        self,
+        acc_S: cute.Tensor,
+        acc_O: cute.Tensor,
+        is_first: cutlass.Constexpr[bool],
+        check_inf: cutlass.Constexpr[bool],
+    ):
+        """Turn scores ``acc_S`` into probabilities in place and rescale ``acc_O``.
+
+        ``check_inf``: rows may still be fully masked (-inf max); needed on masked blocks.
+        """
+        S = mn_view(acc_S)
+        O = mn_view(acc_O)
+        for r in cutlass.range_constexpr(self.num_rows):
+            row = S[r, None].load()
+            m_cur = quad_allreduce(row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0), _fmax)
+            m_prev = self.row_max[r]
+            m_new = m_cur
+            if cutlass.const_expr(not is_first):
+                m_new = cute.arch.fmax(m_prev, m_cur)
+            m_scaled = m_new * self.scale_log2
+            if cutlass.const_expr(check_inf):
+                m_scaled = 0.0 if m_new == -Float32.inf else m_scaled
+            p = cute.math.exp2(row * self.scale_log2 - m_scaled, fastmath=True)
+            S[r, None].store(p)
+            row_sum = p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
+            if cutlass.const_expr(not is_first):
+                corr = cute.math.exp2(m_prev * self.scale_log2 - m_scaled, fastmath=True)
+                row_sum = row_sum + self.row_sum[r] * corr
+                O[r, None].store(O[r, None].load() * corr)
+            self.row_max[r] = m_new
+            self.row_sum[r] = row_sum
+
+    @cute.jit
+    def finalize(self, acc_O: cute.Tensor, lse: cute.Tensor):
+        """Normalise ``acc_O`` by the row sums and write the natural-log LSE of each row to ``lse``."""
+        O = mn_view(acc_O)
+        for r in cutlass.range_constexpr(self.num_rows):
+            row_sum = quad_allreduce(self.row_sum[r], _add)
+            empty = row_sum == 0.0
+            inv = 0.0 if empty else cute.arch.rcp_approx(row_sum)
+            O[r, None].store(O[r, None].load() * inv)
+            lse[r] = (
+                -Float32.inf
+                if empty
+                else (self.row_max[r] * self.scale_log2 + cute.math.log2(row_sum, fastmath=True))
+                * LN_2
+            )
