@@ -81,23 +81,22 @@ def apply_mask(
     offset = seqlen_k - seqlen_q
     num_rows = cute.size(S.shape[0])
     num_cols = cute.size(S.shape[1])
+    neg_inf = -Float32.inf
     if cutlass.const_expr(not causal and not local):
+        col_limit = seqlen_k - col_base
         for c in cutlass.range_constexpr(num_cols):
-            if coords[0, c][1] + col_base >= seqlen_k:
-                for r in cutlass.range_constexpr(num_rows):
-                    S[r, c] = -Float32.inf
+            keep = coords[0, c][1] < col_limit
+            for r in cutlass.range_constexpr(num_rows):
+                S[r, c] = S[r, c] if keep else neg_inf
     else:
         for r in cutlass.range_constexpr(num_rows):
             row = coords[r, 0][0] + row_base
             right = Int32(0) if cutlass.const_expr(causal) else window_right
             col_limit_right = cutlass.min(row + offset + right + 1, seqlen_k) - col_base
-            col_limit_left = Int32(0)
-            if cutlass.const_expr(local):
-                col_limit_left = row + offset - window_left - col_base
+            col_limit_left = row + offset - window_left - col_base
             for c in cutlass.range_constexpr(num_cols):
                 col = coords[0, c][1]
-                masked = col >= col_limit_right
+                keep = col < col_limit_right
                 if cutlass.const_expr(local):
-                    masked = masked or col < col_limit_left
-                if masked:
-                    S[r, c] = -Float32.inf
+                    keep = keep and col >= col_limit_left
+                S[r, c] = S[r, c] if keep else neg_inf
