@@ -101,15 +101,18 @@ class FwdConfig:
 # Each entry's reason is beside it; the performance log in docs/performance.md has the numbers.
 # Shared memory per CTA = (tile_m + 2 * tile_n) * head_dim * 2 bytes (Q, K, V tiles).
 SM80_FWD_TILES = {
-    # d64: small K/V tiles are cheap; 128 keys per step halves the loop overhead.
-    64: (128, 128, 4),
-    # d96: 128x64 keeps acc_O + acc_S within 255 registers with 4 warps.
+    # d64: 128x64 w4 beat 128x128 w4 (316 vs 310 TFLOPs, s2k), 128x128 w8 (268) and 64x128 w4
+    # (279) on the H200; 128x128 w4 spills (acc_S is 128 fp32 a thread).
+    64: (128, 64, 4),
+    # d96: same shape as d128 (acc_O 96 fp32 a thread).
     96: (128, 64, 4),
-    # d128: 128x64 with 4 warps (FA2's choice on A100/H100); acc_O is 64 fp32 a thread.
+    # d128: 128x64 w4 (32 query rows a warp) 377 TFLOPs at s8k vs 128x128 w8 339, 64x128 w4 314,
+    # 128x64 w8 312, 64x64 w4 302: 32 rows a warp halve the ldmatrix traffic per mma.
     128: (128, 64, 4),
-    # d192: 128x64 with 8 warps: 16 query rows a warp keeps acc_O at 96 fp32 a thread.
+    # d192: 128x64 w8 keeps acc_O at 96 fp32 a thread (4 warps would need 192).
     192: (128, 64, 8),
-    # d256: 128x64 with 8 warps: acc_O 128 fp32 a thread; smem 128 KiB.
+    # d256: 128x64 w8 344 TFLOPs at s8k vs 64x64 w4 323, 64x32 w4 294 (64x64 w4 wins causal s2k:
+    # 283 vs 270).
     256: (128, 64, 8),
 }
 
