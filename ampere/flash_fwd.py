@@ -63,9 +63,6 @@ class FlashAttentionForwardSm80:
         self.causal = config.causal
         self.local = config.local
         self.has_softcap = config.has_softcap
-        # P @ V's B slices span the whole head dim; double-buffering them costs 2 * d / 4
-        # registers a thread, which d >= 128 with 4 warps cannot afford next to acc_O.
-        self.prefetch_pv = True
 
     @staticmethod
     def can_implement(config: FwdConfig) -> tuple[bool, str]:
@@ -413,7 +410,7 @@ class FlashAttentionForwardSm80:
         rP = cute.make_fragment_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
         gemm(tiled_mma, acc_O, acc_as_A_operand(rP), tOrVt, None, None, tOsVt, tOrVt_view,
-             None, s2r_V, self.prefetch_pv)  # fmt: skip
+             None, s2r_V)  # fmt: skip
 
     @cute.jit
     def load_kv(
