@@ -1,0 +1,330 @@
+"""``python -m cute_fa <command>``: features | precompile | demo | bench.
+
+features    the feature matrix, generated from each kernel class's can_implement
+precompile  fill the on-disk compile cache for a matrix of configs (no GPU needed)
+demo        on a GPU: attention at a few shapes against the reference (PASS/FAIL);
+            without one: cross-compile the sm80 kernels and report registers, shared
+            memory, spills and the SASS instruction mix
+bench       timing against torch SDPA and FlexAttention (``cute_fa.bench``)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+VARIANT_FLAGS = {
+    "plain": {},
+    "causal": {"causal": True},
+    "local": {"local": True},
+    "softcap": {"has_softcap": True},
+    "varlen": {"varlen_q": True, "varlen_k": True},
+    "varlen_q": {"varlen_q": True},
+    "varlen_k": {"varlen_k": True},
+    "seqused_q": {"seqused_q": True},
+    "seqused_k": {"seqused_k": True},
+}
+ARCH_TARGETS = {"sm80": "sm_80"}
+DTYPES = ("bf16", "fp16")
+
+
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in _csv(text)]
+
+
+# --------------------------------------------------------------------------------------------
+# features
+
+
+def cmd_features(args: argparse.Namespace) -> int:
+    from .dispatch import format_feature_matrix
+
+    print(format_feature_matrix(markdown=args.markdown))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# precompile
+
+
+def _variant_flags(variant: str) -> dict:
+    flags: dict = {}
+    for part in variant.split("+"):
+        if part not in VARIANT_FLAGS:
+            raise SystemExit(f"unknown variant part {part!r}; choose from {sorted(VARIANT_FLAGS)}")
+        flags.update(VARIANT_FLAGS[part])
+    return flags
+
+
+def _default_target(arch: str) -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            from .config import target_for_capability
+
+            return target_for_capability(*torch.cuda.get_device_capability())
+    except Exception:  # no usable torch CUDA: cross-compile for the arch's own target
+        pass
+    return ARCH_TARGETS[arch]
+
+
+def precompile_configs(arch: str, target: str, head_dims, dtypes, variants) -> list:
+    """(config or None, label, reason) for every combination; None where unsupported."""
+    from .dispatch import FwdRequest, fwd_config_for_target, fwd_kernel_class
+
+    cls = fwd_kernel_class(int(arch[2:]))
+    plans = []
+    for dtype in dtypes:
+        for d in head_dims:
+            for variant in variants:
+                request = FwdRequest(
+                    dtype=dtype, head_dim=d, head_dim_v=d, **_variant_flags(variant)
+                )
+                config, reason = fwd_config_for_target(cls, target, request)
+                plans.append((config, f"{dtype} d{d} {variant}", reason))
+    return plans
+
+
+def _ensure(config) -> tuple[str, float]:
+    from .cache import fwd_cache
+
+    t0 = time.perf_counter()
+    status = fwd_cache().ensure_on_disk(config)
+    return status, time.perf_counter() - t0
+
+
+def cmd_precompile(args: argparse.Namespace) -> int:
+    from .cache import disk_cache_enabled, fwd_cache
+
+    if not disk_cache_enabled():
+        print("precompile: the disk cache is off (CUTE_FA_CACHE=0)", file=sys.stderr)
+        return 2
+    target = args.target or _default_target(args.arch)
+    plans = precompile_configs(args.arch, target, args.head_dims, args.dtypes, args.variants)
+    todo = [(config, label) for config, label, _ in plans if config is not None]
+    for config, label, reason in plans:
+        if config is None:
+            print(f"skip  {label}: {reason}")
+    print(f"precompile: {len(todo)} configs for {target} into {fwd_cache().directory}")
+    failed = 0
+    if args.jobs > 1 and len(todo) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
+            futures = [(label, config, pool.submit(_ensure, config)) for config, label in todo]
+            for label, config, future in futures:
+                failed += _report(label, config, future.result)
+    else:
+        for config, label in todo:
+            failed += _report(label, config, lambda config=config: _ensure(config))
+    return 1 if failed else 0
+
+
+def _report(label: str, config, result) -> int:
+    try:
+        status, seconds = result()
+    except Exception as e:
+        print(f"FAIL  {label} ({config.name}): {type(e).__name__}: {e}")
+        return 1
+    print(f"{status:8s} {label} ({config.name}) {seconds:.1f} s")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# demo
+
+
+def _demo_gpu() -> int:
+    import torch
+
+    from . import flash_attn_func, flash_attn_varlen_func
+    from .dispatch import capability_name
+    from .reference import attention_ref, attention_varlen_ref, check_close
+
+    cap = torch.cuda.get_device_capability()
+    print(f"demo on {torch.cuda.get_device_name()} ({capability_name(cap)})")
+    torch.manual_seed(0)
+    cases = [
+        dict(b=2, sq=1024, sk=1024, h=8, hk=8, d=64, causal=False),
+        dict(b=2, sq=1024, sk=1024, h=8, hk=2, d=128, causal=True),
+        dict(b=1, sq=333, sk=777, h=4, hk=4, d=256, causal=True),
+        dict(b=2, sq=500, sk=500, h=8, hk=8, d=128, causal=False, window=(128, 0)),
+    ]
+    failed = 0
+    for case in cases:
+        window = case.get("window", (None, None))
+        q = torch.randn(
+            case["b"], case["sq"], case["h"], case["d"], device="cuda", dtype=torch.bfloat16
+        )
+        k, v = (
+            torch.randn(
+                case["b"], case["sk"], case["hk"], case["d"], device="cuda", dtype=torch.bfloat16
+            )
+            for _ in range(2)
+        )
+        kw = dict(causal=case["causal"], window_size=window)
+        out, lse = flash_attn_func(q, k, v, return_lse=True, **kw)
+        out_ref, lse_ref = attention_ref(q, k, v, upcast=True, **kw)
+        out_pt, lse_pt = attention_ref(q, k, v, upcast=False, reorder_ops=True, **kw)
+        failed += _demo_check(str(case), out, lse, out_ref, lse_ref, out_pt, lse_pt, check_close)
+    lens_q, lens_k = [17, 300, 0, 129], [300, 17, 5, 129]
+    cu_q = torch.tensor(
+        [0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda"
+    )
+    cu_k = torch.tensor(
+        [0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda"
+    )
+    q = torch.randn(sum(lens_q), 8, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lens_k), 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out, lse = flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True, return_lse=True
+    )
+    out_ref, lse_ref = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True, upcast=True)
+    out_pt, lse_pt = attention_varlen_ref(
+        q, k, v, cu_q, cu_k, causal=True, upcast=False, reorder_ops=True
+    )
+    label = f"varlen lens_q={lens_q} lens_k={lens_k} causal"
+    failed += _demo_check(label, out, lse, out_ref, lse_ref, out_pt, lse_pt, check_close)
+    print("demo:", "FAIL" if failed else "PASS")
+    return 1 if failed else 0
+
+
+def _demo_check(label, out, lse, out_ref, lse_ref, out_pt, lse_pt, check_close) -> int:
+    err = float((out.float() - out_ref).abs().max()) if out.numel() else 0.0
+    try:
+        check_close(out, out_ref, out_pt, name="out")
+        check_close(lse, lse_ref, lse_pt, atol=1e-4, name="lse")
+    except AssertionError as e:
+        print(f"FAIL  {label}: max|out - ref| {err:.2e}\n      {e}")
+        return 1
+    print(f"PASS  {label}: max|out - ref| {err:.2e}")
+    return 0
+
+
+def _demo_cpu(targets: list[str], head_dims: list[int]) -> int:
+    from .config import FwdConfig, sm80_fwd_tile
+    from .sass import compile_and_inspect
+
+    print(
+        "no CUDA GPU here: cross-compiling the sm80 forward kernels (bf16) and reading the cubins"
+    )
+    ops = ("HMMA", "LDSM", "LDGSTS", "MUFU", "FFMA")
+    header = [
+        "target",
+        "d",
+        "causal",
+        "tile",
+        "regs",
+        "smem",
+        "stack",
+        "LDL+STL",
+        *ops,
+        "compile s",
+    ]
+    rows, failed = [], 0
+    for target in targets:
+        for d in head_dims:
+            for causal in (False, True):
+                tile_m, tile_n, warps = sm80_fwd_tile(d, target)
+                config = FwdConfig(
+                    arch=80, target=target, dtype="bf16", head_dim=d, head_dim_v=d,
+                    tile_m=tile_m, tile_n=tile_n, num_warps=warps, causal=causal,
+                )  # fmt: skip
+                t0 = time.perf_counter()
+                try:
+                    info = compile_and_inspect(config)
+                except Exception as e:
+                    failed += 1
+                    print(f"FAIL  {config.name}: {type(e).__name__}: {e}")
+                    continue
+                counts = info["sass_counts"]
+                rows.append(
+                    [
+                        target, str(d), str(int(causal)), f"{tile_m}x{tile_n}w{warps}",
+                        str(info["regs"]), f"{info['smem_tiles'] // 1024}K", str(info["stack"]),
+                        str(info["spills"]), *(str(counts[op]) for op in ops),
+                        f"{time.perf_counter() - t0:.1f}",
+                    ]
+                )  # fmt: skip
+                print("  ".join(rows[-1]), flush=True)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    print()
+    for j, row in enumerate([header, *rows]):
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
+    print("\nsmem: Q/K/V tile bytes (dynamic shared memory); LDL+STL: local-memory spill traffic")
+    return 1 if failed else 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    if torch.cuda.is_available() and not args.cpu:
+        return _demo_gpu()
+    return _demo_cpu(args.targets, args.head_dims)
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m cute_fa", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("features", help="feature matrix by GPU architecture")
+    p.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    p.set_defaults(func=cmd_features)
+
+    p = sub.add_parser("precompile", help="fill the on-disk compile cache (no GPU needed)")
+    p.add_argument("--arch", default="sm80", choices=sorted(ARCH_TARGETS), help="kernel family")
+    p.add_argument(
+        "--target",
+        help="compile target, e.g. sm_90a (default: this machine's GPU, else the arch's own)",
+    )
+    p.add_argument("--head-dims", type=_ints, default=[64, 96, 128, 192, 256])
+    p.add_argument("--dtypes", type=_csv, default=list(DTYPES))
+    p.add_argument(
+        "--variants",
+        type=_csv,
+        default=["plain", "causal"],
+        help="comma-separated; each a '+'-joined set of " + ", ".join(VARIANT_FLAGS),
+    )
+    p.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
+    p.set_defaults(func=cmd_precompile)
+
+    p = sub.add_parser("demo", help="check against the reference (GPU) or inspect cubins (CPU)")
+    p.add_argument("--cpu", action="store_true", help="cross-compile and inspect even on a GPU")
+    p.add_argument("--targets", type=_csv, default=["sm_80", "sm_90a"])
+    p.add_argument("--head-dims", type=_ints, default=[64, 128, 256])
+    p.set_defaults(func=cmd_demo)
+
+    sub.add_parser("bench", help="timing against torch SDPA and FlexAttention", add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        from . import bench
+
+        return bench.main(argv[1:], prog="python -m cute_fa bench")
+    args = build_parser().parse_args(argv)
+    if getattr(args, "dtypes", None):
+        unknown = [d for d in args.dtypes if d not in DTYPES]
+        if unknown:
+            raise SystemExit(f"unknown dtypes {unknown}; choose from {DTYPES}")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

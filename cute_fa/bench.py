@@ -1,0 +1,900 @@
+"""Forward/backward attention timing: cute_fa beside torch's SDPA backends and FlexAttention.
+
+Run it as ``python -m cute_fa bench`` (or ``python cute_fa/bench.py``). Modes:
+
+* default: the standard grid (bf16, 16k tokens so batch = tokens / seqlen, hidden 2048 so
+  heads = hidden / d, d in {64, 128, 256}, seqlen in {512 .. 16k}, causal in {0, 1}); every
+  implementation is timed in the same process on the same inputs, the table is printed last,
+  and a CSV (plus a PNG when matplotlib is importable) goes to ``--out``.
+* ``--overhead``: host cost of a cached call (tiny shape, 2,000 back-to-back calls).
+* ``--compile-time``: cold compile of one forward kernel, and the first call of a new process
+  that finds it in the disk cache, each measured in a fresh subprocess.
+* ``--ceilings``: a large bf16 matmul and a device copy on the same GPU, for scale.
+
+Timing (see docs/performance.md, "Method"): ``triton.testing.do_bench`` median, or a median of
+CUDA events when Triton is missing. Each timed call uses the next of several input sets, chosen
+so that the sets together are at least three times the L2 cache, and the L2 is also flushed
+before every timed call (Triton writes a 256 MB buffer; the fallback writes one twice the L2),
+so no call finds its operands in L2 from the call before.
+
+Importing this module needs neither CUDA nor the CuTe DSL; ``--help`` works anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+IMPLS = ("cute_fa", "flash", "cudnn", "flex")
+IMPL_LABELS = {
+    "cute_fa": "cute_fa",
+    "flash": "SDPA FLASH",
+    "cudnn": "SDPA CUDNN",
+    "flex": "FlexAttention",
+}
+GRID_D = (64, 128, 256)
+GRID_SEQLEN = (512, 1024, 2048, 4096, 8192, 16384)
+GRID_CAUSAL = (0, 1)
+PROBE_TAG = "CUTE_FA_PROBE "
+DEVICE = "cuda"
+
+
+# --------------------------------------------------------------------------------------------
+# FLOPs
+
+
+def attention_flops(
+    batch: int,
+    heads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    head_dim: int,
+    causal: bool,
+    mode: str = "fwd",
+    head_dim_v: int | None = None,
+) -> float:
+    """Matmul FLOPs of attention: 2 GEMMs of 2·sq·sk·d each forward, ×2.5 for backward.
+
+    Forward counts QKᵀ (2·sq·sk·d) and PV (2·sq·sk·dv); causal halves it (the usual convention,
+    exact in the limit sq = sk → ∞). Backward does 5 GEMMs against the forward's 2, hence ×2.5.
+    """
+    dv = head_dim if head_dim_v is None else head_dim_v
+    flops = 2.0 * batch * heads * seqlen_q * seqlen_k * (head_dim + dv)
+    if causal:
+        flops *= 0.5
+    if mode == "bwd":
+        flops *= 2.5
+    elif mode != "fwd":
+        raise ValueError(f"mode must be 'fwd' or 'bwd', got {mode!r}")
+    return flops
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+
+
+def _median_ms_cuda_events(fn: Callable[[], object], warmup_ms: float, rep_ms: float) -> float:
+    """Median time of ``fn`` in ms from CUDA events, L2 flushed before every timed call."""
+    import torch
+
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size or (64 << 20)
+    flush = torch.empty(2 * l2, dtype=torch.int8, device=DEVICE)
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush.zero_()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = max(start.elapsed_time(end) / 5, 1e-3)
+    for _ in range(max(1, int(warmup_ms / estimate))):
+        fn()
+    n = max(5, int(rep_ms / estimate))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for s, e in zip(starts, ends, strict=True):
+        flush.zero_()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+
+
+def median_ms(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
+    """Median GPU time of one call of ``fn`` in milliseconds (Triton's do_bench when present)."""
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        return _median_ms_cuda_events(fn, warmup_ms, rep_ms)
+    try:
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    except TypeError:  # Triton before return_mode
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5])[0])
+
+
+class Rotation:
+    """A zero-argument callable that runs ``fns[i % n]`` on its i-th call."""
+
+    def __init__(self, fns: Sequence[Callable[[], object]]):
+        self.fns = list(fns)
+        self.i = 0
+
+    def __call__(self) -> object:
+        fn = self.fns[self.i % len(self.fns)]
+        self.i += 1
+        return fn()
+
+
+def num_input_sets(set_bytes: int, l2_bytes: int, max_sets: int = 16) -> int:
+    """How many input sets to rotate so that together they are >= 3x the L2 (at least 2)."""
+    return max(2, min(max_sets, math.ceil(3 * l2_bytes / max(set_bytes, 1))))
+
+
+# --------------------------------------------------------------------------------------------
+# Implementations
+
+
+class ImplUnavailable(Exception):
+    """The implementation cannot run this case (e.g. cute_fa has no backward yet): 'n/a'."""
+
+
+@dataclass
+class Impl:
+    """One implementation under test: how it wants its inputs and how to call it."""
+
+    name: str
+    layout: str = "bshd"  # "bshd": (b, s, h, d) tensors; "bhsd": contiguous (b, h, s, d)
+    state: dict = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def context(self):
+        """Entered once around all timed calls of this implementation."""
+        if self.name in ("flash", "cudnn"):
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            backend = (
+                SDPBackend.FLASH_ATTENTION if self.name == "flash" else SDPBackend.CUDNN_ATTENTION
+            )
+            with sdpa_kernel(backend):
+                yield
+        else:
+            yield
+
+    def forward_fn(self, q, k, v, causal: bool) -> Callable[[], object]:
+        """Zero-argument forward on these tensors (layout ``self.layout``); returns out."""
+        if self.name == "cute_fa":
+            import cute_fa
+
+            def run():
+                return cute_fa.flash_attn_func(q, k, v, causal=causal)[0]
+
+            return run
+        if self.name in ("flash", "cudnn"):
+            import torch.nn.functional as F
+
+            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+            return lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        if self.name == "flex":
+            flex, block_mask = self._flex(q.shape[0], q.shape[2], k.shape[2], causal, q.device)
+            return lambda: flex(q, k, v, block_mask=block_mask)
+        raise ValueError(f"unknown implementation {self.name!r}")
+
+    def _flex(self, batch: int, seqlen_q: int, seqlen_k: int, causal: bool, device):
+        import torch
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        if "compiled" not in self.state:
+            dynamo_config = torch._dynamo.config
+            for limit in ("recompile_limit", "cache_size_limit"):
+                if hasattr(dynamo_config, limit):
+                    setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), 256))
+            self.state["compiled"] = torch.compile(flex_attention, dynamic=False)
+        block_mask = None
+        if causal:
+            offset = seqlen_k - seqlen_q  # bottom-right aligned, as cute_fa
+
+            def causal_mask(b, h, q_idx, kv_idx):
+                return q_idx + offset >= kv_idx
+
+            block_mask = create_block_mask(
+                causal_mask, B=None, H=None, Q_LEN=seqlen_q, KV_LEN=seqlen_k, device=device
+            )
+        return self.state["compiled"], block_mask
+
+    def backward_fn(self, q, k, v, causal: bool) -> Callable[[], object]:
+        """Zero-argument backward (dQ, dK, dV) of one forward done here; q/k/v are leaves."""
+        import torch
+
+        forward = self.forward_fn(q, k, v, causal)
+        try:
+            out = forward()
+        except NotImplementedError as e:
+            raise ImplUnavailable(str(e)) from e
+        if not out.requires_grad:
+            raise ImplUnavailable(f"{self.name}: output does not require grad")
+        dout = torch.randn_like(out)
+
+        def run():
+            return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+        try:
+            run()
+        except NotImplementedError as e:
+            raise ImplUnavailable(str(e)) from e
+        return run
+
+
+# --------------------------------------------------------------------------------------------
+# The grid
+
+
+@dataclass(frozen=True)
+class Case:
+    head_dim: int
+    seqlen: int
+    causal: bool
+    batch: int
+    heads: int
+
+
+@dataclass
+class Result:
+    mode: str
+    case: Case
+    impl: str
+    ms: float | None = None
+    status: str = "ok"  # "ok" | "err" | "n/a"
+    reason: str = ""
+
+    @property
+    def tflops(self) -> float | None:
+        if self.ms is None:
+            return None
+        c = self.case
+        flops = attention_flops(
+            c.batch, c.heads, c.seqlen, c.seqlen, c.head_dim, c.causal, self.mode
+        )
+        return flops / (self.ms * 1e-3) / 1e12
+
+
+def grid_cases(args: argparse.Namespace) -> list[Case]:
+    cases = []
+    for d in args.d:
+        if args.hidden % d:
+            raise SystemExit(f"--hidden {args.hidden} is not a multiple of d={d}")
+        for s in args.seqlen:
+            batch = max(1, args.tokens // s)
+            for causal in args.causal:
+                cases.append(Case(d, s, bool(causal), batch, args.hidden // d))
+    return cases
+
+
+class ErrorLog:
+    """Prints each distinct failure reason of an implementation once."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, str]] = set()
+
+    def report(self, impl: str, case: Case, mode: str, exc: BaseException) -> str:
+        reason = (
+            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        )
+        reason = reason[:300]
+        key = (impl, reason)
+        if key not in self.seen:
+            self.seen.add(key)
+            print(
+                f"  [{impl}] {mode} d={case.head_dim} s={case.seqlen} causal={int(case.causal)}: "
+                f"{reason}",
+                file=sys.stderr,
+                flush=True,
+            )
+            if os.environ.get("CUTE_FA_BENCH_TRACEBACK"):
+                traceback.print_exception(exc)
+        return reason
+
+
+def _make_sets(case: Case, dtype, n_sets: int, requires_grad: bool) -> list[tuple]:
+    import torch
+
+    shape = (case.batch, case.seqlen, case.heads, case.head_dim)
+    sets = []
+    for _ in range(n_sets):
+        q, k, v = (
+            torch.randn(shape, dtype=dtype, device=DEVICE).requires_grad_(requires_grad)
+            for _ in range(3)
+        )
+        sets.append((q, k, v))
+    return sets
+
+
+def _to_layout(sets: list[tuple], layout: str, requires_grad: bool) -> list[tuple]:
+    if layout == "bshd":
+        return sets
+    return [
+        tuple(t.detach().transpose(1, 2).contiguous().requires_grad_(requires_grad) for t in s)
+        for s in sets
+    ]
+
+
+def time_case(
+    case: Case,
+    mode: str,
+    impls: list[Impl],
+    dtype,
+    args: argparse.Namespace,
+    errors: ErrorLog,
+) -> list[Result]:
+    import torch
+
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size or (64 << 20)
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_tensor = case.batch * case.seqlen * case.heads * case.head_dim * elem
+    # A backward set also touches out, dout, dq, dk, dv.
+    set_bytes = per_tensor * (3 if mode == "fwd" else 8)
+    n_sets = num_input_sets(set_bytes, l2)
+    requires_grad = mode == "bwd"
+    results = []
+    try:
+        base_sets = _make_sets(case, dtype, n_sets, requires_grad)
+    except torch.cuda.OutOfMemoryError as e:
+        for impl in impls:
+            results.append(
+                Result(mode, case, impl.name, None, "err", errors.report(impl.name, case, mode, e))
+            )
+        return results
+    for impl in impls:
+        fns = None
+        try:
+            sets = _to_layout(base_sets, impl.layout, requires_grad)
+            with impl.context():
+                if mode == "fwd":
+                    fns = [impl.forward_fn(q, k, v, case.causal) for q, k, v in sets]
+                else:
+                    fns = [impl.backward_fn(q, k, v, case.causal) for q, k, v in sets]
+                ms = median_ms(Rotation(fns), args.warmup, args.rep)
+            results.append(Result(mode, case, impl.name, ms))
+        except ImplUnavailable as e:
+            results.append(Result(mode, case, impl.name, None, "n/a", str(e)[:300]))
+        except NotImplementedError as e:
+            results.append(Result(mode, case, impl.name, None, "n/a", str(e)[:300]))
+        except Exception as e:  # noqa: BLE001 - a failing peer is reported, never fatal
+            results.append(
+                Result(mode, case, impl.name, None, "err", errors.report(impl.name, case, mode, e))
+            )
+        finally:
+            del fns
+            try:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            except Exception as e:  # noqa: BLE001 - e.g. a sticky launch error: later cells err
+                errors.report(impl.name, case, mode, e)
+    del base_sets
+    with contextlib.suppress(Exception):
+        torch.cuda.empty_cache()
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+
+
+def _cell(r: Result | None) -> str:
+    if r is None:
+        return "-"
+    if r.status != "ok":
+        return r.status
+    return f"{r.tflops:.1f}"
+
+
+def _ratio(a: Result | None, b: Result | None) -> str:
+    if a is None or b is None or a.status != "ok" or b.status != "ok":
+        return "-"
+    return f"{a.tflops / b.tflops:.2f}"
+
+
+def format_table(results: list[Result], mode: str, impl_names: list[str]) -> str:
+    rows = [r for r in results if r.mode == mode]
+    by_key = {(r.case, r.impl): r for r in rows}
+    cases = list(dict.fromkeys(r.case for r in rows))
+    header = ["d", "seqlen", "causal", "batch", "heads"] + [IMPL_LABELS[n] for n in impl_names]
+    ratios = [
+        (a, b)
+        for a, b in (("cute_fa", "flash"), ("cute_fa", "cudnn"))
+        if a in impl_names and b in impl_names
+    ]
+    header += [f"{a}/{b.upper()}" for a, b in ratios]
+    lines = [header]
+    for c in cases:
+        line = [str(c.head_dim), str(c.seqlen), str(int(c.causal)), str(c.batch), str(c.heads)]
+        line += [_cell(by_key.get((c, n))) for n in impl_names]
+        line += [_ratio(by_key.get((c, a)), by_key.get((c, b))) for a, b in ratios]
+        lines.append(line)
+    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    out = [f"{mode} TFLOPs/s (median)"]
+    for j, row in enumerate(lines):
+        out.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
+        if j == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def write_csv(path: str, results: list[Result], dtype_name: str) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(
+            [
+                "mode",
+                "dtype",
+                "impl",
+                "head_dim",
+                "seqlen",
+                "causal",
+                "batch",
+                "heads",
+                "ms",
+                "tflops",
+                "status",
+                "reason",
+            ]
+        )
+        for r in results:
+            c = r.case
+            w.writerow(
+                [
+                    r.mode,
+                    dtype_name,
+                    r.impl,
+                    c.head_dim,
+                    c.seqlen,
+                    int(c.causal),
+                    c.batch,
+                    c.heads,
+                    "" if r.ms is None else f"{r.ms:.5f}",
+                    "" if r.tflops is None else f"{r.tflops:.2f}",
+                    r.status,
+                    r.reason,
+                ]
+            )
+
+
+def write_plot(
+    path: str, results: list[Result], mode: str, impl_names: list[str], title: str = ""
+) -> str | None:
+    """PNG of TFLOPs against seqlen, one panel per (d, causal). Returns a note when skipped."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not importable: no plot written"
+    rows = [r for r in results if r.mode == mode]
+    ds = sorted({r.case.head_dim for r in rows})
+    causals = sorted({r.case.causal for r in rows})
+    if not ds:
+        return None
+    fig, axes = plt.subplots(
+        len(ds), len(causals), figsize=(5 * len(causals), 3.5 * len(ds)), squeeze=False
+    )
+    for i, d in enumerate(ds):
+        for j, causal in enumerate(causals):
+            ax = axes[i][j]
+            for name in impl_names:
+                pts = sorted(
+                    (r.case.seqlen, r.tflops)
+                    for r in rows
+                    if r.impl == name
+                    and r.case.head_dim == d
+                    and r.case.causal == causal
+                    and r.tflops is not None
+                )
+                if pts:
+                    ax.plot(
+                        [p[0] for p in pts],
+                        [p[1] for p in pts],
+                        marker="o",
+                        label=IMPL_LABELS[name],
+                    )
+            ax.set_xscale("log", base=2)
+            ticks = sorted({r.case.seqlen for r in rows})
+            ax.set_xticks(ticks, [f"{t // 1024}k" if t % 1024 == 0 else str(t) for t in ticks])
+            ax.set_ylim(bottom=0)
+            ax.set_title(f"{mode} d={d} causal={int(causal)}")
+            ax.set_xlabel("seqlen")
+            ax.set_ylabel("TFLOPs/s")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def environment() -> dict:
+    import torch
+
+    env = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+    }
+    for mod in ("cute_fa", "cutlass", "triton"):
+        try:
+            env[mod] = getattr(__import__(mod), "__version__", "?")
+        except Exception as e:  # noqa: BLE001
+            env[mod] = f"not importable ({type(e).__name__})"
+    return env
+
+
+# --------------------------------------------------------------------------------------------
+# Modes
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def run_grid(args: argparse.Namespace) -> int:
+    dtype = _torch_dtype(args.dtype)
+    impls = [Impl(n, layout="bhsd" if n == "flex" else "bshd") for n in args.peers]
+    modes = ["fwd", "bwd"] if args.mode == "both" else [args.mode]
+    cases = grid_cases(args)
+    env = environment()
+    print("# " + "  ".join(f"{k}={v}" for k, v in env.items()), flush=True)
+    errors = ErrorLog()
+    results: list[Result] = []
+    for mode in modes:
+        for case in cases:
+            rs = time_case(case, mode, impls, dtype, args, errors)
+            results.extend(rs)
+            print(
+                f"{mode} d={case.head_dim} s={case.seqlen} causal={int(case.causal)} "
+                f"b={case.batch} h={case.heads}: "
+                + "  ".join(f"{IMPL_LABELS[r.impl]}={_cell(r)}" for r in rs),
+                flush=True,
+            )
+    os.makedirs(args.out, exist_ok=True)
+    csv_path = os.path.join(args.out, "bench.csv")
+    write_csv(csv_path, results, args.dtype)
+    with open(os.path.join(args.out, "env.json"), "w") as f:
+        json.dump({**env, "argv": sys.argv[1:]}, f, indent=2)
+    notes = [f"wrote {csv_path}"]
+    for mode in modes:
+        png = os.path.join(args.out, f"bench_{mode}.png")
+        title = f"{env['gpu']}, {args.dtype}, {args.tokens} tokens, hidden {args.hidden}"
+        note = write_plot(png, results, mode, list(args.peers), title)
+        notes.append(note if note else f"wrote {png}")
+    for note in dict.fromkeys(notes):
+        print(note)
+    print()
+    for mode in modes:
+        print(format_table(results, mode, list(args.peers)))
+        print()
+    return 0
+
+
+def run_overhead(args: argparse.Namespace) -> int:
+    """Wall time per call of back-to-back cached calls on a tiny shape (host-bound)."""
+    import torch
+
+    dtype = _torch_dtype(args.dtype)
+    d = args.d[0] if args.d_given else 64
+    s = args.seqlen[0] if args.seqlen_given else 128
+    causal = bool(args.causal[0]) if args.causal_given else False
+    q, k, v = (torch.randn(1, s, 1, d, dtype=dtype, device=DEVICE) for _ in range(3))
+    names = [n for n in ("cute_fa", "flash") if n in args.peers] or ["cute_fa", "flash"]
+    print("# " + "  ".join(f"{k}={v}" for k, v in environment().items()))
+    print(
+        f"host overhead: b=1 s={s} h=1 d={d} causal={int(causal)}, {args.calls} back-to-back calls"
+    )
+    errors = ErrorLog()
+    case = Case(d, s, causal, 1, 1)
+    rows = []
+    for name in names:
+        impl = Impl(name)
+        try:
+            with impl.context():
+                fn = impl.forward_fn(q, k, v, causal)
+                for _ in range(50):
+                    fn()
+                torch.cuda.synchronize()
+                gpu_us = median_ms(fn, args.warmup, args.rep) * 1e3
+                walls = []
+                for _ in range(5):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(args.calls):
+                        fn()
+                    torch.cuda.synchronize()
+                    walls.append((time.perf_counter() - t0) / args.calls * 1e6)
+            rows.append((IMPL_LABELS[name], f"{statistics.median(walls):.1f}", f"{gpu_us:.1f}"))
+        except Exception as e:  # noqa: BLE001
+            errors.report(name, case, "fwd", e)
+            rows.append((IMPL_LABELS[name], "err", "err"))
+    print()
+    header = ("impl", "wall us/call (median of 5)", "GPU us/call (do_bench)")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(3)]
+    for j, r in enumerate([header, *rows]):
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
+    return 0
+
+
+def run_ceilings(args: argparse.Namespace) -> int:
+    """What this GPU reaches on plain work: a large dense matmul and a device-to-device copy."""
+    import torch
+
+    dtype = _torch_dtype(args.dtype)
+    print("# " + "  ".join(f"{k}={v}" for k, v in environment().items()))
+    n = 8192
+    a, b = (torch.randn(n, n, dtype=dtype, device=DEVICE) for _ in range(2))
+    ms = median_ms(lambda: torch.matmul(a, b), args.warmup, args.rep)
+    matmul = 2 * n**3 / (ms * 1e-3) / 1e12
+    nbytes = 1 << 30
+    src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    ms_copy = median_ms(lambda: dst.copy_(src), args.warmup, args.rep)
+    bandwidth = 2 * nbytes / (ms_copy * 1e-3) / 1e12
+    print(f"{args.dtype} matmul {n}x{n}x{n}: {matmul:.1f} TFLOPs/s ({ms:.3f} ms)")
+    print(f"device copy 1 GiB (read + write): {bandwidth:.2f} TB/s ({ms_copy:.3f} ms)")
+    return 0
+
+
+def _probe_first_call(args: argparse.Namespace) -> int:
+    """Runs in a subprocess: time of the first (then second) cute_fa call of this process."""
+    t0 = time.perf_counter()
+    import torch
+
+    t_torch = time.perf_counter()
+    import cute_fa
+
+    t_import = time.perf_counter()
+    dtype = _torch_dtype(args.dtype)
+    d = args.d[0]
+    causal = bool(args.causal[0])
+    q, k, v = (torch.randn(2, 256, 4, d, dtype=dtype, device=DEVICE) for _ in range(3))
+    torch.cuda.synchronize()  # CUDA context and torch's kernels are up before the clock starts
+    t1 = time.perf_counter()
+    cute_fa.flash_attn_func(q, k, v, causal=causal)
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    cute_fa.flash_attn_func(q, k, v, causal=causal)
+    torch.cuda.synchronize()
+    t3 = time.perf_counter()
+    report = {
+        "import_torch_s": t_torch - t0,
+        "import_cute_fa_s": t_import - t_torch,
+        "first_call_s": t2 - t1,
+        "second_call_s": t3 - t2,
+    }
+    try:  # what the first call did: compile, or load from disk
+        from cute_fa.cache import fwd_cache
+
+        report["compiles"] = fwd_cache().compiles
+        report["disk_hits"] = fwd_cache().disk_hits
+    except (ImportError, AttributeError):
+        pass
+    print(PROBE_TAG + json.dumps(report), flush=True)
+    return 0
+
+
+def run_compile_time(args: argparse.Namespace) -> int:
+    """Cold compile and disk-cache hit of one forward kernel, each in a fresh process."""
+    d = args.d[0] if args.d_given else 128
+    causal = int(args.causal[0]) if args.causal_given else 0
+    probe = [
+        sys.executable,
+        "-m",
+        "cute_fa.bench",
+        "--probe-first-call",
+        "--d",
+        str(d),
+        "--causal",
+        str(causal),
+        "--dtype",
+        args.dtype,
+    ]
+    # The DSL's own file cache is switched off so that only cute_fa's cache is measured.
+    base_env = {**os.environ, "CUTE_DSL_DISABLE_FILE_CACHING": "1"}
+    base_env.pop("CUTE_FA_CACHE", None)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="cute-fa-bench-cache-") as cache_dir:
+        runs = [
+            ("cold, CUTE_FA_CACHE=0", {"CUTE_FA_CACHE": "0", "CUTE_FA_CACHE_DIR": cache_dir}),
+            ("cold, empty cache dir (compiles, stores)", {"CUTE_FA_CACHE_DIR": cache_dir}),
+            ("new process, disk-cache hit", {"CUTE_FA_CACHE_DIR": cache_dir}),
+        ]
+        print(f"compile time: fwd {args.dtype} d={d} causal={causal}, one subprocess per row")
+        for label, extra in runs:
+            proc = subprocess.run(
+                probe, env={**base_env, **extra}, capture_output=True, text=True, check=False
+            )
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(PROBE_TAG)]
+            if proc.returncode != 0 or not lines:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+                print(f"  {label}: err (exit {proc.returncode})\n    " + "\n    ".join(tail))
+                rows.append((label, "err", "err", "err", "err"))
+                continue
+            m = json.loads(lines[-1][len(PROBE_TAG) :])
+            rows.append(
+                (
+                    label,
+                    f"{m['first_call_s']:.3f}",
+                    f"{m['second_call_s'] * 1e3:.2f}",
+                    f"{m['import_cute_fa_s']:.3f}",
+                    f"{m.get('compiles', '?')}/{m.get('disk_hits', '?')}",
+                )
+            )
+    print()
+    header = ("run", "first call s", "second call ms", "import cute_fa s", "compiles/disk hits")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for j, r in enumerate([header, *rows]):
+        print(
+            "  ".join(
+                c.rjust(w) if i else c.ljust(w)
+                for i, (c, w) in enumerate(zip(r, widths, strict=True))
+            )
+        )
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+
+
+def _int_list(text: str) -> list[int]:
+    out = []
+    for part in text.replace(",", " ").split():
+        part = part.lower()
+        mult = 1024 if part.endswith("k") else 1
+        out.append(int(part.rstrip("k")) * mult)
+    return out
+
+
+def _name_list(text: str) -> list[str]:
+    names = [p.strip() for p in text.replace(",", " ").split() if p.strip()]
+    bad = [n for n in names if n not in IMPLS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown implementation(s) {bad}; choose from {IMPLS}")
+    return names
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=(
+            "Time cute_fa against torch SDPA (FLASH = CUDA FA2, CUDNN) and FlexAttention in one "
+            "run. Default: the standard grid (bf16, 16k tokens: batch = 16384 / seqlen; hidden "
+            "2048: heads = 2048 / d; d 64,128,256; seqlen 512..16k; causal 0,1). The table is "
+            "printed last; bench.csv, env.json and bench_<mode>.png go to --out."
+        ),
+    )
+    p.add_argument(
+        "--mode", choices=("fwd", "bwd", "both"), default="fwd", help="(default %(default)s)"
+    )
+    p.add_argument(
+        "--dtype", choices=("bf16", "fp16"), default="bf16", help="(default %(default)s)"
+    )
+    p.add_argument(
+        "--d",
+        type=_int_list,
+        default=None,
+        help=f"head dims, e.g. '64,128' (default {','.join(map(str, GRID_D))})",
+    )
+    p.add_argument(
+        "--seqlen",
+        type=_int_list,
+        default=None,
+        help="sequence lengths, e.g. '8k' or '512,1024' (default 512..16k)",
+    )
+    p.add_argument(
+        "--causal", type=_int_list, default=None, help="'0', '1' or '0,1' (default both)"
+    )
+    p.add_argument(
+        "--peers",
+        type=_name_list,
+        default=list(IMPLS),
+        help=f"implementations to time (default {','.join(IMPLS)})",
+    )
+    p.add_argument(
+        "--tokens", type=int, default=16384, help="batch = tokens / seqlen (default %(default)s)"
+    )
+    p.add_argument(
+        "--hidden", type=int, default=2048, help="heads = hidden / d (default %(default)s)"
+    )
+    p.add_argument(
+        "--warmup", type=float, default=25.0, help="warm-up per case, ms (default %(default)s)"
+    )
+    p.add_argument(
+        "--rep",
+        type=float,
+        default=100.0,
+        help="timed repetitions per case, ms (default %(default)s)",
+    )
+    p.add_argument("--out", default="bench-out", help="output folder (default %(default)s)")
+    p.add_argument(
+        "--overhead",
+        action="store_true",
+        help="host overhead of a cached call: b1 s128 h1 d64, back-to-back calls, "
+        "cute_fa beside SDPA FLASH",
+    )
+    p.add_argument(
+        "--calls",
+        type=int,
+        default=2000,
+        help="calls per --overhead measurement (default %(default)s)",
+    )
+    p.add_argument(
+        "--compile-time",
+        action="store_true",
+        help="cold compile of one forward kernel and a disk-cache hit in a new "
+        "process (subprocesses; --d/--causal pick the kernel, default d128)",
+    )
+    p.add_argument(
+        "--ceilings",
+        action="store_true",
+        help="what the GPU reaches on plain work: 8192^3 matmul TFLOPs/s and "
+        "device-copy bandwidth (the ceilings of docs/performance.md)",
+    )
+    p.add_argument("--probe-first-call", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    args.d_given, args.seqlen_given, args.causal_given = (
+        args.d is not None,
+        args.seqlen is not None,
+        args.causal is not None,
+    )
+    args.d = args.d or list(GRID_D)
+    args.seqlen = args.seqlen or list(GRID_SEQLEN)
+    args.causal = args.causal or list(GRID_CAUSAL)
+    if any(c not in (0, 1) for c in args.causal):
+        parser.error("--causal takes 0 and/or 1")
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print(
+            "cute_fa bench needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr
+        )
+        return 2
+    if args.probe_first_call:
+        return _probe_first_call(args)
+    if args.compile_time:
+        return run_compile_time(args)
+    if args.ceilings:
+        return run_ceilings(args)
+    if args.overhead:
+        return run_overhead(args)
+    return run_grid(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""Device architecture -> forward kernel class and compile key; the generated feature matrix.
+
+Every GPU from sm80 up runs the sm80 kernel family (``cute_fa.ampere``), compiled for the
+device's own target (``config.target_for_capability``). A request the chosen kernel cannot
+implement (its ``can_implement`` says no) raises ``NotImplementedError`` naming the feature and
+the architecture: there is never a silent fallback to another implementation.
+
+This module imports neither torch nor the CuTe DSL at import time; kernel classes are imported
+when first needed.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, fields
+
+from .config import TARGETS, FwdConfig, sm80_fwd_tile, target_for_capability
+
+MIN_CAPABILITY = (8, 0)
+
+# Arguments of flash_attn.cute that cute_fa accepts by name but does not implement yet, with the
+# value that means "off". Setting one to anything else raises NotImplementedError.
+UNIMPLEMENTED_ARGUMENTS = {
+    "qv": "None",
+    "gather_kv_indices": "None",
+    "page_table": "None",
+    "learnable_sink": "None",
+    "num_splits": "1 (or <= 0: automatic)",
+    "pack_gqa": "None or False",
+    "score_mod": "None",
+    "score_mod_bwd": "None",
+    "mask_mod": "None",
+    "aux_tensors": "None",
+    "aux_scalars": "None",
+    "block_sparse_tensors": "None",
+    "block_sparse_tensors_bwd": "None",
+    "scheduler_metadata": "None",
+    "seqlen_k_per_split": "None",
+}
+
+
+@dataclass(frozen=True)
+class FwdRequest:
+    """What a forward call asks for, before an architecture is chosen."""
+
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    causal: bool = False
+    local: bool = False
+    has_softcap: bool = False
+    varlen_q: bool = False
+    varlen_k: bool = False
+    seqused_q: bool = False
+    seqused_k: bool = False
+
+    def describe(self) -> str:
+        dims = f"head_dim={self.head_dim}"
+        if self.head_dim_v != self.head_dim:
+            dims += f", head_dim_v={self.head_dim_v}"
+        flags = [f.name for f in fields(self) if f.type in ("bool", bool) and getattr(self, f.name)]
+        return ", ".join([self.dtype, dims, *flags])
+
+
+def capability_name(capability: tuple[int, int]) -> str:
+    return f"compute capability {capability[0]}.{capability[1]}"
+
+
+def fwd_kernel_classes(capability: tuple[int, int]) -> list[type]:
+    """Forward kernel classes that may serve a device, best first."""
+    if tuple(capability) < MIN_CAPABILITY:
+        raise NotImplementedError(
+            f"cute_fa needs an NVIDIA GPU of compute capability 8.0 (Ampere) or newer; "
+            f"this one has {capability_name(capability)}"
+        )
+    from .ampere import FlashAttentionForwardSm80
+
+    return [FlashAttentionForwardSm80]
+
+
+def fwd_kernel_class(arch: int) -> type:
+    """The kernel class of a config's ``arch`` family (80: ampere, 90: hopper, 100: blackwell)."""
+    if arch == 80:
+        from .ampere import FlashAttentionForwardSm80
+
+        return FlashAttentionForwardSm80
+    raise NotImplementedError(f"cute_fa has no sm{arch} forward kernel yet")
+
+
+def _sm80_config(target: str, request: FwdRequest) -> FwdConfig:
+    tile_m, tile_n, num_warps = sm80_fwd_tile(request.head_dim, target)
+    flags = {f.name: getattr(request, f.name) for f in fields(request)}
+    return FwdConfig(
+        arch=80, target=target, tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, **flags
+    )
+
+
+_CONFIG_BUILDERS = {80: _sm80_config}
+
+
+def fwd_config_for_target(
+    cls: type, target: str, request: FwdRequest
+) -> tuple[FwdConfig | None, str]:
+    """(config, "") when ``cls`` implements ``request`` on ``target``, else (None, reason)."""
+    try:
+        config = _CONFIG_BUILDERS[cls.arch](target, request)
+    except (NotImplementedError, ValueError) as e:
+        return None, str(e)
+    ok, reason = cls.can_implement(config)
+    return (config, "") if ok else (None, reason)
+
+
+def _try_plan(
+    capability: tuple[int, int], request: FwdRequest
+) -> tuple[type | None, FwdConfig | None, str]:
+    """(class, config, "") of the first kernel that implements ``request``, else (None, None,
+    reasons)."""
+    classes = fwd_kernel_classes(capability)
+    target = target_for_capability(*capability)
+    reasons = []
+    for cls in classes:
+        config, reason = fwd_config_for_target(cls, target, request)
+        if config is not None:
+            return cls, config, ""
+        reasons.append(f"{cls.__name__}: {reason}")
+    return None, None, "; ".join(reasons)
+
+
+def fwd_plan(capability: tuple[int, int], request: FwdRequest) -> tuple[type, FwdConfig]:
+    """Kernel class and compile key for ``request`` on a device of ``capability``."""
+    capability = tuple(capability)
+    cls, config, reasons = _try_plan(capability, request)
+    if cls is None:
+        raise NotImplementedError(
+            f"cute_fa: no forward kernel implements [{request.describe()}] on "
+            f"{TARGETS[capability]} ({capability_name(capability)}): {reasons}"
+        )
+    return cls, config
+
+
+def supported_capabilities() -> list[tuple[int, int]]:
+    return sorted(c for c in TARGETS if c >= MIN_CAPABILITY)
+
+
+@functools.lru_cache(maxsize=256)
+def check_fwd_implementable_somewhere(request: FwdRequest) -> None:
+    """Raise NotImplementedError when no kernel implements ``request`` on any known target.
+
+    Lets the interface reject e.g. an unsupported head dim on any machine, GPU or not, before
+    it looks at the device.
+    """
+    reasons: dict[str, list[str]] = {}
+    for capability in supported_capabilities():
+        cls, _, why = _try_plan(capability, request)
+        if cls is not None:
+            return
+        reasons.setdefault(why, []).append(TARGETS[capability])
+    detail = "; ".join(f"{why} ({', '.join(targets)})" for why, targets in reasons.items())
+    raise NotImplementedError(
+        f"cute_fa: no forward kernel implements [{request.describe()}] on any GPU: {detail}"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Feature matrix
+
+
+@dataclass(frozen=True)
+class MatrixRow:
+    label: str
+    request: FwdRequest | None  # None: an interface argument no kernel implements yet
+    note: str = ""
+
+
+def _base(**changes) -> FwdRequest:
+    values = dict(dtype="bf16", head_dim=128, head_dim_v=128)
+    values.update(changes)
+    return FwdRequest(**values)
+
+
+def feature_rows() -> list[MatrixRow]:
+    rows = []
+    for d in (32, 64, 80, 96, 128, 160, 192, 256):
+        rows.append(MatrixRow(f"bf16, head_dim {d}", _base(head_dim=d, head_dim_v=d)))
+    rows.append(MatrixRow("fp16, head_dim 128", _base(dtype="fp16")))
+    rows.append(MatrixRow("head_dim 192, head_dim_v 128", _base(head_dim=192, head_dim_v=128)))
+    rows += [
+        MatrixRow("causal", _base(causal=True)),
+        MatrixRow("sliding window (local)", _base(local=True)),
+        MatrixRow("softcap", _base(has_softcap=True)),
+        MatrixRow("varlen (cu_seqlens q and k)", _base(varlen_q=True, varlen_k=True)),
+        MatrixRow("varlen + causal", _base(varlen_q=True, varlen_k=True, causal=True)),
+        MatrixRow("seqused_q", _base(varlen_q=True, varlen_k=True, seqused_q=True)),
+        MatrixRow("seqused_k", _base(varlen_q=True, varlen_k=True, seqused_k=True)),
+    ]
+    names = ", ".join(UNIMPLEMENTED_ARGUMENTS)
+    rows.append(
+        MatrixRow(
+            "other flash_attn.cute arguments",
+            None,
+            f"accepted by name; NotImplementedError unless off: {names}",
+        )
+    )
+    rows.append(MatrixRow("backward", None, "not implemented yet (NotImplementedError)"))
+    return rows
+
+
+def feature_matrix() -> tuple[list[str], list[tuple[str, list[str]]], list[str]]:
+    """(columns, rows, footnotes): each cell is the kernel family that serves the row on that
+    target (e.g. "sm80"), or "-" with a footnote number saying why not."""
+    capabilities = supported_capabilities()
+    columns = [TARGETS[c] for c in capabilities]
+    notes: list[str] = []
+    table = []
+    for row in feature_rows():
+        cells = []
+        for capability in capabilities:
+            if row.request is None:
+                why = row.note
+            else:
+                cls, _, why = _try_plan(capability, row.request)
+                if cls is not None:
+                    cells.append(f"sm{cls.arch}")
+                    continue
+            if why not in notes:
+                notes.append(why)
+            cells.append(f"-({notes.index(why) + 1})")
+        table.append((row.label, cells))
+    return columns, table, notes
+
+
+def format_feature_matrix(markdown: bool = False) -> str:
+    columns, table, notes = feature_matrix()
+    header = ["feature", *columns]
+    if markdown:
+        lines = [
+            "| " + " | ".join(header) + " |",
+            "|" + "|".join("---" for _ in header) + "|",
+        ]
+        lines += ["| " + " | ".join([label, *cells]) + " |" for label, cells in table]
+        lines.append("")
+        lines += [f"{i + 1}. {note}" for i, note in enumerate(notes)]
+    else:
+        rows = [header] + [[label, *cells] for label, cells in table]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        lines = [
+            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+        ]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines.append("")
+        lines += [f"({i + 1}) {note}" for i, note in enumerate(notes)]
+    title = (
+        "cute_fa forward features by compile target (cell: kernel family that runs it; "
+        "generated from each kernel class's can_implement)"
+    )
+    return "\n".join([title, "", *lines])

@@ -1,0 +1,209 @@
+"""Reference attention for tests and benchmarks: plain torch, no kernels.
+
+``attention_ref`` is the ground truth (``upcast=True``: fp32 math, fp32 output) and the
+same-dtype baseline (``upcast=False``: the same math in the input dtype) of DESIGN.md's
+tolerance rule, which ``check_close`` implements:
+
+    max|out - out_ref| <= 2 * max|out_pt - out_ref| + atol
+
+Masking follows Note [bottom-right aligned masks] in cute_fa/dsl/mask.py (the same rule as
+flash_attn.cute): with ``offset = seqlen_k - seqlen_q``, query ``i`` sees key ``j`` iff
+``i + offset - left <= j <= i + offset + right``; ``None`` is unbounded; causal is ``right = 0``.
+A row that sees no key has output 0 and LSE -inf, never NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .interface import resolve_window
+
+__all__ = ["attention_ref", "attention_varlen_ref", "check_close", "visible_mask"]
+
+
+def visible_mask(
+    seqlen_q: int,
+    seqlen_k: int,
+    window_left: int | None,
+    window_right: int | None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """(seqlen_q, seqlen_k) bool: True where query i sees key j (bottom-right aligned)."""
+    i = torch.arange(seqlen_q, device=device).unsqueeze(1)
+    j = torch.arange(seqlen_k, device=device).unsqueeze(0)
+    diag = i + (seqlen_k - seqlen_q)
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if window_left is not None:
+        visible &= j >= diag - window_left
+    if window_right is not None:
+        visible &= j <= diag + window_right
+    return visible
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int | None, int | None] = (None, None),
+    softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
+    upcast: bool = True,
+    reorder_ops: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of (b, sq, h, d) queries over (b, sk, h_kv, d) keys and (b, sk, h_kv, dv) values.
+
+    Returns ``(out, lse)``: out (b, sq, h, dv) in fp32 when ``upcast`` (the ground truth) or in
+    the input dtype otherwise (the same-dtype baseline); lse (b, h, sq) fp32, natural log.
+
+    GQA/MQA: k and v heads are repeated (``repeat_interleave``) to the query head count.
+    softcap > 0: ``scores = softcap * tanh(scores * scale / softcap)`` before the softmax.
+    learnable_sink (h,): one extra logit per head in the softmax denominator that attends to
+    nothing (it lowers the weights of the real keys and adds to the LSE).
+    reorder_ops: scale k instead of q (a different rounding order for the baseline).
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("attention_ref takes (batch, seqlen, heads, head_dim) tensors")
+    _, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    if nheads % nheads_kv != 0:
+        raise ValueError(f"nheads {nheads} is not a multiple of nheads_kv {nheads_kv}")
+    causal, local, window_left, window_right = resolve_window(causal, window_size)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    out_dtype = torch.float32 if upcast else q.dtype
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    if nheads_kv != nheads:
+        k = k.repeat_interleave(nheads // nheads_kv, dim=2)
+        v = v.repeat_interleave(nheads // nheads_kv, dim=2)
+
+    if reorder_ops:
+        scores = torch.einsum("bthd,bshd->bhts", q, k * softmax_scale)
+    else:
+        scores = torch.einsum("bthd,bshd->bhts", q * softmax_scale, k)
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    if causal or local:
+        visible = visible_mask(seqlen_q, seqlen_k, window_left, window_right, device=q.device)
+        scores = scores.masked_fill(~visible, float("-inf"))
+
+    # Softmax in fp32 in both modes (as torch.softmax does for 16-bit inputs; the baseline's
+    # rounding comes from the 16-bit matmuls and P), with masked rows and the sink explicit: the
+    # row max covers the visible keys and the sink, and a row with no visible key keeps max 0,
+    # so nothing below computes -inf - (-inf).
+    scores32 = scores.float()
+    row_max = scores32.amax(dim=-1, keepdim=True) if seqlen_k > 0 else scores32.sum(-1, True)
+    if learnable_sink is not None:
+        sink = learnable_sink.float().view(1, nheads, 1, 1)
+        row_max = torch.maximum(row_max, sink)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    probs = torch.exp(scores32 - row_max)
+    denom = probs.sum(dim=-1, keepdim=True)
+    if learnable_sink is not None:
+        denom = denom + torch.exp(sink - row_max)
+    lse = (torch.log(denom) + row_max).squeeze(-1)
+    attn = torch.where(denom > 0, probs / denom, torch.zeros_like(probs)).to(v.dtype)
+    out = torch.einsum("bhts,bshd->bthd", attn, v)
+    return out.to(out_dtype), lse.to(torch.float32)
+
+
+def attention_varlen_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    seqused_q: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention_ref`` of packed (total, h, d) sequences; returns out (total_q, h, dv) and
+    lse (h, total_q). Query rows past ``seqused_q`` are 0 with LSE -inf (as cute_fa leaves them).
+    """
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    used_q = None if seqused_q is None else seqused_q.tolist()
+    used_k = None if seqused_k is None else seqused_k.tolist()
+    upcast = kwargs.get("upcast", True)
+    out_dtype = torch.float32 if upcast else q.dtype
+    out = q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]), dtype=out_dtype)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    for b in range(len(cu_q) - 1):
+        q0 = cu_q[b]
+        k0 = cu_k[b]
+        len_q = cu_q[b + 1] - q0 if used_q is None else used_q[b]
+        len_k = cu_k[b + 1] - k0 if used_k is None else used_k[b]
+        o, l_ = attention_ref(
+            q[None, q0 : q0 + len_q],
+            k[None, k0 : k0 + len_k],
+            v[None, k0 : k0 + len_k],
+            **kwargs,
+        )
+        out[q0 : q0 + len_q] = o[0]
+        lse[:, q0 : q0 + len_q] = l_[0]
+    return out, lse
+
+
+def _ulp_atol(ref: torch.Tensor, dtype: torch.dtype, ulps: float = 4.0) -> float:
+    """``ulps`` units in the last place of ``dtype`` at the largest magnitude of ``ref``."""
+    finite = ref[torch.isfinite(ref)]
+    scale = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
+    return ulps * torch.finfo(dtype).eps * scale
+
+
+def check_close(
+    out: torch.Tensor,
+    out_ref: torch.Tensor,
+    out_pt: torch.Tensor,
+    atol: float | None = None,
+    *,
+    name: str = "out",
+) -> None:
+    """Assert DESIGN.md's tolerance: ``max|out - out_ref| <= 2 * max|out_pt - out_ref| + atol``.
+
+    ``out_ref`` is the fp32 ground truth, ``out_pt`` the same math in the kernel's input dtype.
+    ``atol`` defaults to 4 ulps of the lower-precision dtype among ``out``/``out_pt`` at the
+    largest magnitude of ``out_ref``. Infinities must match exactly (an LSE of -inf for a row that
+    sees no key); NaN anywhere in ``out`` fails. Raises AssertionError with the worst element.
+    """
+    if out.shape != out_ref.shape or out_pt.shape != out_ref.shape:
+        raise AssertionError(
+            f"{name}: shape {tuple(out.shape)} vs reference {tuple(out_ref.shape)} "
+            f"and baseline {tuple(out_pt.shape)}"
+        )
+    x, ref, pt = out.float(), out_ref.float(), out_pt.float()
+    nan = torch.isnan(x)
+    if nan.any():
+        first = tuple(int(i) for i in nan.nonzero()[0])
+        raise AssertionError(f"{name}: {int(nan.sum())} NaN elements (first at {first})")
+    inf_ref = torch.isinf(ref)
+    inf_bad = (torch.isinf(x) | inf_ref) & (x != ref)
+    if inf_bad.any():
+        first = tuple(int(i) for i in inf_bad.nonzero()[0])
+        raise AssertionError(
+            f"{name}: infinities differ at {int(inf_bad.sum())} elements; first at {first}: "
+            f"got {float(x[first])}, reference {float(ref[first])}"
+        )
+    finite = ~inf_ref
+    if atol is None:
+        low = min((out.dtype, out_pt.dtype), key=lambda t: torch.finfo(t).bits)
+        atol = _ulp_atol(ref, low)
+    if not finite.any():
+        return
+    err = torch.where(finite, (x - ref).abs(), torch.zeros_like(x))
+    base = torch.where(finite & torch.isfinite(pt), (pt - ref).abs(), torch.zeros_like(pt))
+    max_err, max_base = float(err.max()), float(base.max())
+    allowed = 2.0 * max_base + atol
+    if not max_err <= allowed:
+        worst = tuple(int(i) for i in (err == max_err).nonzero()[0])
+        raise AssertionError(
+            f"{name}: max |out - ref| = {max_err:.3e} > allowed {allowed:.3e} "
+            f"(= 2 * baseline {max_base:.3e} + atol {atol:.3e}); worst at {worst}: "
+            f"got {float(x[worst]):.6g}, reference {float(ref[worst]):.6g}, "
+            f"baseline {float(pt[worst]):.6g}"
+        )

@@ -1,0 +1,29 @@
+"""Shared test set-up: GPU tests skip without CUDA; the compile cache goes to a temporary dir."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_compile_cache(tmp_path_factory):
+    """Keep test compiles out of the user's ~/.cache (unless CUTE_FA_CACHE_DIR is set)."""
+    if os.environ.get("CUTE_FA_CACHE_DIR"):
+        yield
+        return
+    mp = pytest.MonkeyPatch()
+    mp.setenv("CUTE_FA_CACHE_DIR", str(tmp_path_factory.mktemp("cute-fa-cache")))
+    yield
+    mp.undo()

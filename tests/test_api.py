@@ -1,0 +1,222 @@
+"""Public API: flash_attn.cute compatibility, window semantics, return convention, autograd.
+
+CPU tests run the custom op on meta tensors (its fake implementation: shapes only); GPU tests
+(marker ``gpu``) launch the kernel.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import cute_fa
+from cute_fa import flash_attn_func, flash_attn_varlen_func
+from cute_fa.interface import WINDOW_INF, _kernel_window, resolve_window
+
+# flash_attn.cute's signatures (Dao-AILab/flash-attention, flash_attn/cute/interface.py), in
+# order: the positional order matters for a drop-in.
+FA_CUTE_FUNC = [
+    ("q", inspect.Parameter.empty), ("k", inspect.Parameter.empty),
+    ("v", inspect.Parameter.empty), ("qv", None), ("gather_kv_indices", None),
+    ("softmax_scale", None), ("causal", False), ("window_size", (None, None)),
+    ("learnable_sink", None), ("softcap", 0.0), ("num_splits", 1), ("pack_gqa", None),
+    ("deterministic", False), ("score_mod", None), ("score_mod_bwd", None), ("mask_mod", None),
+    ("aux_tensors", None), ("aux_scalars", None), ("block_sparse_tensors", None),
+    ("block_sparse_tensors_bwd", None), ("return_lse", False),
+]  # fmt: skip
+FA_CUTE_VARLEN = [
+    ("q", inspect.Parameter.empty), ("k", inspect.Parameter.empty),
+    ("v", inspect.Parameter.empty), ("qv", None), ("cu_seqlens_q", None), ("cu_seqlens_k", None),
+    ("max_seqlen_q", None), ("max_seqlen_k", None), ("min_seqlen_k", None), ("seqused_q", None),
+    ("seqused_k", None), ("gather_kv_indices", None), ("page_table", None),
+    ("softmax_scale", None), ("causal", False), ("window_size", (None, None)),
+    ("learnable_sink", None), ("softcap", 0.0), ("num_splits", 1), ("pack_gqa", None),
+    ("deterministic", False), ("score_mod", None), ("score_mod_bwd", None), ("mask_mod", None),
+    ("block_sparse_tensors", None), ("aux_tensors", None), ("aux_scalars", None),
+    ("return_lse", False), ("scheduler_metadata", None), ("seqlen_k_per_split", None),
+    ("disable_scheduler_metadata", False),
+]  # fmt: skip
+
+
+def meta(*shape, dtype=torch.bfloat16, requires_grad=False):
+    return torch.empty(*shape, dtype=dtype, device="meta", requires_grad=requires_grad)
+
+
+def meta_qkv(b=2, sq=16, sk=24, h=4, hk=2, d=64, requires_grad=False):
+    return (
+        meta(b, sq, h, d, requires_grad=requires_grad),
+        meta(b, sk, hk, d, requires_grad=requires_grad),
+        meta(b, sk, hk, d, requires_grad=requires_grad),
+    )
+
+
+@pytest.mark.parametrize(
+    "fn,expected", [(flash_attn_func, FA_CUTE_FUNC), (flash_attn_varlen_func, FA_CUTE_VARLEN)]
+)
+def test_signature_matches_flash_attn_cute(fn, expected):
+    params = inspect.signature(fn).parameters
+    assert [(p.name, p.default) for p in params.values()] == expected
+
+
+def test_package_exports():
+    assert cute_fa.flash_attn_func is flash_attn_func
+    assert cute_fa.flash_attn_varlen_func is flash_attn_varlen_func
+    assert isinstance(cute_fa.__version__, str)
+
+
+# --------------------------------------------------------------------------------------------
+# Window semantics
+
+
+@pytest.mark.parametrize(
+    "causal,window,expected",
+    [
+        (False, (None, None), (False, False, None, None)),
+        (True, (None, None), (True, False, None, 0)),
+        (False, (None, 0), (True, False, None, 0)),  # (None, 0) is causal
+        (True, (None, 7), (True, False, None, 0)),  # causal sets right = 0
+        (True, (5, None), (False, True, 5, 0)),  # causal with a left bound: local
+        (False, (5, None), (False, True, 5, None)),
+        (False, (None, 3), (False, True, None, 3)),
+        (False, (0, 0), (False, True, 0, 0)),
+        (False, (-3, 5), (False, True, -3, 5)),  # negative ints are taken literally
+        (False, (-1, -1), (False, True, -1, -1)),  # even when no key is left
+        (False, None, (False, False, None, None)),
+        (False, [4, 4], (False, True, 4, 4)),
+    ],
+)
+def test_resolve_window(causal, window, expected):
+    assert resolve_window(causal, window) == expected
+
+
+def test_kernel_window_sentinels():
+    assert _kernel_window(False, None, 0) == (0, 0)
+    assert _kernel_window(True, None, 3) == (WINDOW_INF, 3)
+    assert _kernel_window(True, 10**12, -(10**12)) == (WINDOW_INF, -WINDOW_INF)
+
+
+@pytest.mark.compile
+def test_window_sentinel_matches_the_kernels():
+    from cute_fa.dsl.mask import WINDOW_INF as kernel_inf
+
+    assert WINDOW_INF == kernel_inf
+
+
+# --------------------------------------------------------------------------------------------
+# Shapes and the return convention (fake implementation on meta tensors)
+
+
+def test_shapes_and_lse_convention():
+    q, k, v = meta_qkv(b=2, sq=16, sk=24, h=4, hk=2, d=64)
+    out, lse = flash_attn_func(q, k, v, return_lse=True)
+    assert out.shape == (2, 16, 4, 64) and out.dtype == torch.bfloat16
+    assert lse.shape == (2, 4, 16) and lse.dtype == torch.float32
+    out, lse = flash_attn_func(q, k, v)
+    assert out.shape == (2, 16, 4, 64) and lse is None  # as flash_attn.cute
+
+
+def test_lse_returned_when_an_input_requires_grad():
+    q, k, v = meta_qkv(requires_grad=True)
+    out, lse = flash_attn_func(q, k, v)
+    assert lse is not None and out.requires_grad
+    with torch.no_grad():
+        out, lse = flash_attn_func(q, k, v)
+    assert lse is None and not out.requires_grad
+
+
+def test_varlen_shapes():
+    q, k, v = meta(37, 4, 128), meta(50, 1, 128), meta(50, 1, 128)
+    cu = torch.empty(4, dtype=torch.int32, device="meta")
+    out, lse = flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=20, return_lse=True
+    )
+    assert out.shape == (37, 4, 128) and lse.shape == (4, 37)
+    # packed q over batched k (cu_seqlens_k absent): k is (batch, seqlen_k, heads, d)
+    kb, vb = meta(3, 9, 1, 128), meta(3, 9, 1, 128)
+    out, lse = flash_attn_varlen_func(
+        q, kb, vb, cu_seqlens_q=cu, max_seqlen_q=20, causal=True, return_lse=True
+    )
+    assert out.shape == (37, 4, 128) and lse.shape == (4, 37)
+    # batched q with seqused_q/k (no cu_seqlens at all)
+    qb = meta(3, 7, 4, 128)
+    used = torch.empty(3, dtype=torch.int32, device="meta")
+    out, lse = flash_attn_varlen_func(qb, kb, vb, seqused_q=used, seqused_k=used, return_lse=True)
+    assert out.shape == (3, 7, 4, 128) and lse.shape == (3, 4, 7)
+
+
+def test_checks_also_run_on_fake_tensors():
+    q, k, v = meta_qkv()
+    with pytest.raises(ValueError, match="nheads_kv|must agree"):
+        flash_attn_func(q, k[:, :3], v)
+    with pytest.raises(TypeError, match="differs from q.dtype"):
+        flash_attn_func(q, k.half(), v)
+
+
+def test_backward_raises_not_implemented():
+    q, k, v = meta_qkv(requires_grad=True)
+    out, _ = flash_attn_func(q, k, v, causal=True)
+    with pytest.raises(NotImplementedError, match="backward pass is not implemented yet"):
+        out.sum().backward()
+
+
+def test_op_schema():
+    schema = str(torch.ops.cute_fa.fwd.default._schema)
+    for arg in (
+        "Tensor? cu_seqlens_q",
+        "Tensor? seqused_k",
+        "int? window_left",
+        "int? max_seqlen_q",
+    ):
+        assert arg in schema
+
+
+# --------------------------------------------------------------------------------------------
+# GPU
+
+
+def _cuda_qkv(b=2, s=300, h=4, hk=2, d=128):
+    return (
+        torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16),
+        torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16),
+        torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16),
+    )
+
+
+@pytest.mark.gpu
+def test_gpu_runs_on_the_current_stream():
+    from cute_fa.reference import attention_ref, check_close
+
+    q, k, v = _cuda_qkv()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+        out_copy = out.clone()  # ordered after the kernel only if it ran on `side`
+    torch.cuda.current_stream().wait_stream(side)
+    out_ref, _ = attention_ref(q, k, v, causal=True)
+    out_pt, _ = attention_ref(q, k, v, causal=True, upcast=False)
+    check_close(out_copy, out_ref, out_pt)
+
+
+@pytest.mark.gpu
+def test_gpu_seqused_q_rows_are_zero():
+    lens = [5, 9]
+    cu = torch.tensor([0, 5, 14], dtype=torch.int32, device="cuda")
+    q = torch.randn(14, 4, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(14, 4, 64, device="cuda", dtype=torch.bfloat16)
+    used_q = torch.tensor([2, 9], dtype=torch.int32, device="cuda")
+    out, lse = flash_attn_varlen_func(
+        q, k, k, cu_seqlens_q=cu, cu_seqlens_k=cu, seqused_q=used_q, return_lse=True
+    )
+    assert sum(lens) == out.shape[0]
+    assert (out[2:5] == 0).all() and torch.isneginf(lse[:, 2:5]).all()
+
+
+@pytest.mark.gpu
+def test_gpu_backward_message_names_the_arch():
+    q, k, v = (t.requires_grad_() for t in _cuda_qkv())
+    out, _ = flash_attn_func(q, k, v)
+    with pytest.raises(NotImplementedError, match=r"on sm_\d+a? \(compute capability"):
+        out.sum().backward()

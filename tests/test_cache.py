@@ -1,0 +1,392 @@
+"""The compile cache: memory and disk hits, corrupt entries, concurrent processes, the real
+TVM-FFI export/load path (with a tiny kernel of its own), and compile keys that ignore shapes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import pytest
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+from cute_fa import cache
+from cute_fa.cache import CompileCache, atomic_write, pack_entry, unpack_entry
+
+
+@dataclass(frozen=True)
+class Key:
+    name: str
+    flag: bool = False
+
+
+class FakeBackend:
+    """compile -> bytes, serialize = identity, load -> a callable returning the bytes."""
+
+    def __init__(self, delay: float = 0.0, marker_dir: Path | None = None):
+        self.delay = delay
+        self.marker_dir = marker_dir
+        self.compiled: list = []
+        self.loaded: list = []
+
+    def compile(self, key):
+        time.sleep(self.delay)
+        self.compiled.append(key)
+        if self.marker_dir is not None:  # visible across processes
+            (self.marker_dir / f"compile-{os.getpid()}-{len(self.compiled)}").touch()
+        return f"kernel for {key!r}".encode() * 100
+
+    @staticmethod
+    def serialize(compiled, symbol):
+        return compiled
+
+    def load(self, payload, symbol):
+        self.loaded.append(symbol)
+        return lambda: payload
+
+    def cache(self, directory, **kw) -> CompileCache:
+        return CompileCache(
+            self.compile,
+            self.serialize,
+            self.load,
+            directory=directory,
+            **kw,
+        )
+
+
+def entries(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.bin"))
+
+
+def test_memory_then_disk_then_compile(tmp_path):
+    backend = FakeBackend()
+    c = backend.cache(tmp_path, disk=True)
+    before = cache.compile_count()
+    fn = c.get(Key("a"))
+    assert fn() == backend.compile(Key("a")) and c.compiles == 1
+    assert c.get(Key("a")) is fn and c.compiles == 1  # memory hit
+    assert cache.compile_count() == before + 1
+    assert [p.name for p in entries(tmp_path)] == [cache.entry_name(Key("a"))]
+
+    other = FakeBackend()
+    c2 = other.cache(tmp_path, disk=True)  # as a new process would
+    assert c2.get(Key("a"))() == fn() and c2.compiles == 0 and c2.disk_hits == 1
+    c2.get(Key("a", flag=True))
+    assert c2.compiles == 1 and len(entries(tmp_path)) == 2
+
+
+def test_disk_cache_off(tmp_path, monkeypatch):
+    monkeypatch.setenv(cache.ENV_CACHE, "0")
+    backend = FakeBackend()
+    c = backend.cache(tmp_path)
+    assert not c.disk_enabled
+    c.get(Key("a"))
+    assert c.compiles == 1 and entries(tmp_path) == []
+    monkeypatch.setenv(cache.ENV_CACHE, "1")
+    assert backend.cache(tmp_path).disk_enabled
+
+
+def test_default_directory_has_a_fingerprint(tmp_path, monkeypatch):
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path))
+    fp = cache.fingerprint()
+    assert len(fp) == 16 and int(fp, 16) >= 0
+    assert cache.default_cache_dir() == tmp_path / fp
+    sources = {rel for rel, _ in cache._source_files()}
+    assert "cute_fa.ampere/flash_fwd.py" in sources and "cute_fa/dsl/fake.py" in sources
+    assert "cute_fa/config.py" in sources and "cute_fa/interface.py" not in sources
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "garbage"])
+def test_damaged_entry_is_recompiled(tmp_path, damage):
+    backend = FakeBackend()
+    backend.cache(tmp_path, disk=True).get(Key("a"))
+    (path,) = entries(tmp_path)
+    blob = path.read_bytes()
+    damaged = {
+        "truncate": blob[: len(blob) // 2],
+        "flip": blob[:-1] + bytes([blob[-1] ^ 1]),
+        "empty": b"",
+        "garbage": b"\x7fELF" + os.urandom(200),
+    }[damage]
+    path.write_bytes(damaged)
+    c = backend.cache(tmp_path, disk=True)
+    fn = c.get(Key("a"))
+    assert fn() == backend.compile(Key("a"))
+    assert c.compiles == 1 and c.disk_hits == 0 and c.rejected >= 1
+    assert path.read_bytes() == blob  # rewritten whole
+
+
+def test_entry_the_loader_rejects_is_recompiled(tmp_path):
+    """An intact entry the loader cannot use (say, from another toolchain) is replaced."""
+    backend = FakeBackend()
+    tmp_path.joinpath(cache.entry_name(Key("a"))).write_bytes(pack_entry(b"incompatible"))
+
+    def picky_load(payload, symbol):
+        if payload == b"incompatible":
+            raise RuntimeError("symbol not found")
+        return lambda: payload
+
+    c = CompileCache(backend.compile, backend.serialize, picky_load, directory=tmp_path, disk=True)
+    with pytest.warns(UserWarning, match="did not load"):
+        fn = c.get(Key("a"))
+    assert c.compiles == 1 and fn() == backend.compile(Key("a"))
+    assert unpack_entry(tmp_path.joinpath(cache.entry_name(Key("a"))).read_bytes()) == fn()
+
+
+def test_unwritable_directory_falls_back_to_memory(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    backend = FakeBackend()
+    c = backend.cache(blocker / "cache", disk=True)
+    with pytest.warns(UserWarning, match="compile cache on disk turned off"):
+        fn = c.get(Key("a"))
+    assert fn() and c.compiles == 1 and not c.disk_enabled
+
+
+def test_slow_compile_prints_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cache, "SLOW_COMPILE_S", 0.0)
+    FakeBackend().cache(tmp_path, disk=False).get(Key("fwd_demo"))
+    err = capsys.readouterr().err
+    assert err.startswith("cute_fa: compiling fwd_demo (first call) ... ") and err.endswith(" s\n")
+    assert err.count("\n") == 1
+
+
+def test_ensure_on_disk(tmp_path):
+    backend = FakeBackend()
+    c = backend.cache(tmp_path, disk=True)
+    assert c.ensure_on_disk(Key("a")) == "compiled"
+    assert c.ensure_on_disk(Key("a")) == "hit"
+    assert backend.loaded == [] and Key("a") not in c  # stored, not loaded
+
+
+def test_entry_format():
+    payload = b"\x00\x01payload" * 10
+    blob = pack_entry(payload)
+    assert unpack_entry(blob) == payload
+    assert unpack_entry(blob[:-1]) is None
+    assert unpack_entry(blob + b"x") is None
+    assert unpack_entry(b"CUTEFA00" + blob[8:]) is None
+    assert unpack_entry(b"") is None
+
+
+def test_atomic_write_leaves_no_temporaries(tmp_path):
+    path = tmp_path / "entry.bin"
+    atomic_write(path, b"one")
+    atomic_write(path, b"two")
+    assert path.read_bytes() == b"two"
+    assert [p.name for p in tmp_path.iterdir()] == ["entry.bin"]
+
+
+def test_no_recompile_for_new_shapes(tmp_path):
+    """Calls that differ only in batch, sequence lengths or head counts share one compile."""
+    import torch
+
+    from cute_fa import dispatch, interface
+
+    backend = FakeBackend()
+    c = backend.cache(tmp_path, disk=True)
+    for b, sq, sk, h, hk in [(1, 1, 1, 2, 1), (4, 1000, 77, 8, 2), (2, 4096, 8192, 16, 16)]:
+        q = torch.empty(b, sq, h, 128, dtype=torch.bfloat16, device="meta")
+        k = torch.empty(b, sk, hk, 128, dtype=torch.bfloat16, device="meta")
+        s = interface._check_metadata(q, k, k, None, None, None, None, causal=True)
+        request = dispatch.FwdRequest("bf16", s.head_dim, s.head_dim_v, causal=True)
+        c.get(dispatch.fwd_plan((8, 0), request)[1])
+    assert c.compiles == 1 and len(entries(tmp_path)) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Several processes
+
+
+def _get_in_process(directory, marker_dir, barrier, results):
+    backend = FakeBackend(delay=0.3, marker_dir=Path(marker_dir))
+    c = backend.cache(Path(directory), disk=True, verbose=False)
+    barrier.wait()
+    results.put(c.get(Key("shared"))())
+
+
+def test_concurrent_processes_compile_once(tmp_path):
+    """Processes missing the same key at once: one compiles, the others wait and load it."""
+    ctx = multiprocessing.get_context("fork")
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    n = 4
+    barrier, results = ctx.Barrier(n), ctx.Queue()
+    procs = [
+        ctx.Process(target=_get_in_process, args=(tmp_path / "c", markers, barrier, results))
+        for _ in range(n)
+    ]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=60) for _ in range(n)]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert len(set(got)) == 1 and got[0] == FakeBackend().compile(Key("shared"))
+    assert len(list(markers.iterdir())) == 1  # compiled exactly once
+    assert len(entries(tmp_path / "c")) == 1
+    assert not [p for p in (tmp_path / "c").iterdir() if p.name.endswith(".tmp")]
+
+
+def _write_many(path, tag, rounds):
+    for i in range(rounds):
+        atomic_write(Path(path), pack_entry(bytes([tag, i % 256]) * (50_000 + 997 * tag)))
+
+
+def _read_many(path, rounds, bad):
+    seen = 0
+    for _ in range(rounds):
+        try:
+            blob = Path(path).read_bytes()
+        except FileNotFoundError:
+            continue
+        seen += 1
+        if unpack_entry(blob) is None:
+            bad.value += 1
+    assert seen > 0
+
+
+def test_concurrent_writers_never_expose_a_partial_entry(tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    path = tmp_path / "entry.bin"
+    atomic_write(path, pack_entry(b"initial"))
+    bad = ctx.Value("i", 0)
+    writers = [ctx.Process(target=_write_many, args=(path, t, 40)) for t in range(3)]
+    reader = ctx.Process(target=_read_many, args=(path, 400, bad))
+    for p in [*writers, reader]:
+        p.start()
+    for p in [*writers, reader]:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert bad.value == 0
+    assert unpack_entry(path.read_bytes()) is not None
+    assert [p.name for p in tmp_path.iterdir()] == ["entry.bin"]
+
+
+# --------------------------------------------------------------------------------------------
+# The real path: a tiny CuTe kernel through TVM-FFI compile, object-file export and load
+
+
+@dataclass(frozen=True)
+class ScaleKey:
+    """Compile key of the test kernel: y = alpha * x (+ bias)."""
+
+    with_bias: bool
+    target: str = "sm_80"
+
+    @property
+    def name(self) -> str:
+        return f"test_scale_{self.target}" + ("_bias" if self.with_bias else "")
+
+
+def _compile_scale(key: ScaleKey):
+    n = cute.sym_int()
+    x = make_fake_compact_tensor(cutlass.Float32, (n,), assumed_align=16)
+    y = make_fake_compact_tensor(cutlass.Float32, (n,), assumed_align=16)
+    bias = (
+        make_fake_compact_tensor(cutlass.Float32, (n,), assumed_align=16) if key.with_bias else None
+    )
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(
+        ScaleKernel(), x, y, cutlass.Float32(1.0), bias, stream,
+        options=f"--gpu-arch {key.target} --enable-tvm-ffi",
+    )  # fmt: skip
+
+
+class ScaleKernel:
+    """y = alpha * x (+ bias): an optional tensor, a scalar and the environment stream, like the
+    forward protocol."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,
+        mY: cute.Tensor,
+        alpha: cutlass.Float32,
+        mBias: cute.Tensor | None,
+        stream: cuda.CUstream,
+    ):
+        grid = (cute.ceil_div(mX.shape[0], 128), 1, 1)
+        self.kernel(mX, mY, alpha, mBias).launch(grid=grid, block=(128, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self, mX: cute.Tensor, mY: cute.Tensor, alpha: cutlass.Float32, mBias: cute.Tensor | None
+    ):
+        bidx, _, _ = cute.arch.block_idx()
+        tidx, _, _ = cute.arch.thread_idx()
+        i = bidx * 128 + tidx
+        if i < mX.shape[0]:
+            value = mX[i] * alpha
+            if cutlass.const_expr(mBias is not None):
+                value = value + mBias[i]
+            mY[i] = value
+
+
+def real_cache(directory) -> CompileCache:
+    return CompileCache(
+        _compile_scale,
+        cache.export_tvm_ffi,
+        cache.load_tvm_ffi,
+        directory=directory,
+        disk=True,
+    )
+
+
+@pytest.mark.compile
+def test_tvm_ffi_export_and_load(tmp_path):
+    import torch
+    import tvm_ffi
+
+    c = real_cache(tmp_path)
+    key = ScaleKey(with_bias=False)
+    fresh = c.get(key)
+    assert isinstance(fresh, tvm_ffi.Function) and c.compiles == 1
+    (path,) = entries(tmp_path)
+
+    loaded_cache = real_cache(tmp_path)
+    loaded = loaded_cache.get(key)
+    assert isinstance(loaded, tvm_ffi.Function)
+    assert loaded_cache.compiles == 0 and loaded_cache.disk_hits == 1
+
+    # The loaded function checks its arguments in compiled code: CPU tensors are refused by
+    # device type, which shows the signature (tensors, a float, None for the absent bias).
+    x = torch.zeros(256)
+    for fn in (fresh, loaded):
+        with pytest.raises(ValueError, match="expected device_type=cuda"):
+            fn(x, x, 2.0, None)
+        with pytest.raises(TypeError, match="Expects 4 parameters"):
+            fn(x, x, 2.0)
+
+    path.write_bytes(path.read_bytes()[:1000])  # truncated: recompiled, not crashed on
+    again = real_cache(tmp_path)
+    assert isinstance(again.get(key), tvm_ffi.Function)
+    assert again.compiles == 1 and unpack_entry(path.read_bytes()) is not None
+
+
+@pytest.mark.gpu
+def test_tvm_ffi_kernel_runs_fresh_and_from_disk(tmp_path):
+    import torch
+
+    x = torch.randn(1000, device="cuda")
+    bias = torch.randn(1000, device="cuda")
+    for with_bias in (False, True):
+        key = ScaleKey(with_bias=with_bias, target=cache_target())
+        for c in (real_cache(tmp_path), real_cache(tmp_path)):  # compiled, then loaded
+            y = torch.empty_like(x)
+            c.get(key)(x, y, 3.0, bias if with_bias else None)
+            torch.testing.assert_close(y, 3.0 * x + (bias if with_bias else 0))
+
+
+def cache_target() -> str:
+    import torch
+
+    from cute_fa.config import target_for_capability
+
+    return target_for_capability(*torch.cuda.get_device_capability())

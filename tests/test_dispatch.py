@@ -1,0 +1,144 @@
+"""Dispatch by compute capability, compile keys from calls, the feature matrix, the CLI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cute_fa.ampere import FlashAttentionForwardSm80
+
+from cute_fa import __main__ as cli
+from cute_fa import dispatch, interface
+from cute_fa.config import SM80_FWD_TILES, SM80_FWD_TILES_SMALL_SMEM, TARGETS, FwdConfig
+from cute_fa.dispatch import FwdRequest
+
+
+def req(**kw) -> FwdRequest:
+    return FwdRequest(**{"dtype": "bf16", "head_dim": 128, "head_dim_v": 128, **kw})
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+def test_every_arch_from_sm80_uses_the_sm80_kernel_for_its_own_target(capability, d):
+    cls, config = dispatch.fwd_plan(capability, req(head_dim=d, head_dim_v=d, causal=True))
+    assert cls is FlashAttentionForwardSm80
+    assert config.arch == 80 and config.target == TARGETS[capability]
+    small = capability in ((8, 6), (8, 9), (12, 0))
+    table = SM80_FWD_TILES_SMALL_SMEM if small else SM80_FWD_TILES
+    assert (config.tile_m, config.tile_n, config.num_warps) == table[d]
+    assert config.causal and not config.local
+
+
+def test_config_carries_the_call_flags():
+    request = req(local=True, has_softcap=True, varlen_q=True, varlen_k=True, seqused_k=True)
+    _, config = dispatch.fwd_plan((9, 0), request)
+    assert (config.local, config.has_softcap, config.varlen_q, config.varlen_k) == (True,) * 4
+    assert config.seqused_k and not config.seqused_q and not config.causal
+
+
+@pytest.mark.parametrize("capability", [(7, 5), (7, 0), (6, 1)])
+def test_old_gpus_are_rejected(capability):
+    with pytest.raises(NotImplementedError, match="compute capability 8.0"):
+        dispatch.fwd_plan(capability, req())
+
+
+def test_unknown_capability_is_rejected():
+    with pytest.raises(NotImplementedError, match="compute capability 11.5"):
+        dispatch.fwd_plan((11, 5), req())
+
+
+def test_unsupported_feature_names_feature_and_arch():
+    with pytest.raises(NotImplementedError, match=r"head_dim=80.*on sm_90a \(compute capability"):
+        dispatch.fwd_plan((9, 0), req(head_dim=80, head_dim_v=80))
+    with pytest.raises(NotImplementedError, match=r"head_dim_v=128.*sm_80.*head_dim_v != head_dim"):
+        dispatch.fwd_plan((8, 0), req(head_dim=192, head_dim_v=128))
+
+
+def test_implementable_somewhere():
+    dispatch.check_fwd_implementable_somewhere(req())
+    with pytest.raises(NotImplementedError, match="on any GPU"):
+        dispatch.check_fwd_implementable_somewhere(req(head_dim=72, head_dim_v=72))
+
+
+def test_new_shapes_give_the_same_compile_key():
+    """Sequence lengths, batch and head counts never reach the config."""
+
+    def config_for(b, sq, sk, h, hk):
+        q = torch.empty(b, sq, h, 128, dtype=torch.bfloat16, device="meta")
+        k = torch.empty(b, sk, hk, 128, dtype=torch.bfloat16, device="meta")
+        shapes = interface._check_metadata(q, k, k, None, None, None, None, causal=True)
+        request = req(head_dim=shapes.head_dim, head_dim_v=shapes.head_dim_v, causal=True)
+        return dispatch.fwd_plan((9, 0), request)[1]
+
+    configs = {
+        config_for(*s) for s in [(1, 1, 1, 1, 1), (2, 1000, 17, 8, 2), (7, 4096, 4096, 32, 4)]
+    }
+    assert len(configs) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Feature matrix and CLI
+
+
+def test_feature_matrix_is_generated_from_can_implement():
+    columns, table, notes = dispatch.feature_matrix()
+    assert columns == [TARGETS[c] for c in sorted(TARGETS) if c >= (8, 0)]
+    rows = dict(table)
+    assert rows["bf16, head_dim 128"] == ["sm80"] * len(columns)
+    assert rows["causal"] == ["sm80"] * len(columns)
+    assert all(cell.startswith("-(") for cell in rows["bf16, head_dim 80"])
+    assert all(cell.startswith("-(") for cell in rows["backward"])
+    assert any("head_dim=80" in note for note in notes)
+
+
+def test_features_command(capsys):
+    assert cli.main(["features"]) == 0
+    text = capsys.readouterr().out
+    assert "sm_90a" in text and "head_dim 256" in text and "learnable_sink" in text
+    assert cli.main(["features", "--markdown"]) == 0
+    assert "| feature |" in capsys.readouterr().out
+
+
+def test_precompile_plan():
+    plans = cli.precompile_configs("sm80", "sm_90a", [64, 80], ["bf16"], ["plain", "causal+varlen"])
+    by_label = {label: (config, reason) for config, label, reason in plans}
+    config, _ = by_label["bf16 d64 causal+varlen"]
+    assert isinstance(config, FwdConfig) and config.target == "sm_90a"
+    assert config.causal and config.varlen_q and config.varlen_k
+    config, reason = by_label["bf16 d80 plain"]
+    assert config is None and "head_dim=80" in reason
+
+
+def test_precompile_command_fills_the_cache(monkeypatch, tmp_path, capsys):
+    from cute_fa import cache
+
+    compiled = []
+
+    def fake_compile(config):
+        compiled.append(config)
+        return config.name.encode()
+
+    fake = cache.CompileCache(
+        fake_compile, lambda c, sym: c, lambda b, sym: b, directory=tmp_path, disk=True
+    )
+    monkeypatch.setattr(cache, "_fwd_cache", fake)
+    argv = ["precompile", "--target", "sm_80", "--head-dims", "64,80", "--dtypes", "bf16"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert len(compiled) == 2 and "skip  bf16 d80 plain" in out
+    assert len(list(tmp_path.glob("*.bin"))) == 2
+    assert cli.main(argv) == 0  # everything is on disk now
+    assert len(compiled) == 2 and "hit" in capsys.readouterr().out
+
+
+def test_bench_is_dispatched_lazily(monkeypatch):
+    import cute_fa.bench
+
+    seen = {}
+
+    def fake_main(argv, prog=None):
+        seen["argv"] = argv
+        return 0
+
+    monkeypatch.setattr(cute_fa.bench, "main", fake_main)
+    assert cli.main(["bench", "--d", "64"]) == 0
+    assert seen["argv"] == ["--d", "64"]

@@ -1,0 +1,509 @@
+"""Forward correctness on a GPU against the fp32 reference (marker ``gpu``; skipped without CUDA).
+
+Tolerance (as FA4 checks it): ``out_ref`` is ``attention_ref`` in fp32, ``out_pt`` the same
+math in the input dtype; a result passes when ``max|out - out_ref| <= 2 * max|out_pt -
+out_ref| + atol`` (``cute_fa.reference.check_close``). LSE the same way on rows that see a key;
+rows that see no key must be exactly ``out = 0`` and ``lse = -inf`` (checked against an
+independent count of visible keys, not only against the reference). No NaN may appear anywhere.
+
+Unwritten output: the API allocates ``out`` and ``lse`` itself, so before each launch every free
+block of torch's CUDA caching allocator is filled with 0xFF bytes (NaN in bf16, fp16 and fp32;
+see ``poison_free_memory`` for how and for its limits). An element the kernel forgets to write
+then reads as NaN. ``test_poison_reaches_output`` checks that the output really lands in
+poisoned memory, so a change in the allocator cannot silently switch this guard off.
+
+Inputs are fresh random tensors every run. Each test prints its seed (pytest shows it on
+failure); ``CUTE_FA_TEST_SEED=<seed>`` replays a run.
+
+Compile configs this module touches (a new one costs a compile of a few seconds; the rest of
+the cases reuse compiled kernels, since sequence lengths, batch and head counts are dynamic):
+bf16 batched: d in {64, 96, 128, 192, 256} x {no mask, causal, local} x softcap {off, on} = 30;
+bf16 varlen (cu_seqlens q and k): d in {64, 128} x {no mask, causal, local} = 6, plus softcap 1,
+seqused_k 2, seqused_q 1; fp16: d in {64, 128} x {no mask, causal} = 4. About 44 in all.
+
+Compiling them one after another is most of a cold run. To compile them in parallel first
+(into a cache directory the tests then read; --target defaults to this machine's GPU):
+
+    export CUTE_FA_CACHE_DIR=/tmp/cute-fa-cache
+    python -m cute_fa precompile --jobs 16 --dtypes bf16 \
+        --variants plain,causal,local,softcap,causal+softcap,local+softcap
+    python -m cute_fa precompile --jobs 16 --dtypes bf16 --head-dims 64,128 --variants \
+        varlen,varlen+causal,varlen+local,varlen+causal+softcap,varlen+seqused_k,varlen+causal+seqused_k,varlen+seqused_q
+    python -m cute_fa precompile --jobs 16 --dtypes fp16 --head-dims 64,128
+    python -m pytest -m gpu -q
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import random
+
+import pytest
+import torch
+
+import cute_fa
+from cute_fa.reference import attention_ref, check_close
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+SEED_ENV = "CUTE_FA_TEST_SEED"
+HEAD_DIMS = (64, 96, 128, 192, 256)
+NHEADS = 6
+# Absolute slack on LSE (fp32, natural log): the kernel's exp2/log2 approximations and the
+# folded scale move it by a few fp32 ulps of values up to ~20; the 2x-baseline term dominates
+# everywhere except where the baseline happens to be exact (e.g. a single key).
+LSE_ATOL = 1e-4
+
+# (causal, window_size), named for the test ids.
+MASKS = [
+    pytest.param(False, (None, None), id="full"),
+    pytest.param(True, (None, None), id="causal"),
+    pytest.param(False, (64, 0), id="win64_0"),
+    pytest.param(False, (32, 32), id="win32_32"),
+    pytest.param(False, (-16, 48), id="band-16_48"),
+    pytest.param(False, (None, 0), id="winNone_0"),
+    pytest.param(False, (100, None), id="win100_None"),
+]
+
+SEQLENS = [
+    (1, 1),
+    (17, 17),
+    (113, 203),
+    (203, 113),
+    (127, 127),
+    (128, 128),
+    (129, 129),
+    (1000, 1000),
+    (1000, 17),
+    (17, 1000),
+    (1, 4224),
+    (4224, 4224),
+]
+
+
+# ------------------------------------------------------------------------------------------
+# Fixtures and helpers
+
+
+@pytest.fixture(autouse=True)
+def seed() -> int:
+    """Fresh seed per test (printed, so a failure shows it); CUTE_FA_TEST_SEED replays one."""
+    value = int(os.environ.get(SEED_ENV) or random.SystemRandom().randrange(2**31))
+    torch.manual_seed(value)
+    random.seed(value)
+    print(f"seed {value} (replay with {SEED_ENV}={value})")
+    return value
+
+
+def _memset_ff(ptr: int, nbytes: int, stream: int) -> None:
+    """cuMemsetD8Async(ptr, 0xFF, nbytes) on ``stream`` through cuda-python's driver bindings."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:  # cuda-python before 12.6 named the module cuda.cuda
+        from cuda import cuda as driver
+    (err,) = driver.cuMemsetD8Async(driver.CUdeviceptr(ptr), 0xFF, nbytes, driver.CUstream(stream))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuMemsetD8Async failed: {err}")
+
+
+class Poison:
+    """Address ranges that held 0xFF bytes when ``poison_free_memory`` returned."""
+
+    def __init__(self, ranges: list[tuple[int, int]], complete: bool):
+        self.ranges = ranges
+        self.complete = complete  # every free block was filled, not only the reserve
+
+    def covers(self, t: torch.Tensor) -> bool:
+        start = t.untyped_storage().data_ptr()
+        end = start + t.untyped_storage().nbytes()
+        return any(lo <= start and end <= lo + n for lo, n in self.ranges)
+
+
+def _expandable_segments() -> bool:
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
+def poison_free_memory(reserve_bytes: int) -> Poison:
+    """Fill the free memory of torch's CUDA caching allocator with 0xFF (NaN in bf16/fp16/fp32).
+
+    How: first make sure each pool holds a free block that is big enough for what the next
+    call allocates (a ``reserve_bytes`` tensor for the large pool, two 1 MiB tensors for the
+    small pool, filled and freed), then read ``torch.cuda.memory_snapshot()`` and memset every
+    ``inactive`` block of this device on the current stream. The caching allocator serves a
+    request from a free cached block whenever one fits, so the kernel's ``out``/``lse`` start as
+    NaN, and the memsets are ordered before the launch by the stream.
+
+    Limits: memory the allocator does not hold yet (a fresh cudaMalloc when nothing cached
+    fits) is not poisoned, hence the reserve; with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` nothing
+    is cached and this does nothing useful; with expandable segments only the reserve blocks are
+    filled (an inactive range there may be unmapped); blocks awaiting another stream and the
+    pools of CUDA graphs are skipped.
+    A kernel that writes the wrong value where it should write nothing is not caught by this
+    (the reference comparison catches it).
+    """
+    device = torch.cuda.current_device()
+    stream = torch.cuda.current_stream()
+    big = torch.empty(reserve_bytes, dtype=torch.uint8, device="cuda")
+    small = [torch.empty(1 << 20, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    ranges = []
+    for t in (big, *small):
+        t.fill_(0xFF)
+        ranges.append((t.data_ptr(), t.numel()))
+    del big, small, t
+    if _expandable_segments():
+        return Poison(ranges, complete=False)
+    try:
+        segments = torch.cuda.memory_snapshot(include_traces=False)
+    except TypeError:  # torch without include_traces
+        segments = torch.cuda.memory_snapshot()
+    ranges = []
+    for seg in segments:
+        # Only torch's default pool: free blocks of a CUDA-graph pool may still be read by a
+        # replay of that graph.
+        if seg.get("device", device) != device or tuple(seg.get("segment_pool_id", (0, 0))) != (
+            0,
+            0,
+        ):
+            continue
+        addr = seg["address"]
+        for block in seg["blocks"]:
+            if block["state"] == "inactive" and block["size"] > 0:
+                ptr = block.get("address", addr)
+                _memset_ff(ptr, block["size"], stream.cuda_stream)
+                ranges.append((ptr, block["size"]))
+            addr += block["size"]
+    return Poison(ranges, complete=True)
+
+
+def _bytes(shape, dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def _reserve_for(out_shape, dtype, lse_shape) -> int:
+    return 2 * (_bytes(out_shape, dtype) + _bytes(lse_shape, torch.float32)) + (16 << 20)
+
+
+def empty_rows(seqlen_q: int, seqlen_k: int, causal: bool, window) -> torch.Tensor:
+    """(seqlen_q,) bool: query rows that see no key under the bottom-right aligned mask.
+
+    Query i sees key j iff i + sk - sq - left <= j <= i + sk - sq + right (None: unbounded;
+    causal sets right = 0). Written independently of the reference on purpose.
+    """
+    left, right = window
+    if causal:
+        right = 0
+    i = torch.arange(seqlen_q)
+    shift = seqlen_k - seqlen_q
+    lo = torch.zeros_like(i) if left is None else (i + shift - left).clamp(min=0)
+    hi = (
+        torch.full_like(i, seqlen_k - 1)
+        if right is None
+        else (i + shift + right).clamp(max=seqlen_k - 1)
+    )
+    return lo > hi
+
+
+def check_against_ref(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    window=(None, None),
+    softcap: float = 0.0,
+    softmax_scale: float | None = None,
+) -> None:
+    """Compare (out, lse) of one batched call with attention_ref; q/k/v are (b, s, h, d)."""
+    b, sq, h, d = q.shape
+    sk, h_kv = k.shape[1], k.shape[2]
+    assert out.shape == (b, sq, h, v.shape[-1]), out.shape
+    assert lse.shape == (b, h, sq), lse.shape
+    assert lse.dtype == torch.float32
+    assert not torch.isnan(out).any(), "NaN in out (an element the kernel did not write?)"
+    assert not torch.isnan(lse).any(), "NaN in lse (an element the kernel did not write?)"
+    if sq == 0:
+        return
+    dead = empty_rows(sq, sk, causal, window).to(out.device)
+    if dead.any():
+        assert (out[:, dead] == 0).all(), "rows that see no key must be exactly 0"
+        assert torch.isneginf(lse[:, :, dead]).all(), "rows that see no key must have lse = -inf"
+    if sk == 0:
+        return
+    if h_kv != h:
+        k = k.repeat_interleave(h // h_kv, dim=2)
+        v = v.repeat_interleave(h // h_kv, dim=2)
+    kwargs = dict(softmax_scale=softmax_scale, causal=causal, window_size=window, softcap=softcap)
+    out_ref, lse_ref = attention_ref(q, k, v, upcast=True, **kwargs)
+    out_pt, lse_pt = attention_ref(q, k, v, upcast=False, reorder_ops=True, **kwargs)
+    check_close(out, out_ref, out_pt, name="out")
+    # check_close also requires the -inf of rows that see no key to match exactly.
+    check_close(lse, lse_ref, lse_pt, atol=LSE_ATOL, name="lse")
+
+
+def _qkv(b, sq, sk, h, h_kv, d, dtype, softcap=0.0):
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
+    if softcap:
+        # Spread the scores so that tanh capping actually bends them (as FA4's tests do).
+        q = (q.float() * (softcap / 4)).to(dtype)
+    k = torch.randn(b, sk, h_kv, d, device="cuda", dtype=dtype)
+    v = torch.randn(b, sk, h_kv, d, device="cuda", dtype=dtype)
+    return q, k, v
+
+
+def run_and_check(
+    b, sq, sk, h, h_kv, d, *, dtype=torch.bfloat16, causal=False, window=(None, None), softcap=0.0
+):
+    q, k, v = _qkv(b, sq, sk, h, h_kv, d, dtype, softcap)
+    poison_free_memory(_reserve_for((b, sq, h, d), dtype, (b, h, sq)))
+    out, lse = cute_fa.flash_attn_func(
+        q, k, v, causal=causal, window_size=window, softcap=softcap, return_lse=True
+    )
+    check_against_ref(out, lse, q, k, v, causal=causal, window=window, softcap=softcap)
+    return q, k, v, out, lse
+
+
+# ------------------------------------------------------------------------------------------
+# Batched sweep
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLENS, ids=[f"{a}x{b}" for a, b in SEQLENS])
+@pytest.mark.parametrize("h_kv", [6, 2, 1], ids=["mha", "gqa3", "mqa"])
+@pytest.mark.parametrize("softcap", [0.0, 15.0], ids=["nocap", "cap15"])
+@pytest.mark.parametrize("causal,window", MASKS)
+@pytest.mark.parametrize("d", HEAD_DIMS, ids=[f"d{d}" for d in HEAD_DIMS])
+def test_fwd(d, causal, window, softcap, h_kv, seqlen_q, seqlen_k):
+    batch = 2 if max(seqlen_q, seqlen_k) <= 1000 else 1
+    run_and_check(
+        batch, seqlen_q, seqlen_k, NHEADS, h_kv, d, causal=causal, window=window, softcap=softcap
+    )
+
+
+@pytest.mark.parametrize(
+    "seqlen_q,seqlen_k", [(113, 203), (1000, 1000)], ids=["113x203", "1000x1000"]
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_fwd_fp16(d, causal, seqlen_q, seqlen_k):
+    run_and_check(2, seqlen_q, seqlen_k, NHEADS, 2, d, dtype=torch.float16, causal=causal)
+
+
+@pytest.mark.parametrize(
+    "seqlen_q,seqlen_k", [(0, 0), (0, 128), (128, 0), (1, 0)], ids=["0x0", "0x128", "128x0", "1x0"]
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_fwd_seqlen_zero(d, causal, seqlen_q, seqlen_k):
+    _, _, _, out, lse = run_and_check(2, seqlen_q, seqlen_k, NHEADS, 2, d, causal=causal)
+    if seqlen_q == 0:
+        assert out.numel() == 0 and lse.numel() == 0
+    if seqlen_k == 0:
+        assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize(
+    "seqlen_q,seqlen_k,causal,window",
+    [
+        (128, 128, False, (-200, -150)),  # the band lies wholly outside the keys
+        (300, 100, True, (None, None)),  # causal with sq > sk: the first 200 rows see nothing
+        (129, 17, True, (None, None)),
+        (200, 200, False, (-190, None)),  # only the first 10 rows see a key
+        (64, 1000, False, (None, -1000)),  # right bound before key 0 for every row
+    ],
+    ids=["band-200_-150", "causal300x100", "causal129x17", "win-190_None", "winNone_-1000"],
+)
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
+def test_fwd_fully_masked_rows(d, seqlen_q, seqlen_k, causal, window):
+    assert empty_rows(seqlen_q, seqlen_k, causal, window).any()
+    _, _, _, out, lse = run_and_check(
+        2, seqlen_q, seqlen_k, NHEADS, 2, d, causal=causal, window=window
+    )
+    dead = empty_rows(seqlen_q, seqlen_k, causal, window).to(out.device)
+    assert torch.equal(out[:, dead], torch.zeros_like(out[:, dead]))
+    assert torch.isneginf(lse[:, :, dead]).all()
+    assert torch.isfinite(lse[:, :, ~dead]).all()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fwd_noncontiguous_qkv(causal):
+    """q, k, v as views of one packed (b, s, 3, h, d) tensor; GQA k/v from a packed kv too."""
+    b, s, h, d = 2, 257, NHEADS, 128
+    qkv = torch.randn(b, s, 3, h, d, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(2)
+    assert not q.is_contiguous()
+    out, lse = cute_fa.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    check_against_ref(out, lse, q, k, v, causal=causal)
+
+    q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(b, s + 31, 2, 2, d, device="cuda", dtype=torch.bfloat16)
+    k, v = kv.unbind(2)
+    out, lse = cute_fa.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    check_against_ref(out, lse, q, k, v, causal=causal)
+
+
+def test_fwd_softmax_scale_and_inputs_untouched():
+    q, k, v = _qkv(2, 150, 230, NHEADS, 3, 128, torch.bfloat16)
+    before = [t.clone() for t in (q, k, v)]
+    scale = 0.37 / math.sqrt(128)
+    out, lse = cute_fa.flash_attn_func(q, k, v, softmax_scale=scale, return_lse=True)
+    check_against_ref(out, lse, q, k, v, softmax_scale=scale)
+    for t, t0 in zip((q, k, v), before, strict=True):
+        assert torch.equal(t, t0), "inputs must not be modified"
+
+
+def test_fwd_deterministic_run_to_run():
+    q, k, v = _qkv(2, 1000, 1000, NHEADS, 2, 128, torch.bfloat16)
+    out1, lse1 = cute_fa.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    out2, lse2 = cute_fa.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+
+
+def test_poison_reaches_output():
+    """The NaN guard is live: out and lse of a call land in memory poisoned just before it."""
+    b, s, h, d = 2, 300, NHEADS, 128
+    q, k, v = _qkv(b, s, s, h, h, d, torch.bfloat16)
+    poison = poison_free_memory(_reserve_for((b, s, h, d), torch.bfloat16, (b, h, s)))
+    out, lse = cute_fa.flash_attn_func(q, k, v, return_lse=True)
+    assert poison.covers(out), "out was not allocated from poisoned memory: the NaN guard is off"
+    assert poison.covers(lse), "lse was not allocated from poisoned memory: the NaN guard is off"
+    check_against_ref(out, lse, q, k, v)
+
+
+def _compile_counter():
+    """``cute_fa.cache.compile_count`` (compiles run by this process), if the cache has one."""
+    try:
+        from cute_fa.cache import compile_count
+    except ImportError:
+        return None
+    return compile_count
+
+
+def test_new_seqlen_does_not_recompile():
+    counter = _compile_counter()
+    if counter is None:
+        pytest.skip("cute_fa.cache exposes no compile counter to observe recompiles with")
+    run_and_check(2, 128, 128, NHEADS, 2, 128, causal=True)
+    before = counter()
+    for b, sq, sk in [(1, 300, 300), (3, 77, 1000), (2, 1000, 17)]:
+        run_and_check(b, sq, sk, NHEADS, 2, 128, causal=True)
+    run_and_check(2, 128, 128, 12, 4, 128, causal=True)  # other head counts
+    assert counter() == before, "a new sequence length, batch or head count recompiled"
+
+
+# ------------------------------------------------------------------------------------------
+# Varlen
+
+LENS_Q = [17, 0, 300, 1, 129, 300, 0]
+LENS_K = [300, 17, 129, 1, 0, 17, 0]
+
+
+def _cu(lens) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+
+
+def run_varlen_and_check(
+    lens_q,
+    lens_k,
+    d,
+    *,
+    causal=False,
+    window=(None, None),
+    softcap=0.0,
+    used_k=None,
+    used_q=None,
+    h=NHEADS,
+    h_kv=2,
+    dtype=torch.bfloat16,
+):
+    """Packed varlen call; each sequence is checked on its own against attention_ref."""
+    total_q, total_k = sum(lens_q), sum(lens_k)
+    q = torch.randn(total_q, h, d, device="cuda", dtype=dtype)
+    if softcap:
+        q = (q.float() * (softcap / 4)).to(dtype)
+    k = torch.randn(total_k, h_kv, d, device="cuda", dtype=dtype)
+    v = torch.randn(total_k, h_kv, d, device="cuda", dtype=dtype)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    extra = {}
+    if used_k is not None:
+        extra["seqused_k"] = torch.tensor(used_k, dtype=torch.int32, device="cuda")
+    if used_q is not None:
+        extra["seqused_q"] = torch.tensor(used_q, dtype=torch.int32, device="cuda")
+    poison_free_memory(_reserve_for((total_q, h, d), dtype, (h, total_q)))
+    out, lse = cute_fa.flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=max(lens_q),
+        max_seqlen_k=max(lens_k),
+        causal=causal,
+        window_size=window,
+        softcap=softcap,
+        return_lse=True,
+        **extra,
+    )
+    assert out.shape == (total_q, h, d) and lse.shape == (h, total_q)
+    for i, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=True)):
+        q0, k0 = int(cu_q[i]), int(cu_k[i])
+        lq_used = lq if used_q is None else used_q[i]
+        lk_used = lk if used_k is None else used_k[i]
+        rows = slice(q0, q0 + lq_used)
+        keys = slice(k0, k0 + lk_used)
+        try:
+            check_against_ref(
+                out[rows][None],
+                lse[:, rows][None],
+                q[rows][None],
+                k[keys][None],
+                v[keys][None],
+                causal=causal,
+                window=window,
+                softcap=softcap,
+            )
+        except AssertionError as e:
+            raise AssertionError(f"sequence {i} (len_q={lq_used}, len_k={lk_used}): {e}") from e
+        if lq_used < lq:  # rows past seqused_q: 0 and -inf, as attention_varlen_ref has them
+            tail = slice(q0 + lq_used, q0 + lq)
+            assert (out[tail] == 0).all(), f"sequence {i}: rows past seqused_q must be 0"
+            assert torch.isneginf(lse[:, tail]).all(), f"sequence {i}: lse past seqused_q"
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+
+
+@pytest.mark.parametrize("causal,window", [MASKS[0], MASKS[1], MASKS[3]])
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_varlen(d, causal, window):
+    run_varlen_and_check(LENS_Q, LENS_K, d, causal=causal, window=window)
+
+
+@pytest.mark.parametrize("causal,window", [MASKS[0], MASKS[1], MASKS[3]])
+def test_varlen_random_lengths(causal, window):
+    n = 9
+    lens_q = [random.choice([0, 1, random.randrange(2, 400)]) for _ in range(n)]
+    lens_k = [random.choice([0, 1, random.randrange(2, 400)]) for _ in range(n)]
+    print(f"lens_q={lens_q} lens_k={lens_k}")
+    run_varlen_and_check(lens_q, lens_k, 128, causal=causal, window=window)
+
+
+def test_varlen_softcap():
+    run_varlen_and_check(LENS_Q, LENS_K, 128, causal=True, softcap=15.0)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_seqused_k(causal):
+    """cu_seqlens_k gives each sequence's room; seqused_k how many of those keys count."""
+    used_k = [min(lk, u) for lk, u in zip(LENS_K, [300, 5, 64, 0, 0, 17, 0], strict=True)]
+    run_varlen_and_check(LENS_Q, LENS_K, 128, causal=causal, used_k=used_k)
+
+
+def test_varlen_seqused_q():
+    """seqused_q: the used rows against the reference, the rows past it 0 with lse -inf."""
+    used_q = [min(lq, u) for lq, u in zip(LENS_Q, [10, 0, 300, 1, 0, 150, 0], strict=True)]
+    run_varlen_and_check(LENS_Q, LENS_K, 128, used_q=used_q)

@@ -1,0 +1,210 @@
+"""attention_ref and check_close against a naive per-element loop (CPU)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cute_fa.reference import attention_ref, attention_varlen_ref, check_close, visible_mask
+
+
+def naive_attention(q, k, v, scale=None, causal=False, window=(None, None), softcap=0.0, sink=None):
+    """One query row at a time in float64, straight from the definition."""
+    b, sq, h, d = q.shape
+    sk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    left, right = window
+    if causal:
+        right = 0
+    out = torch.zeros(b, sq, h, dv, dtype=torch.float64)
+    lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float64)
+    q, k, v = q.double(), k.double(), v.double()
+    for bi in range(b):
+        for hi in range(h):
+            kh = hi // (h // hk)
+            for i in range(sq):
+                diag = i + sk - sq
+                keys = [
+                    j
+                    for j in range(sk)
+                    if (left is None or j >= diag - left) and (right is None or j <= diag + right)
+                ]
+                logits = []
+                for j in keys:
+                    s = float((q[bi, i, hi] * k[bi, j, kh]).sum()) * scale
+                    if softcap > 0:
+                        s = softcap * math.tanh(s / softcap)
+                    logits.append(s)
+                extra = [] if sink is None else [float(sink[hi])]
+                if not logits and not extra:
+                    continue
+                m = max(logits + extra)
+                weights = [math.exp(s - m) for s in logits]
+                total = sum(weights) + sum(math.exp(s - m) for s in extra)
+                lse[bi, hi, i] = math.log(total) + m
+                for w, j in zip(weights, keys, strict=True):
+                    out[bi, i, hi] += w / total * v[bi, j, kh]
+    return out, lse
+
+
+def rand(*shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+WINDOWS = [
+    (False, (None, None)),
+    (True, (None, None)),
+    (False, (None, 0)),
+    (False, (1, 1)),
+    (False, (0, 0)),
+    (False, (2, None)),
+    (False, (None, 2)),
+    (False, (-1, 2)),
+    (False, (3, -2)),
+    (False, (None, -2)),
+    (False, (-3, None)),
+    (False, (-2, -2)),  # left + right < 0: no row sees a key (taken literally)
+    (True, (1, None)),  # causal with a left bound: local (1, 0)
+    (True, (None, 5)),  # causal overrides the right bound
+]
+
+
+@pytest.mark.parametrize("causal,window", WINDOWS, ids=[f"{c}-{w}" for c, w in WINDOWS])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (3, 5), (5, 3), (4, 4)])
+def test_matches_naive_loop(sq, sk, causal, window):
+    q, k, v = rand(2, sq, 4, 8, seed=1), rand(2, sk, 2, 8, seed=2), rand(2, sk, 2, 16, seed=3)
+    out, lse = attention_ref(q, k, v, causal=causal, window_size=window)
+    out_n, lse_n = naive_attention(q, k, v, causal=causal, window=window)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    assert out.shape == (2, sq, 4, 16) and lse.shape == (2, 4, sq)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    torch.testing.assert_close(out.double(), out_n, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_n))
+    finite = torch.isfinite(lse_n)
+    torch.testing.assert_close(lse.double()[finite], lse_n[finite], atol=1e-5, rtol=1e-5)
+
+
+def test_softcap_scale_and_sink():
+    q, k, v = rand(1, 4, 2, 8, seed=4) * 3, rand(1, 6, 2, 8, seed=5), rand(1, 6, 2, 8, seed=6)
+    sink = torch.tensor([0.5, -1.0])
+    kw = dict(softmax_scale=0.7, causal=True, softcap=2.0)
+    out, lse = attention_ref(q, k, v, learnable_sink=sink, **kw)
+    out_n, lse_n = naive_attention(q, k, v, scale=0.7, causal=True, softcap=2.0, sink=sink)
+    torch.testing.assert_close(out.double(), out_n, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), lse_n, atol=1e-5, rtol=1e-5)
+
+
+def test_fully_masked_rows_are_zero_with_neg_inf_lse():
+    # causal with sq > sk: the first sq - sk rows see nothing.
+    q, k, v = rand(1, 6, 2, 8, dtype=torch.bfloat16), rand(1, 2, 2, 8), rand(1, 2, 2, 8)
+    k, v = k.bfloat16(), v.bfloat16()
+    for upcast in (True, False):
+        out, lse = attention_ref(q, k, v, causal=True, upcast=upcast)
+        assert out.dtype == (torch.float32 if upcast else torch.bfloat16)
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+        assert (out[:, :4] == 0).all() and torch.isneginf(lse[:, :, :4]).all()
+        assert torch.isfinite(lse[:, :, 4:]).all()
+
+
+@pytest.mark.parametrize("sq,sk", [(0, 5), (5, 0), (0, 0)])
+def test_zero_length(sq, sk):
+    q, k, v = rand(2, sq, 2, 8), rand(2, sk, 1, 8), rand(2, sk, 1, 8)
+    out, lse = attention_ref(q, k, v, causal=True)
+    assert out.shape == (2, sq, 2, 8) and lse.shape == (2, 2, sq)
+    if sq:
+        assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_same_dtype_baseline_is_close_but_not_exact():
+    q, k, v = (rand(1, 64, 2, 64, seed=s).bfloat16() for s in (7, 8, 9))
+    out_ref, lse_ref = attention_ref(q, k, v)
+    out_pt, lse_pt = attention_ref(q, k, v, upcast=False)
+    out_pt2, _ = attention_ref(q, k, v, upcast=False, reorder_ops=True)
+    assert out_pt.dtype == torch.bfloat16 and lse_pt.dtype == torch.float32
+    err = (out_pt.float() - out_ref).abs().max()
+    assert 0 < err < 0.05
+    assert (out_pt2.float() - out_ref).abs().max() < 0.05
+    check_close(out_pt, out_ref, out_pt2)
+
+
+def test_visible_mask_bottom_right_aligned():
+    m = visible_mask(2, 4, None, 0)
+    assert m.tolist() == [[True, True, True, False], [True, True, True, True]]
+    m = visible_mask(3, 3, 1, -1)  # only the key just before the diagonal
+    assert m.tolist() == [[False, False, False], [True, False, False], [False, True, False]]
+
+
+def test_varlen_ref_matches_per_sequence():
+    lens_q, lens_k = [3, 0, 5], [4, 2, 5]
+    cu_q = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 6, 11], dtype=torch.int32)
+    q, k, v = rand(sum(lens_q), 2, 8, seed=1), rand(sum(lens_k), 1, 8, seed=2), rand(11, 1, 8)
+    used_q = torch.tensor([2, 0, 5], dtype=torch.int32)
+    out, lse = attention_varlen_ref(q, k, v, cu_q, cu_k, seqused_q=used_q, causal=True)
+    assert out.shape == (8, 2, 8) and lse.shape == (2, 8)
+    o0, l0 = attention_ref(q[None, 0:2], k[None, 0:4], v[None, 0:4], causal=True)
+    torch.testing.assert_close(out[0:2], o0[0])
+    torch.testing.assert_close(lse[:, 0:2], l0[0])
+    assert (out[2] == 0).all() and torch.isneginf(lse[:, 2]).all()  # past seqused_q
+    o2, l2 = attention_ref(q[None, 3:8], k[None, 6:11], v[None, 6:11], causal=True)
+    torch.testing.assert_close(out[3:8], o2[0])
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    sq=st.integers(0, 5),
+    sk=st.integers(0, 5),
+    left=st.one_of(st.none(), st.integers(-4, 4)),
+    right=st.one_of(st.none(), st.integers(-4, 4)),
+    causal=st.booleans(),
+    softcap=st.sampled_from([0.0, 1.5]),
+)
+def test_property_matches_naive(sq, sk, left, right, causal, softcap):
+    q, k, v = rand(1, sq, 2, 8, seed=11), rand(1, sk, 1, 8, seed=12), rand(1, sk, 1, 8, seed=13)
+    out, lse = attention_ref(q, k, v, causal=causal, window_size=(left, right), softcap=softcap)
+    out_n, lse_n = naive_attention(q, k, v, causal=causal, window=(left, right), softcap=softcap)
+    torch.testing.assert_close(out.double(), out_n, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_n))
+    finite = torch.isfinite(lse_n)
+    torch.testing.assert_close(lse.double()[finite], lse_n[finite], atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# check_close
+
+
+def test_check_close_passes_within_twice_the_baseline():
+    ref = torch.linspace(-1, 1, 100)
+    pt = ref + 0.01
+    check_close(ref + 0.019, ref, pt)
+    with pytest.raises(AssertionError, match=r"max \|out - ref\|"):
+        check_close(ref + 0.05, ref, pt)
+
+
+def test_check_close_default_atol_is_a_few_ulps():
+    ref = torch.ones(10)
+    eps = torch.finfo(torch.bfloat16).eps
+    check_close((ref + eps).bfloat16(), ref, ref.bfloat16())  # exact baseline, 1 ulp off: ok
+    with pytest.raises(AssertionError):
+        check_close(ref + 10 * eps, ref, ref.bfloat16())
+
+
+def test_check_close_infinities_and_nan():
+    ref = torch.tensor([float("-inf"), 1.0, 2.0])
+    check_close(ref.clone(), ref, ref.clone(), name="lse")
+    with pytest.raises(AssertionError, match="infinities differ"):
+        check_close(torch.tensor([0.0, 1.0, 2.0]), ref, ref)
+    with pytest.raises(AssertionError, match="infinities differ"):
+        check_close(torch.tensor([float("-inf")] * 3), ref, ref)
+    with pytest.raises(AssertionError, match="NaN"):
+        check_close(torch.tensor([float("-inf"), float("nan"), 2.0]), ref, ref)
+
+
+def test_check_close_shape_mismatch():
+    with pytest.raises(AssertionError, match="shape"):
+        check_close(torch.zeros(3), torch.zeros(4), torch.zeros(4))
