@@ -167,6 +167,7 @@ class _Shapes(NamedTuple):
     head_dim_v: int
     varlen_q: bool
     varlen_k: bool
+    request: dispatch.FwdRequest  # what the call asks of a kernel (the compile key, less arch)
 
 
 def _shape_str(t: torch.Tensor) -> str:
@@ -326,6 +327,7 @@ def _check_metadata(
         head_dim_v=head_dim_v,
         varlen_q=varlen_q,
         varlen_k=varlen_k,
+        request=request,
     )
 
 
@@ -379,6 +381,8 @@ def _check_values_and_max_seqlen_q(
     parts = [t for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) if t is not None]
     if not parts:
         return shapes.seqlen_q
+    if len({t.device for t in parts}) > 1:  # mixed devices: the device check names them next
+        parts = [t.cpu() for t in parts]
     values = iter(torch.cat([t.reshape(-1) for t in parts]).tolist())
     batch = shapes.batch
 
@@ -481,18 +485,7 @@ def _fwd_impl(
         shapes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, check_values
     )
     device = _check_device(named)
-    request = dispatch.FwdRequest(
-        dtype=_DTYPE_NAMES[q.dtype],
-        head_dim=shapes.head_dim,
-        head_dim_v=shapes.head_dim_v,
-        causal=causal,
-        local=local,
-        has_softcap=softcap > 0,
-        varlen_q=shapes.varlen_q,
-        varlen_k=shapes.varlen_k,
-        seqused_q=seqused_q is not None,
-        seqused_k=seqused_k is not None,
-    )
+    request = shapes.request
     if (device.index, request) not in _launchers:
         dispatch.fwd_plan(_capability(device), request)  # NotImplementedError before any work
 
