@@ -234,7 +234,7 @@ def _demo_cpu(targets: list[str], head_dims: list[int]) -> int:
     for target in targets:
         for d in head_dims:
             for causal in (False, True):
-                tile_m, tile_n, warps = sm80_fwd_tile(d, target)
+                tile_m, tile_n, warps = sm80_fwd_tile(d, target, causal)
                 config = FwdConfig(
                     arch=80, target=target, dtype="bf16", head_dim=d, head_dim_v=d,
                     tile_m=tile_m, tile_n=tile_n, num_warps=warps, causal=causal,

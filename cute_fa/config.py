@@ -126,8 +126,17 @@ SM80_FWD_TILES_SMALL_SMEM = {
 }
 
 
-def sm80_fwd_tile(head_dim: int, target: str) -> tuple[int, int, int]:
+# Causal overrides: causal grids are short on work per query block, where smaller tiles keep more
+# CTAs per SM. d256 causal: 64x64 w4 283 TFLOPs vs 128x64 w8 270 at s2k on the H200 (the standard
+# grid run of 2026-11-30 had 128x64 w8 at 0.99x-1.00x SDPA FLASH for s2k/s4k).
+SM80_FWD_TILES_CAUSAL = {256: (64, 64, 4)}
+
+
+def sm80_fwd_tile(head_dim: int, target: str, causal: bool = False) -> tuple[int, int, int]:
     """(tile_m, tile_n, num_warps) of the sm80 forward kernel for a head dim and target."""
+    big_smem = SMEM_CAPACITY.get(target, 0) >= 160 * 1024
+    if causal and big_smem and head_dim in SM80_FWD_TILES_CAUSAL:
+        return SM80_FWD_TILES_CAUSAL[head_dim]
     table = SM80_FWD_TILES if SMEM_CAPACITY.get(target, 0) >= 160 * 1024 else SM80_FWD_TILES_SMALL_SMEM
     if head_dim not in table:
         raise NotImplementedError(

@@ -88,7 +88,7 @@ def fwd_kernel_class(arch: int) -> type:
 
 
 def _sm80_config(target: str, request: FwdRequest) -> FwdConfig:
-    tile_m, tile_n, num_warps = sm80_fwd_tile(request.head_dim, target)
+    tile_m, tile_n, num_warps = sm80_fwd_tile(request.head_dim, target, request.causal)
     flags = {f.name: getattr(request, f.name) for f in fields(request)}
     return FwdConfig(
         arch=80, target=target, tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, **flags
