@@ -388,7 +388,8 @@ class FlashAttentionForwardSm80:
         self.load_kv(copy_g2s, tVgV, tVsV, tKVcKV, n_block, seqlen_k, is_first, True)
         cute.arch.cp_async_commit_group()
 
-        acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        acc_shape_S = thr_mma.partition_shape_C((self.tile_m, self.tile_n))
+        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
         acc_S.fill(0.0)
         gemm(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSrQ_view, tSsK, tSrK_view, s2r_Q, s2r_K)
         if cutlass.const_expr(self.has_softcap):

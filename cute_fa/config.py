@@ -137,7 +137,7 @@ def sm80_fwd_tile(head_dim: int, target: str, causal: bool = False) -> tuple[int
     big_smem = SMEM_CAPACITY.get(target, 0) >= 160 * 1024
     if causal and big_smem and head_dim in SM80_FWD_TILES_CAUSAL:
         return SM80_FWD_TILES_CAUSAL[head_dim]
-    table = SM80_FWD_TILES if SMEM_CAPACITY.get(target, 0) >= 160 * 1024 else SM80_FWD_TILES_SMALL_SMEM
+    table = SM80_FWD_TILES if big_smem else SM80_FWD_TILES_SMALL_SMEM
     if head_dim not in table:
         raise NotImplementedError(
             f"head_dim={head_dim} is not supported by the sm80 forward kernel "

@@ -56,7 +56,8 @@ def block_range(
         col_first = m_block * tile_m + offset - window_left  # first key of the first row
         n_min = cutlass.max(col_first, 0) // tile_n
         col_first_last_row = row_last + offset - window_left  # the last row starts furthest right
-        n_min_no_left = cutlass.max(cute.ceil_div(cutlass.max(col_first_last_row, 0), tile_n), n_min)
+        n_min_no_left = cute.ceil_div(cutlass.max(col_first_last_row, 0), tile_n)
+        n_min_no_left = cutlass.max(n_min_no_left, n_min)
     return n_min, n_max, n_no_right, n_min_no_left
 
 

@@ -61,7 +61,7 @@ def _add(a, b):
 
 
 class OnlineSoftmax:
-    """Per-thread running max and sum of the rows this thread holds (Note [base-2 online softmax])."""
+    """Running max and sum of the rows a thread holds (Note [base-2 online softmax])."""
 
     def __init__(self, scale_log2: Float32, num_rows: int):
         self.scale_log2 = scale_log2
@@ -87,7 +87,7 @@ class OnlineSoftmax:
         ``check_inf``: rows may still be fully masked (-inf max); needed on masked blocks.
         """
         S = mn_view(acc_S)
-        O = mn_view(acc_O)
+        o_mn = mn_view(acc_O)
         for r in cutlass.range_constexpr(self.num_rows):
             row = S[r, None].load()
             m_cur = quad_allreduce(row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0), _fmax)
@@ -104,19 +104,19 @@ class OnlineSoftmax:
             if cutlass.const_expr(not is_first):
                 corr = cute.math.exp2(m_prev * self.scale_log2 - m_scaled, fastmath=True)
                 row_sum = row_sum + self.row_sum[r] * corr
-                O[r, None].store(O[r, None].load() * corr)
+                o_mn[r, None].store(o_mn[r, None].load() * corr)
             self.row_max[r] = m_new
             self.row_sum[r] = row_sum
 
     @cute.jit
     def finalize(self, acc_O: cute.Tensor, lse: cute.Tensor):
-        """Normalise ``acc_O`` by the row sums and write the natural-log LSE of each row to ``lse``."""
-        O = mn_view(acc_O)
+        """Normalise ``acc_O`` by the row sums; write each row's natural-log LSE to ``lse``."""
+        o_mn = mn_view(acc_O)
         for r in cutlass.range_constexpr(self.num_rows):
             row_sum = quad_allreduce(self.row_sum[r], _add)
             empty = row_sum == 0.0
             inv = 0.0 if empty else cute.arch.rcp_approx(row_sum)
-            O[r, None].store(O[r, None].load() * inv)
+            o_mn[r, None].store(o_mn[r, None].load() * inv)
             lse[r] = (
                 -Float32.inf
                 if empty
