@@ -109,6 +109,15 @@ def resolve_window(
     return False, True, left, right
 
 
+def _window_args(causal, window_size) -> tuple[bool, int | None, int | None]:
+    """(causal, window_left, window_right) for the op; the common no-window case skips
+    ``resolve_window``."""
+    if window_size is None or (type(window_size) is tuple and window_size == (None, None)):
+        return (True, None, 0) if causal else (False, None, None)
+    causal, _, left, right = resolve_window(causal, window_size)
+    return causal, left, right
+
+
 def _kernel_window(local: bool, left: int | None, right: int | None) -> tuple[int, int]:
     if not local:
         return 0, 0
@@ -331,9 +340,9 @@ def _check_metadata(
     )
 
 
-def _check_alignment(tensors) -> None:
-    for t, name in tensors:
-        if t is not None and t.numel() > 0 and t.data_ptr() % ALIGN_BYTES != 0:
+def _check_alignment(q, k, v) -> None:
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        if t.data_ptr() % ALIGN_BYTES != 0 and t.numel() > 0:
             raise ValueError(
                 f"{name}.data_ptr() must be {ALIGN_BYTES}-byte aligned, got {t.data_ptr():#x} "
                 f"(a view at an odd offset?); pass {name}.clone()"
@@ -419,7 +428,8 @@ def _check_values_and_max_seqlen_q(
     return max_seqlen_q
 
 
-def _check_device(named_tensors) -> torch.device:
+def _device_of(*named_tensors) -> torch.device:
+    """The one CUDA device of all given tensors (ValueError otherwise)."""
     device = None
     for t, name in named_tensors:
         if t is None:
@@ -437,11 +447,6 @@ def _check_device(named_tensors) -> torch.device:
     return device
 
 
-# --------------------------------------------------------------------------------------------
-# Launch
-
-
-_launchers: dict[tuple, object] = {}
 _capabilities: dict[int, tuple[int, int]] = {}
 
 
@@ -453,72 +458,164 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return cap
 
 
-def _launcher(device: torch.device, request: dispatch.FwdRequest):
-    key = (device.index, request)
-    fn = _launchers.get(key)
-    if fn is None:
-        from .cache import fwd_cache
+def _compiled_kernel(config):
+    """The launchable kernel of a compile key (the compile cache: memory, disk, compile)."""
+    from .cache import fwd_cache
 
-        _, config = dispatch.fwd_plan(_capability(device), request)
-        fn = _launchers[key] = fwd_cache().get(config)
-    return fn
+    return fwd_cache().get(config)
+
+
+class _Plan(NamedTuple):
+    """Everything a call with a given input signature needs that is not a pointer or a value:
+    built once per signature by the full checks, then reused (Note [launch plans])."""
+
+    kernel: object  # the compiled kernel (a tvm_ffi.Function)
+    device: torch.device
+    out_shape: tuple
+    lse_shape: tuple
+    varlen_q: bool
+    varlen_k: bool
+    seqlen_q: int
+    seqused_q: bool
+    has_int_metadata: bool  # cu_seqlens / seqused present: their values are checked per call
+    no_work: bool  # out is empty or there are no keys: no launch
+    window_left: int
+    window_right: int
+    shapes: _Shapes
+
+
+# Note [launch plans]
+# ~~~~~~~~~~~~~~~~~~~
+# The metadata checks, the device check, dispatch and the compile-cache lookup depend only on
+# the input signature: shapes, strides, dtypes and devices of the tensors, plus the mask flags.
+# ``_plans`` maps that signature to a ``_Plan`` made by the full, ordered checks on its first
+# call; later calls with the same signature pay for the key, the pointer-alignment check, the
+# value checks of varlen metadata (when present), two allocations and the launch. A plan is
+# stored only once every check, the device check included, has passed. The table is bounded:
+# it is cleared when it outgrows ``_MAX_PLANS`` (workloads with ever new shapes just re-check).
+_plans: dict[tuple, _Plan] = {}
+_MAX_PLANS = 4096
+
+
+def _tensor_key(t):
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _make_plan(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    seqused_q,
+    seqused_k,
+    max_seqlen_q,
+    causal,
+    window_left,
+    window_right,
+    softcap,
+) -> tuple[_Plan, int]:
+    """The full, ordered checks (module docstring); returns the plan and max_seqlen_q."""
+    causal, local, window_left, window_right = resolve_window(causal, (window_left, window_right))
+    shapes = _check_metadata(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+        causal=causal, local=local, softcap=softcap,
+    )  # fmt: skip
+    _check_alignment(q, k, v)
+    max_seqlen_q = _check_values_and_max_seqlen_q(
+        shapes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, _check_values(q)
+    )
+    device = _device_of(
+        (q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"),
+        (cu_seqlens_k, "cu_seqlens_k"), (seqused_q, "seqused_q"), (seqused_k, "seqused_k"),
+    )  # fmt: skip
+    if shapes.varlen_q:
+        lse_shape = (shapes.nheads, shapes.seqlen_q)
+    else:
+        lse_shape = (shapes.batch, shapes.nheads, shapes.seqlen_q)
+    out_shape = (*q.shape[:-1], shapes.head_dim_v)
+    no_work = math.prod(out_shape) == 0 or k.numel() == 0
+    # Dispatch (NotImplementedError) even when there is nothing to launch; compile only when
+    # there is.
+    _, config = dispatch.fwd_plan(_capability(device), shapes.request)
+    kernel = None if no_work else _compiled_kernel(config)
+    wl, wr = _kernel_window(local, window_left, window_right)
+    plan = _Plan(
+        kernel=kernel,
+        device=device,
+        out_shape=out_shape,
+        lse_shape=lse_shape,
+        varlen_q=shapes.varlen_q,
+        varlen_k=shapes.varlen_k,
+        seqlen_q=shapes.seqlen_q,
+        seqused_q=seqused_q is not None,
+        has_int_metadata=any(
+            t is not None for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+        ),
+        no_work=no_work,
+        window_left=wl,
+        window_right=wr,
+        shapes=shapes,
+    )
+    return plan, max_seqlen_q
+
+
+def _check_values(q) -> bool:
+    """Whether to read and check the varlen metadata values (a host sync) on this call."""
+    return not SKIP_VALUE_CHECKS and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def _fwd_impl(
     q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
     softmax_scale, causal, window_left, window_right, softcap,
 ):  # fmt: skip
-    causal, local, window_left, window_right = resolve_window(causal, (window_left, window_right))
-    shapes = _check_metadata(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-        causal=causal, local=local, softcap=softcap,
+    key = (
+        _tensor_key(q), _tensor_key(k), _tensor_key(v), _tensor_key(cu_seqlens_q),
+        _tensor_key(cu_seqlens_k), _tensor_key(seqused_q), _tensor_key(seqused_k),
+        causal, window_left, window_right, softcap > 0,
     )  # fmt: skip
-    named = (
-        (q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"),
-        (cu_seqlens_k, "cu_seqlens_k"), (seqused_q, "seqused_q"), (seqused_k, "seqused_k"),
-    )  # fmt: skip
-    _check_alignment(named[:3])
-    check_values = not SKIP_VALUE_CHECKS and not (
-        q.is_cuda and torch.cuda.is_current_stream_capturing()
-    )
-    max_seqlen_q = _check_values_and_max_seqlen_q(
-        shapes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, check_values
-    )
-    device = _check_device(named)
-    request = shapes.request
-    if (device.index, request) not in _launchers:
-        dispatch.fwd_plan(_capability(device), request)  # NotImplementedError before any work
-
-    out_shape = (*q.shape[:-1], shapes.head_dim_v)
-    if shapes.varlen_q:
-        lse_shape = (shapes.nheads, shapes.seqlen_q)
+    plan = _plans.get(key)
+    if plan is None:
+        plan, max_seqlen_q = _make_plan(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+            causal, window_left, window_right, softcap,
+        )  # fmt: skip
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
     else:
-        lse_shape = (shapes.batch, shapes.nheads, shapes.seqlen_q)
-    if seqused_q is not None:  # rows past seqused_q belong to no sequence: 0 and -inf
-        out = torch.zeros(out_shape, dtype=q.dtype, device=device)
-        lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=device)
-    else:
-        out = torch.empty(out_shape, dtype=q.dtype, device=device)
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
-    if out.numel() == 0:
-        return out, lse
-    if k.numel() == 0:  # no keys at all: every row sees nothing
-        out.zero_()
-        lse.fill_(float("-inf"))
-        return out, lse
+        _check_alignment(q, k, v)
+        if plan.has_int_metadata:
+            max_seqlen_q = _check_values_and_max_seqlen_q(
+                plan.shapes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                _check_values(q),
+            )  # fmt: skip
+    if not plan.varlen_q:
+        max_seqlen_q = plan.seqlen_q
 
-    fn = _launcher(device, request)
-    wl, wr = _kernel_window(local, window_left, window_right)
+    device = plan.device
+    if plan.seqused_q:  # rows past seqused_q belong to no sequence: 0 and -inf
+        out = torch.zeros(plan.out_shape, dtype=q.dtype, device=device)
+        lse = torch.full(plan.lse_shape, float("-inf"), dtype=torch.float32, device=device)
+    else:
+        out = torch.empty(plan.out_shape, dtype=q.dtype, device=device)
+        lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=device)
+    if plan.no_work:
+        if out.numel():  # no keys at all: every row sees nothing
+            out.zero_()
+            lse.fill_(float("-inf"))
+        return out, lse
     # The kernels take 4-D q/k/v/out and 3-D lse: packed varlen tensors get a batch dim of 1.
-    q4, out4, lse3 = (
-        (q, out, lse)
-        if not shapes.varlen_q
-        else (q.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0))
-    )
-    k4, v4 = (k, v) if not shapes.varlen_k else (k.unsqueeze(0), v.unsqueeze(0))
-    fn(
-        q4, k4, v4, out4, lse3, softmax_scale, softcap, wl, wr, max_seqlen_q,
-        cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+    if plan.varlen_q:
+        q4, out4, lse3 = q.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0)
+    else:
+        q4, out4, lse3 = q, out, lse
+    k4, v4 = (k.unsqueeze(0), v.unsqueeze(0)) if plan.varlen_k else (k, v)
+    plan.kernel(
+        q4, k4, v4, out4, lse3, softmax_scale, softcap, plan.window_left, plan.window_right,
+        max_seqlen_q, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
     )  # fmt: skip
     return out, lse
 
@@ -622,16 +719,32 @@ class _FlashAttnForward(torch.autograd.Function):
         return dq, dk, dv, *([None] * 10)
 
 
-def _requires_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
-    )
+def _requires_grad(q, k, v) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
-def _forward(q, k, v, *args):
-    if _requires_grad(q, k, v):
+def _forward(requires_grad: bool, q, k, v, *args):
+    """Forward with autograd when needed; eager calls on plain CUDA tensors skip the
+    dispatcher (Note [eager fast path])."""
+    if requires_grad:
         return _FlashAttnForward.apply(q, k, v, *args)
+    if (
+        type(q) is torch.Tensor
+        and q.is_cuda
+        and not torch.compiler.is_compiling()
+        and not torch._C._len_torch_dispatch_stack()
+        and not torch._C._is_torch_function_mode_enabled()
+    ):
+        return _fwd_impl(q, k, v, *args)
     return _fwd_op(q, k, v, *args)
+
+
+# Note [eager fast path]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# ``torch.ops.cute_fa.fwd`` is what torch.compile, export, fake tensors and dispatch modes see.
+# A plain eager call (a CUDA ``torch.Tensor``, nothing being traced, no torch dispatch or
+# function mode active, no autograd needed) calls the op's CUDA implementation directly: the
+# same function the dispatcher would reach, without its ~10 us of argument boxing.
 
 
 # --------------------------------------------------------------------------------------------
@@ -672,28 +785,45 @@ def flash_attn_func(
     flash_attn.cute that cute_fa does not implement yet raise NotImplementedError when set
     (``python -m cute_fa features`` lists them). ``deterministic`` only concerns the backward.
     """
-    _reject_unimplemented(
-        qv=qv,
-        gather_kv_indices=gather_kv_indices,
-        learnable_sink=learnable_sink,
-        num_splits=num_splits,
-        pack_gqa=pack_gqa,
-        score_mod=score_mod,
-        score_mod_bwd=score_mod_bwd,
-        mask_mod=mask_mod,
-        aux_tensors=aux_tensors,
-        aux_scalars=aux_scalars,
-        block_sparse_tensors=block_sparse_tensors,
-        block_sparse_tensors_bwd=block_sparse_tensors_bwd,
-    )
+    if not (
+        qv is None
+        and gather_kv_indices is None
+        and learnable_sink is None
+        and num_splits == 1
+        and not pack_gqa
+        and score_mod is None
+        and score_mod_bwd is None
+        and mask_mod is None
+        and aux_tensors is None
+        and aux_scalars is None
+        and block_sparse_tensors is None
+        and block_sparse_tensors_bwd is None
+    ):
+        _reject_unimplemented(
+            qv=qv,
+            gather_kv_indices=gather_kv_indices,
+            learnable_sink=learnable_sink,
+            num_splits=num_splits,
+            pack_gqa=pack_gqa,
+            score_mod=score_mod,
+            score_mod_bwd=score_mod_bwd,
+            mask_mod=mask_mod,
+            aux_tensors=aux_tensors,
+            aux_scalars=aux_scalars,
+            block_sparse_tensors=block_sparse_tensors,
+            block_sparse_tensors_bwd=block_sparse_tensors_bwd,
+        )
     _check_tensor(q, "q")
-    causal, _, window_left, window_right = resolve_window(causal, window_size)
+    _check_tensor(k, "k")
+    _check_tensor(v, "v")
+    causal, window_left, window_right = _window_args(causal, window_size)
     scale = _resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
+    requires_grad = _requires_grad(q, k, v)
     out, lse = _forward(
-        q, k, v, None, None, None, None, None,
+        requires_grad, q, k, v, None, None, None, None, None,
         scale, causal, window_left, window_right, _resolve_softcap(softcap),
     )  # fmt: skip
-    return out, (lse if return_lse or _requires_grad(q, k, v) else None)
+    return out, (lse if return_lse or requires_grad else None)
 
 
 def flash_attn_varlen_func(
@@ -740,31 +870,50 @@ def flash_attn_varlen_func(
     ``min_seqlen_k`` and ``disable_scheduler_metadata`` are accepted and not needed. Sequence
     metadata rules and checks: see the module docstring.
     """
-    _reject_unimplemented(
-        qv=qv,
-        gather_kv_indices=gather_kv_indices,
-        page_table=page_table,
-        learnable_sink=learnable_sink,
-        num_splits=num_splits,
-        pack_gqa=pack_gqa,
-        score_mod=score_mod,
-        score_mod_bwd=score_mod_bwd,
-        mask_mod=mask_mod,
-        block_sparse_tensors=block_sparse_tensors,
-        aux_tensors=aux_tensors,
-        aux_scalars=aux_scalars,
-        scheduler_metadata=scheduler_metadata,
-        seqlen_k_per_split=seqlen_k_per_split,
-    )
+    if not (
+        qv is None
+        and gather_kv_indices is None
+        and page_table is None
+        and learnable_sink is None
+        and num_splits == 1
+        and not pack_gqa
+        and score_mod is None
+        and score_mod_bwd is None
+        and mask_mod is None
+        and block_sparse_tensors is None
+        and aux_tensors is None
+        and aux_scalars is None
+        and scheduler_metadata is None
+        and seqlen_k_per_split is None
+    ):
+        _reject_unimplemented(
+            qv=qv,
+            gather_kv_indices=gather_kv_indices,
+            page_table=page_table,
+            learnable_sink=learnable_sink,
+            num_splits=num_splits,
+            pack_gqa=pack_gqa,
+            score_mod=score_mod,
+            score_mod_bwd=score_mod_bwd,
+            mask_mod=mask_mod,
+            block_sparse_tensors=block_sparse_tensors,
+            aux_tensors=aux_tensors,
+            aux_scalars=aux_scalars,
+            scheduler_metadata=scheduler_metadata,
+            seqlen_k_per_split=seqlen_k_per_split,
+        )
     _check_tensor(q, "q")
+    _check_tensor(k, "k")
+    _check_tensor(v, "v")
     if max_seqlen_q is not None:
         max_seqlen_q = int(max_seqlen_q)
         if max_seqlen_q < 0:
             raise ValueError(f"max_seqlen_q must be >= 0, got {max_seqlen_q}")
-    causal, _, window_left, window_right = resolve_window(causal, window_size)
+    causal, window_left, window_right = _window_args(causal, window_size)
     scale = _resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
+    requires_grad = _requires_grad(q, k, v)
     out, lse = _forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+        requires_grad, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
         scale, causal, window_left, window_right, _resolve_softcap(softcap),
     )  # fmt: skip
-    return out, (lse if return_lse or _requires_grad(q, k, v) else None)
+    return out, (lse if return_lse or requires_grad else None)

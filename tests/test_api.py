@@ -173,6 +173,145 @@ def test_op_schema():
 
 
 # --------------------------------------------------------------------------------------------
+# The launch path on CPU, with a stand-in for the device, its capability and the kernel
+
+
+class FakeKernel:
+    """Records each launch; writes 1 to out and 2 to lse unless ``write`` is False."""
+
+    def __init__(self, write: bool = True):
+        self.write = write
+        self.launches = []
+        self.configs = []
+
+    def __call__(self, q, k, v, out, lse, scale, softcap, wl, wr, max_seqlen_q, *metadata):
+        self.launches.append(
+            dict(
+                shapes=[tuple(t.shape) for t in (q, k, v, out, lse)],
+                scalars=(scale, softcap, wl, wr, max_seqlen_q),
+                metadata=metadata,
+            )
+        )
+        if self.write:
+            out.fill_(1.0)
+            lse.fill_(2.0)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """CPU tensors pass the device check, the device is an sm90, the kernel is a FakeKernel."""
+    from cute_fa import interface
+
+    kernel = FakeKernel()
+
+    def compiled_kernel(config):
+        kernel.configs.append(config)
+        return kernel
+
+    monkeypatch.setattr(interface, "_plans", {})
+    monkeypatch.setattr(interface, "_device_of", lambda *named: named[0][0].device)
+    monkeypatch.setattr(interface, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(interface, "_compiled_kernel", compiled_kernel)
+    return kernel
+
+
+def cpu_qkv(b=2, sq=16, sk=24, h=4, hk=2, d=64):
+    return (
+        torch.randn(b, sq, h, d).bfloat16(),
+        torch.randn(b, sk, hk, d).bfloat16(),
+        torch.randn(b, sk, hk, d).bfloat16(),
+    )
+
+
+def test_launch_follows_the_kernel_protocol(fake_gpu):
+    q, k, v = cpu_qkv()
+    out, lse = flash_attn_func(q, k, v, causal=True, softcap=3.0, return_lse=True)
+    assert (out == 1).all() and (lse == 2).all()
+    (launch,) = fake_gpu.launches
+    assert launch["shapes"] == [(2, 16, 4, 64), (2, 24, 2, 64), (2, 24, 2, 64), (2, 16, 4, 64),
+                                (2, 4, 16)]  # fmt: skip
+    assert launch["scalars"] == (pytest.approx(64**-0.5), 3.0, 0, 0, 16)
+    assert launch["metadata"] == (None, None, None, None)
+    (config,) = fake_gpu.configs
+    assert config.target == "sm_90a" and config.head_dim == 64
+    assert config.causal and config.has_softcap and not config.local
+
+    flash_attn_func(q, k, v, window_size=(None, 5), softmax_scale=0.5)
+    assert fake_gpu.launches[-1]["scalars"] == (0.5, 0.0, WINDOW_INF, 5, 16)
+    assert fake_gpu.configs[-1].local
+
+
+def test_varlen_launch(fake_gpu):
+    lens = [3, 0, 5]
+    cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+    q, k = torch.randn(8, 4, 64).bfloat16(), torch.randn(8, 2, 64).bfloat16()
+    out, lse = flash_attn_varlen_func(q, k, k, cu_seqlens_q=cu, cu_seqlens_k=cu, return_lse=True)
+    assert out.shape == (8, 4, 64) and lse.shape == (4, 8)
+    assert (out == 1).all() and (lse == 2).all()  # the kernel wrote through the 4-D views
+    launch = fake_gpu.launches[-1]
+    assert launch["shapes"][0] == (1, 8, 4, 64) and launch["shapes"][4] == (1, 4, 8)
+    assert launch["scalars"][-1] == max(lens)  # max_seqlen_q from cu_seqlens_q
+    assert launch["metadata"][0] is cu and launch["metadata"][1] is cu
+    flash_attn_varlen_func(q, k, k, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7)
+    assert fake_gpu.launches[-1]["scalars"][-1] == 7
+
+
+def test_plans_are_reused_and_values_still_checked(fake_gpu):
+    from cute_fa import interface
+
+    q, k, v = cpu_qkv()
+    for _ in range(3):
+        flash_attn_func(q, k, v, causal=True)
+    assert len(fake_gpu.configs) == 1 and len(interface._plans) == 1
+    assert len(fake_gpu.launches) == 3
+    flash_attn_func(*cpu_qkv(sq=33), causal=True)  # a new signature: a new plan, same request
+    assert len(interface._plans) == 2 and fake_gpu.configs[0] == fake_gpu.configs[1]
+
+    cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+    qp, kp = torch.randn(8, 4, 64).bfloat16(), torch.randn(8, 2, 64).bfloat16()
+    flash_attn_varlen_func(qp, kp, kp, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    bad = torch.tensor([0, 5, 3, 8], dtype=torch.int32)  # same signature, bad values
+    with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+        flash_attn_varlen_func(qp, kp, kp, cu_seqlens_q=bad, cu_seqlens_k=cu)
+    flat = torch.empty(q.numel() + 8, dtype=q.dtype)
+    q_off = flat[4 : 4 + q.numel()].view(q.shape)  # same signature, misaligned pointer
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        flash_attn_func(q_off, k, v, causal=True)
+
+
+def test_rows_past_seqused_q_are_zero(fake_gpu):
+    fake_gpu.write = False
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    q = torch.randn(8, 4, 64).bfloat16()
+    used = torch.tensor([1, 5], dtype=torch.int32)
+    out, lse = flash_attn_varlen_func(
+        q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, seqused_q=used, return_lse=True
+    )
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    assert fake_gpu.launches[-1]["scalars"][-1] == 5  # the longest used query sequence
+
+
+def test_nothing_to_launch(fake_gpu):
+    q, k, v = cpu_qkv(sk=0)
+    out, lse = flash_attn_func(q, k, v, return_lse=True)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    q, k, v = cpu_qkv(sq=0)
+    out, lse = flash_attn_func(q, k, v, return_lse=True)
+    assert out.shape == (2, 0, 4, 64) and lse.shape == (2, 4, 0)
+    assert fake_gpu.launches == [] and fake_gpu.configs == []
+
+
+def test_unsupported_device_fails_before_any_work(fake_gpu, monkeypatch):
+    from cute_fa import interface
+
+    monkeypatch.setattr(interface, "_capability", lambda device: (7, 5))
+    for sk in (24, 0):
+        with pytest.raises(NotImplementedError, match="compute capability 8.0"):
+            flash_attn_func(*cpu_qkv(sk=sk))
+    assert fake_gpu.launches == [] and interface._plans == {}
+
+
+# --------------------------------------------------------------------------------------------
 # GPU
 
 

@@ -8,7 +8,13 @@ from cute_fa.ampere import FlashAttentionForwardSm80
 
 from cute_fa import __main__ as cli
 from cute_fa import dispatch, interface
-from cute_fa.config import SM80_FWD_TILES, SM80_FWD_TILES_SMALL_SMEM, TARGETS, FwdConfig
+from cute_fa.config import (
+    SM80_FWD_TILES,
+    SM80_FWD_TILES_SMALL_SMEM,
+    TARGETS,
+    FwdConfig,
+    sm80_fwd_tile,
+)
 from cute_fa.dispatch import FwdRequest
 
 
@@ -22,10 +28,12 @@ def test_every_arch_from_sm80_uses_the_sm80_kernel_for_its_own_target(capability
     cls, config = dispatch.fwd_plan(capability, req(head_dim=d, head_dim_v=d, causal=True))
     assert cls is FlashAttentionForwardSm80
     assert config.arch == 80 and config.target == TARGETS[capability]
+    assert (config.tile_m, config.tile_n, config.num_warps) == sm80_fwd_tile(d, config.target, True)
+    assert config.causal and not config.local
+    _, plain = dispatch.fwd_plan(capability, req(head_dim=d, head_dim_v=d))
     small = capability in ((8, 6), (8, 9), (12, 0))
     table = SM80_FWD_TILES_SMALL_SMEM if small else SM80_FWD_TILES
-    assert (config.tile_m, config.tile_n, config.num_warps) == table[d]
-    assert config.causal and not config.local
+    assert (plain.tile_m, plain.tile_n, plain.num_warps) == table[d]
 
 
 def test_config_carries_the_call_flags():
