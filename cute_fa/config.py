@@ -144,3 +144,59 @@ def sm80_fwd_tile(head_dim: int, target: str, causal: bool = False) -> tuple[int
             f"(supported: {sorted(table)})"
         )
     return table[head_dim]
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Compile key of a backward kernel. Every field changes the generated code."""
+
+    arch: int
+    target: str
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    tile_m: int  # query rows per inner step
+    tile_n: int  # key rows per CTA (dK, dV of these rows live in registers)
+    num_warps: int
+    causal: bool = False
+    local: bool = False
+    has_softcap: bool = False
+    varlen_q: bool = False
+    varlen_k: bool = False
+    seqused_q: bool = False
+    seqused_k: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"BwdConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.causal and self.local:
+            raise ValueError("BwdConfig: causal and local are exclusive (causal is a window)")
+
+    def replace(self, **changes) -> BwdConfig:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def name(self) -> str:
+        return "bwd" + FwdConfig.name.fget(self)[3:]  # same naming as the forward
+
+
+# Backward tiles of the sm80 kernel: head_dim -> (tile_m, tile_n, num_warps). One CTA keeps
+# dK and dV of tile_n keys in registers (2 * tile_n * d fp32 over the CTA's threads) and walks
+# the query blocks tile_m rows at a time.
+SM80_BWD_TILES = {
+    64: (64, 128, 8),
+    96: (64, 128, 8),
+    128: (64, 128, 8),
+    192: (64, 64, 8),
+    256: (64, 64, 8),
+}
+
+
+def sm80_bwd_tile(head_dim: int, target: str, causal: bool = False) -> tuple[int, int, int]:
+    """(tile_m, tile_n, num_warps) of the sm80 backward kernel."""
+    if head_dim not in SM80_BWD_TILES:
+        raise NotImplementedError(
+            f"head_dim={head_dim} is not supported by the sm80 backward kernel "
+            f"(supported: {sorted(SM80_BWD_TILES)})"
+        )
+    return SM80_BWD_TILES[head_dim]

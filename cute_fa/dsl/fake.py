@@ -75,3 +75,52 @@ def fwd_fake_args(config: FwdConfig) -> tuple:
         fake_int32_vector() if config.seqused_k else None,
         make_fake_stream(),
     )
+
+
+def fake_accum(head_dim: int):
+    """(batch, heads, seqlen, head_dim) fp32 accumulator, head_dim contiguous."""
+    shape = (cute.sym_int(), cute.sym_int(), cute.sym_int(), head_dim)
+    stride = (cute.sym_int(64, divisibility=4), cute.sym_int(64, divisibility=4),
+              cute.sym_int(32, divisibility=4), 1)  # fmt: skip
+    return make_fake_tensor(cutlass.Float32, shape, stride, assumed_align=16)
+
+
+def bwd_fake_args(config) -> tuple:
+    """Arguments of the main backward kernel for ``cute.compile``.
+
+    Backward protocol (every arch's main backward kernel ``__call__`` takes exactly these):
+      mQ   (b, sq, h, d)         varlen: (1, total_q, h, d)
+      mK   (b, sk, h_kv, d)      mV (b, sk, h_kv, dv)
+      mdO  (b, sq, h, dv)        (last dim contiguous)
+      mLSE (b, h, sq) fp32       the forward's LSE (natural log); -inf for rows seeing no key
+      mdPsum (b, h, sq) fp32     delta = rowsum(dO * O), from the preprocess kernel
+      mdQaccum (b, h, sq, d) fp32, zeroed before the launch; the kernel atomically adds
+               dS @ K (unscaled) into it; the postprocess multiplies by softmax_scale and casts
+      mdK  (b, sk, h, d)         one slice per *query* head (GQA: the caller sums groups)
+      mdV  (b, sk, h, dv)        the same; dK is written already multiplied by softmax_scale
+      softmax_scale, softcap, window_left, window_right (as the forward),
+      max_seqlen_k: Int32 (grid: ceil(max_seqlen_k / tile_n) key blocks per (head, batch)),
+      mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, stream
+    """
+    dtype = DTYPE[config.dtype]
+    return (
+        fake_qkv(dtype, config.head_dim),
+        fake_qkv(dtype, config.head_dim),
+        fake_qkv(dtype, config.head_dim_v),
+        fake_qkv(dtype, config.head_dim_v),
+        fake_lse(),
+        fake_lse(),
+        fake_accum(config.head_dim),
+        fake_qkv(dtype, config.head_dim),
+        fake_qkv(dtype, config.head_dim_v),
+        cutlass.Float32(1.0),
+        cutlass.Float32(0.0),
+        cutlass.Int32(0),
+        cutlass.Int32(0),
+        cutlass.Int32(0),
+        fake_int32_vector() if config.varlen_q else None,
+        fake_int32_vector() if config.varlen_k else None,
+        fake_int32_vector() if config.seqused_q else None,
+        fake_int32_vector() if config.seqused_k else None,
+        make_fake_stream(),
+    )
