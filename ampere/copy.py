@@ -1,0 +1,115 @@
+"""sm80 copy helpers shared by the forward and backward kernels: tiled copies, row-predicated
+loads and stores, and staging an accumulator tile through shared memory."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+from cutlass.cute.nvgpu import cpasync
+
+
+def smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
+    """Swizzled shared-memory layout of a (rows, cols) 16-bit tile: 8-row atoms 64 (or 32) columns
+    wide, so 128-bit cp.async writes and ldmatrix reads are both free of bank conflicts."""
+    kblock = 64 if cols % 64 == 0 else 32
+    atom = cute.make_composed_layout(
+        cute.make_swizzle(3 if kblock == 64 else 2, 3, 3),
+        0,
+        cute.make_layout((8, kblock), stride=(kblock, 1)),
+    )
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+
+def gmem_tiled_copies(dtype, num_threads: int, cols: int):
+    """(cp.async global->shared, 128-bit register->global) tiled copies for (rows, cols) tiles."""
+    kblock = 64 if cols % 64 == 0 else 32
+    elems = 128 // dtype.width
+    threads_per_row = kblock // elems
+    thr_layout = cute.make_layout(
+        (num_threads // threads_per_row, threads_per_row), stride=(threads_per_row, 1)
+    )
+    val_layout = cute.make_layout((1, elems))
+    g2s = cute.make_tiled_copy_tv(
+        cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype, num_bits_per_copy=128
+        ),
+        thr_layout,
+        val_layout,
+    )
+    r2g = cute.make_tiled_copy_tv(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128),
+        thr_layout,
+        val_layout,
+    )
+    return g2s, r2g
+
+
+@cute.jit
+def load_rows(
+    copy_g2s: cute.TiledCopy,
+    tXgX: cute.Tensor,
+    tXsX: cute.Tensor,
+    tXcX: cute.Tensor,
+    rows_left: Int32,
+    zero_fill: cutlass.Constexpr[bool],
+):
+    """cp.async a tile partition, skipping rows at or past ``rows_left`` (zero-filled in shared
+    memory with ``zero_fill``). ``tXcX`` is the identity partition giving each row index."""
+    for m in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
+        if tXcX[0, m, 0][0] < rows_left:
+            cute.copy(copy_g2s, tXgX[None, m, None], tXsX[None, m, None])
+        elif cutlass.const_expr(zero_fill):
+            tXsX[None, m, None].fill(0)
+
+
+@cute.jit
+def store_acc(
+    acc: cute.Tensor,
+    tiled_mma: cute.TiledMma,
+    sX: cute.Tensor,
+    gX: cute.Tensor,
+    rows_left: Int32,
+    copy_r2g: cute.TiledCopy,
+    barrier,
+    tidx: Int32,
+):
+    """Write a (rows, cols) fp32 accumulator tile to global memory in the tensor's dtype: through
+    ``sX`` (free shared memory of the tile's shape), then 16 bytes a thread, rows past
+    ``rows_left`` skipped. The caller guarantees no warp still reads ``sX``."""
+    dtype = sX.element_type
+    rX = cute.make_fragment_like(acc, dtype)
+    rX.store(acc.load().to(dtype))
+    r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype), tiled_mma)
+    thr_r2s = r2s.get_slice(tidx)
+    cute.copy(r2s, thr_r2s.retile(rX), thr_r2s.partition_D(sX))
+    barrier.arrive_and_wait()
+    thr_r2g = copy_r2g.get_slice(tidx)
+    tXsX = thr_r2g.partition_S(sX)
+    tXgX = thr_r2g.partition_D(gX)
+    tXcX = thr_r2g.partition_D(cute.make_identity_tensor(gX.shape))
+    tXrX = cute.make_fragment_like(tXgX, dtype)
+    cute.autovec_copy(tXsX, tXrX)
+    for m in cutlass.range_constexpr(cute.size(tXgX.shape[1])):
+        if tXcX[0, m, 0][0] < rows_left:
+            cute.copy(copy_r2g, tXrX[None, m, None], tXgX[None, m, None])
+
+
+@cute.jit
+def store_zeros(gX: cute.Tensor, rows_left: Int32, copy_r2g: cute.TiledCopy, tidx: Int32):
+    """Zero the rows of a global tile below ``rows_left``."""
+    thr_r2g = copy_r2g.get_slice(tidx)
+    tXgX = thr_r2g.partition_D(gX)
+    tXcX = thr_r2g.partition_D(cute.make_identity_tensor(gX.shape))
+    tXrX = cute.make_fragment_like(tXgX, gX.element_type)
+    tXrX.fill(0.0)
+    for m in cutlass.range_constexpr(cute.size(tXgX.shape[1])):
+        if tXcX[0, m, 0][0] < rows_left:
+            cute.copy(copy_r2g, tXrX[None, m, None], tXgX[None, m, None])
+
+
+def transposed(sX: cute.Tensor, rows: int, cols: int) -> cute.Tensor:
+    """(cols, rows) view of a (rows, cols) shared-memory tile, for ldmatrix.trans operands."""
+    return cute.composition(sX, cute.make_layout((cols, rows), stride=(rows, 1)))

@@ -1,0 +1,472 @@
+"""sm80 backward kernel: FlashAttention-2 design on mma.sync, cp.async and ldmatrix."""
+
+from __future__ import annotations
+
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import warp
+
+from cute_fa.config import SMEM_CAPACITY, BwdConfig
+from cute_fa.dsl.fake import DTYPE
+from cute_fa.dsl.mask import apply_mask
+from cute_fa.dsl.seqlen import seqlen_info
+from cute_fa.dsl.softmax import LOG2_E, mn_view
+
+from .copy import gmem_tiled_copies, load_rows, smem_layout, store_acc, store_zeros, transposed
+from .mma import gemm
+
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+
+
+def _elem_ptr(t: cute.Tensor, i: int):
+    """Pointer to element ``i`` (a linear index into ``t``'s shape) of a tensor."""
+    return t.iterator + cute.crd2idx(cute.idx2crd(i, t.shape), t.layout)
+
+
+class FlashAttentionBackwardSm80:
+    """Exact attention backward (dQ, dK, dV), FA2 design, for every GPU from sm80 up.
+
+    Grid and work split
+      grid = (ceil(max_seqlen_k / tile_n), num_heads, batch): one CTA owns tile_n keys of one
+      (query head, batch), keeps their dK and dV in registers and walks the query blocks that
+      see them (causal/local skip the rest), tile_m rows at a time. P is recomputed from Q, K
+      and the forward's LSE: neither S nor P ever goes to global memory. dQ of each query block
+      is added to an fp32 buffer with atomics (the postprocess kernel scales and casts it).
+      GQA: the CTA of query head h reads K/V head h // (h / h_kv) and writes dK/dV for head h;
+      the caller sums each group.
+    Warps (num_warps, all identical)
+      Three tiled MMAs over the same threads: S and dP (tile_m x tile_n, warps 2 x w/2),
+      dK and dV (tile_n x d, warps 4 x w/4), dQ (tile_m x d, warps 4 x w/4).
+    Shared memory: sK, sV (tile_n x d, loaded once); sQ, sdO (tile_m x d, one query block);
+      sP, sdS (tile_m x tile_n, 16-bit), the operands that other warps read transposed.
+      At the end sK / sV stage dK / dV for 128-bit stores.
+    Per query block (cp.async groups; every wait is followed by a CTA barrier):
+      issue Q, dO (rows past seqlen_q zero-filled); read LSE and delta of this thread's rows
+      wait; barrier
+      S = Q K^T, dP = dO V^T                          (ldmatrix A and B)
+      P = exp2(S * scale * log2 e - LSE * log2 e)     (mask first; softcap: S = tanh(.), kept)
+      dS = P (dP - delta)  (softcap: times 1 - tanh^2)
+      P, dS -> sP, sdS; barrier
+      dV += P^T dO, dK += dS^T Q                      (ldmatrix.trans A and B)
+      dQ = dS K; atomically added to dQaccum          (ldmatrix.trans B)
+      barrier (sQ, sdO, sP, sdS free for the next block)
+    Epilogue: dK *= softmax_scale; dK, dV through sK, sV to global memory.
+    Out-of-range rows: Q and dO rows past seqlen_q are zero and their LSE is +inf (P = 0, dS = 0);
+      K and V rows past seqlen_k are zero and their scores masked; rows whose forward LSE is -inf
+      (no key) get P = 0.
+    """
+
+    arch = 80
+
+    def __init__(self, config: BwdConfig):
+        ok, reason = self.can_implement(config)
+        if not ok:
+            raise NotImplementedError(f"FlashAttentionBackwardSm80: {reason}")
+        self.config = config
+        self.dtype = DTYPE[config.dtype]
+        self.tile_m = config.tile_m
+        self.tile_n = config.tile_n
+        self.tile_hdim = config.head_dim
+        self.num_warps = config.num_warps
+        self.num_threads = config.num_warps * 32
+        self.causal = config.causal
+        self.local = config.local
+        self.has_softcap = config.has_softcap
+
+    @staticmethod
+    def can_implement(config: BwdConfig) -> tuple[bool, str]:
+        if config.arch != 80:
+            return False, f"config is for sm{config.arch}, this kernel is sm80"
+        if config.head_dim not in SUPPORTED_HEAD_DIMS:
+            return False, f"head_dim {config.head_dim} not in {SUPPORTED_HEAD_DIMS}"
+        if config.head_dim_v != config.head_dim:
+            return False, "head_dim_v != head_dim is not supported on sm80"
+        if config.num_warps % 4 != 0:
+            return False, "num_warps must be a multiple of 4"
+        w = config.num_warps
+        if config.tile_m % 32 != 0 or config.tile_n % (16 * w // 2) != 0:
+            return False, f"tile {config.tile_m}x{config.tile_n} does not fit {w} warps"
+        if config.tile_n % 64 != 0 or config.tile_n % (16 * 4) != 0:
+            return False, "tile_n must be a multiple of 64"
+        if config.head_dim % (16 * w // 4) != 0:
+            return False, f"head_dim {config.head_dim} does not split over {w // 4} warps"
+        smem = (2 * config.tile_n * config.head_dim + 2 * config.tile_m * config.head_dim
+                + 2 * config.tile_m * config.tile_n) * 2  # fmt: skip
+        if smem > SMEM_CAPACITY.get(config.target, 0):
+            return False, f"tiles need {smem} B of shared memory, more than {config.target} has"
+        return True, ""
+
+    # ------------------------------------------------------------------------------------------
+    # Host side
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        softmax_scale: Float32,
+        softcap: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        max_seqlen_k: Int32,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedQ: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
+        stream: cuda.CUstream,
+    ):
+        tm, tn, d = self.tile_m, self.tile_n, self.tile_hdim
+        sQ_layout = smem_layout(self.dtype, tm, d)
+        sK_layout = smem_layout(self.dtype, tn, d)
+        sP_layout = smem_layout(self.dtype, tm, tn)
+
+        @cute.struct
+        class SharedStorage:
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
+
+        copy_g2s, copy_r2g = gmem_tiled_copies(self.dtype, self.num_threads, d)
+        atom = warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16))
+        w = self.num_warps
+        mma_sdp = cute.make_tiled_mma(atom, (2, w // 2, 1), permutation_mnk=(32, 16 * w // 2, 16))
+        mma_dkv = cute.make_tiled_mma(atom, (4, w // 4, 1), permutation_mnk=(64, 16 * w // 4, 16))
+        mma_dq = cute.make_tiled_mma(atom, (4, w // 4, 1), permutation_mnk=(64, 16 * w // 4, 16))
+
+        # Softcap: the forward's scores are softcap * tanh(s * scale / softcap); P needs only
+        # softcap * log2(e) after the tanh, and dS picks up the tanh's derivative.
+        score_scale = Float32(1.0)
+        scale_log2 = softmax_scale * LOG2_E
+        if cutlass.const_expr(self.has_softcap):
+            score_scale = softmax_scale / softcap
+            scale_log2 = softcap * LOG2_E
+
+        batch = mQ.shape[0]
+        if cutlass.const_expr(mCuSeqlensQ is not None):
+            batch = mCuSeqlensQ.shape[0] - 1
+        grid = (cute.ceil_div(max_seqlen_k, tn), cute.size(mQ.shape[2]), batch)
+        self.kernel(
+            mQ, mK, mV, mdO, mLSE, mdPsum, mdQaccum, mdK, mdV,
+            softmax_scale, score_scale, scale_log2, window_left, window_right,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+            sQ_layout, sK_layout, sP_layout, copy_g2s, copy_r2g, mma_sdp, mma_dkv, mma_dq,
+            SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        softmax_scale: Float32,
+        score_scale: Float32,
+        scale_log2: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedQ: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout,
+        copy_g2s: cute.TiledCopy,
+        copy_r2g: cute.TiledCopy,
+        mma_sdp: cute.TiledMma,
+        mma_dkv: cute.TiledMma,
+        mma_dq: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, head, batch = cute.arch.block_idx()
+        tm, tn, d = self.tile_m, self.tile_n, self.tile_hdim
+        offset_q, seqlen_q, offset_k, seqlen_k = seqlen_info(
+            batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK
+        )
+        if n_block * tn < seqlen_k:
+            head_kv = head // (mQ.shape[2] // mK.shape[2])
+            qb = 0 if cutlass.const_expr(mCuSeqlensQ is not None) else batch
+            kb = 0 if cutlass.const_expr(mCuSeqlensK is not None) else batch
+            q_rows = (
+                cute.domain_offset((offset_q, 0), mQ[qb, None, head, None]),
+                cute.domain_offset((offset_q, 0), mdO[qb, None, head, None]),
+                cute.domain_offset((offset_q,), mLSE[qb, head, None]),
+                cute.domain_offset((offset_q,), mdPsum[qb, head, None]),
+                cute.domain_offset((offset_q, 0), mdQaccum[qb, head, None, None]),
+            )
+            mK_cur = cute.domain_offset((offset_k, 0), mK[kb, None, head_kv, None])
+            mV_cur = cute.domain_offset((offset_k, 0), mV[kb, None, head_kv, None])
+            gdK = cute.local_tile(
+                cute.domain_offset((offset_k, 0), mdK[kb, None, head, None]), (tn, d), (n_block, 0)
+            )
+            gdV = cute.local_tile(
+                cute.domain_offset((offset_k, 0), mdV[kb, None, head, None]), (tn, d), (n_block, 0)
+            )
+            keys_left = seqlen_k - n_block * tn
+
+            # Query blocks that see any key of this block (Note [bottom-right aligned masks]).
+            offset = seqlen_k - seqlen_q
+            m_block_min = Int32(0)
+            m_block_max = cute.ceil_div(seqlen_q, tm)
+            if cutlass.const_expr(self.causal or self.local):
+                right = Int32(0) if cutlass.const_expr(self.causal) else window_right
+                m_block_min = cutlass.max(n_block * tn - offset - right, 0) // tm
+            if cutlass.const_expr(self.local):
+                last_col = cutlass.min((n_block + 1) * tn, seqlen_k) - 1
+                last_row = last_col - offset + window_left  # the last row that sees last_col
+                m_block_max = cutlass.min(
+                    m_block_max, cutlass.max(cute.ceil_div(last_row + 1, tm), 0)
+                )
+            if m_block_max <= m_block_min:
+                store_zeros(gdK, keys_left, copy_r2g, tidx)
+                store_zeros(gdV, keys_left, copy_r2g, tidx)
+            else:
+                smem = cutlass.utils.SmemAllocator()
+                storage = smem.allocate(SharedStorage)
+                smem_tiles = (
+                    storage.sK.get_tensor(sK_layout),
+                    storage.sV.get_tensor(sK_layout),
+                    storage.sQ.get_tensor(sQ_layout),
+                    storage.sdO.get_tensor(sQ_layout),
+                    storage.sP.get_tensor(sP_layout),
+                    storage.sdS.get_tensor(sP_layout),
+                )
+                self.attend_bwd(
+                    q_rows, mK_cur, mV_cur, gdK, gdV, smem_tiles, n_block, keys_left,
+                    seqlen_q, seqlen_k, m_block_min, m_block_max, softmax_scale, score_scale,
+                    scale_log2, window_left, window_right, copy_g2s, copy_r2g,
+                    mma_sdp, mma_dkv, mma_dq, tidx,
+                )  # fmt: skip
+
+    @cute.jit
+    def attend_bwd(
+        self,
+        q_rows: tuple,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        gdK: cute.Tensor,
+        gdV: cute.Tensor,
+        smem_tiles: tuple,
+        n_block: Int32,
+        keys_left: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        m_block_min: Int32,
+        m_block_max: Int32,
+        softmax_scale: Float32,
+        score_scale: Float32,
+        scale_log2: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        copy_g2s: cute.TiledCopy,
+        copy_r2g: cute.TiledCopy,
+        mma_sdp: cute.TiledMma,
+        mma_dkv: cute.TiledMma,
+        mma_dq: cute.TiledMma,
+        tidx: Int32,
+    ):
+        """Load K, V once; loop over the query blocks; write dK, dV."""
+        tm, tn, d = self.tile_m, self.tile_n, self.tile_hdim
+        sK, sV, sQ, sdO, sP, sdS = smem_tiles
+        barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_threads)
+        thr_g2s = copy_g2s.get_slice(tidx)
+        tKVcKV = thr_g2s.partition_S(cute.make_identity_tensor((tn, d)))
+        load_rows(copy_g2s, thr_g2s.partition_S(cute.local_tile(mK, (tn, d), (n_block, 0))),
+                  thr_g2s.partition_D(sK), tKVcKV, keys_left, True)  # fmt: skip
+        load_rows(copy_g2s, thr_g2s.partition_S(cute.local_tile(mV, (tn, d), (n_block, 0))),
+                  thr_g2s.partition_D(sV), tKVcKV, keys_left, True)  # fmt: skip
+        cute.arch.cp_async_commit_group()
+
+        thr_dkv = mma_dkv.get_slice(tidx)
+        acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, d)), Float32)
+        acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, d)), Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+
+        for i in cutlass.range(m_block_max - m_block_min, unroll=1):
+            m_block = m_block_min + i
+            masked = cutlass.const_expr(self.causal or self.local)
+            if cutlass.const_expr(masked):
+                self.step_bwd(q_rows, smem_tiles, m_block, n_block, seqlen_q, seqlen_k,
+                              score_scale, scale_log2, window_left, window_right, copy_g2s,
+                              mma_sdp, mma_dkv, mma_dq, acc_dK, acc_dV, barrier, tidx, True)  # fmt: skip
+            else:
+                if keys_left < tn:
+                    self.step_bwd(q_rows, smem_tiles, m_block, n_block, seqlen_q, seqlen_k,
+                                  score_scale, scale_log2, window_left, window_right, copy_g2s,
+                                  mma_sdp, mma_dkv, mma_dq, acc_dK, acc_dV, barrier, tidx,
+                                  True)  # fmt: skip
+                else:
+                    self.step_bwd(q_rows, smem_tiles, m_block, n_block, seqlen_q, seqlen_k,
+                                  score_scale, scale_log2, window_left, window_right, copy_g2s,
+                                  mma_sdp, mma_dkv, mma_dq, acc_dK, acc_dV, barrier, tidx,
+                                  False)  # fmt: skip
+
+        # dK carries the softmax scale (dS is w.r.t. the scaled scores); sK and sV are free
+        # after the last block's closing barrier.
+        acc_dK.store(acc_dK.load() * softmax_scale)
+        store_acc(acc_dK, mma_dkv, sK, gdK, keys_left, copy_r2g, barrier, tidx)
+        store_acc(acc_dV, mma_dkv, sV, gdV, keys_left, copy_r2g, barrier, tidx)
+
+    @cute.jit
+    def step_bwd(
+        self,
+        q_rows: tuple,
+        smem_tiles: tuple,
+        m_block: Int32,
+        n_block: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        score_scale: Float32,
+        scale_log2: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        copy_g2s: cute.TiledCopy,
+        mma_sdp: cute.TiledMma,
+        mma_dkv: cute.TiledMma,
+        mma_dq: cute.TiledMma,
+        acc_dK: cute.Tensor,
+        acc_dV: cute.Tensor,
+        barrier: pipeline.NamedBarrier,
+        tidx: Int32,
+        masked: cutlass.Constexpr[bool],
+    ):
+        """One query block against this CTA's keys."""
+        tm, tn, d = self.tile_m, self.tile_n, self.tile_hdim
+        mQ, mdO, mLSE, mdPsum, mdQaccum = q_rows
+        sK, sV, sQ, sdO, sP, sdS = smem_tiles
+        rows_left = seqlen_q - m_block * tm
+
+        # Q and dO of this block; rows past seqlen_q are zero so they contribute nothing.
+        thr_g2s = copy_g2s.get_slice(tidx)
+        tQcQ = thr_g2s.partition_S(cute.make_identity_tensor((tm, d)))
+        load_rows(copy_g2s, thr_g2s.partition_S(cute.local_tile(mQ, (tm, d), (m_block, 0))),
+                  thr_g2s.partition_D(sQ), tQcQ, rows_left, True)  # fmt: skip
+        load_rows(copy_g2s, thr_g2s.partition_S(cute.local_tile(mdO, (tm, d), (m_block, 0))),
+                  thr_g2s.partition_D(sdO), tQcQ, rows_left, True)  # fmt: skip
+        cute.arch.cp_async_commit_group()
+
+        # LSE (in log2 units) and delta of this thread's rows of S.
+        thr_sdp = mma_sdp.get_slice(tidx)
+        tScS = mn_view(thr_sdp.partition_C(cute.make_identity_tensor((tm, tn))))
+        num_rows = cute.size(tScS.shape[0])
+        lse_log2 = cute.make_rmem_tensor(num_rows, Float32)
+        dpsum = cute.make_rmem_tensor(num_rows, Float32)
+        for r in cutlass.range_constexpr(num_rows):
+            row = tScS[r, 0][0]
+            lse_log2[r] = Float32.inf  # rows past seqlen_q: P = 0
+            dpsum[r] = 0.0
+            if row < rows_left:
+                lse = mLSE[m_block * tm + row]
+                # A row that saw no key in the forward (LSE = -inf) has P = 0 here too.
+                lse_log2[r] = Float32.inf if lse == -Float32.inf else lse * LOG2_E
+                dpsum[r] = mdPsum[m_block * tm + row]
+
+        cute.arch.cp_async_wait_group(0)
+        barrier.arrive_and_wait()
+
+        # S = Q K^T and dP = dO V^T.
+        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), self.dtype)
+        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(True, 4), self.dtype)
+        acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tm, tn)), Float32)
+        acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tm, tn)), Float32)
+        acc_S.fill(0.0)
+        acc_dP.fill(0.0)
+        self.mma_ss(mma_sdp, acc_S, sQ, sK, ldsm, ldsm, tidx)
+        self.mma_ss(mma_sdp, acc_dP, sdO, sV, ldsm, ldsm, tidx)
+
+        dtanh = None
+        if cutlass.const_expr(self.has_softcap):
+            t = cute.math.tanh(acc_S.load() * score_scale, fastmath=True)
+            acc_S.store(t)
+            dtanh = cute.make_fragment_like(acc_S, Float32)
+            dtanh.store(1.0 - t * t)
+        S = mn_view(acc_S)
+        if cutlass.const_expr(masked):
+            apply_mask(S, tScS, m_block * tm, n_block * tn, seqlen_q, seqlen_k,
+                       window_left, window_right, self.causal, self.local)  # fmt: skip
+        dP = mn_view(acc_dP)
+        for r in cutlass.range_constexpr(num_rows):
+            p = cute.math.exp2(S[r, None].load() * scale_log2 - lse_log2[r], fastmath=True)
+            S[r, None].store(p)
+            dP[r, None].store(p * (dP[r, None].load() - dpsum[r]))
+        if cutlass.const_expr(self.has_softcap):
+            acc_dP.store(acc_dP.load() * dtanh.load())
+
+        # P and dS to shared memory (16-bit) for the transposed reads of the other products.
+        r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype),
+                                     mma_sdp)  # fmt: skip
+        thr_r2s = r2s.get_slice(tidx)
+        rP = cute.make_fragment_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+        rdS = cute.make_fragment_like(acc_dP, self.dtype)
+        rdS.store(acc_dP.load().to(self.dtype))
+        cute.copy(r2s, thr_r2s.retile(rP), thr_r2s.partition_D(sP))
+        cute.copy(r2s, thr_r2s.retile(rdS), thr_r2s.partition_D(sdS))
+        barrier.arrive_and_wait()
+
+        # dV += P^T dO, dK += dS^T Q, dQ = dS K.
+        self.mma_ss(mma_dkv, acc_dV, transposed(sP, tm, tn), transposed(sdO, tm, d),
+                    ldsm_t, ldsm_t, tidx)  # fmt: skip
+        self.mma_ss(mma_dkv, acc_dK, transposed(sdS, tm, tn), transposed(sQ, tm, d),
+                    ldsm_t, ldsm_t, tidx)  # fmt: skip
+        thr_dq = mma_dq.get_slice(tidx)
+        acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, d)), Float32)
+        acc_dQ.fill(0.0)
+        self.mma_ss(mma_dq, acc_dQ, sdS, transposed(sK, tn, d), ldsm, ldsm_t, tidx)
+        gdQ = cute.local_tile(mdQaccum, (tm, d), (m_block, 0))
+        tdQgdQ = thr_dq.partition_C(gdQ)
+        tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((tm, d)))
+        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+            if tdQcdQ[i][0] < rows_left:
+                cute.arch.atomic_add(_elem_ptr(tdQgdQ, i).llvm_ptr, acc_dQ[i])
+        barrier.arrive_and_wait()
+
+    @cute.jit
+    def mma_ss(
+        self,
+        tiled_mma: cute.TiledMma,
+        acc: cute.Tensor,
+        sA: cute.Tensor,
+        sB: cute.Tensor,
+        atom_A: cute.CopyAtom,
+        atom_B: cute.CopyAtom,
+        tidx: Int32,
+    ):
+        """acc += A @ B with both operands read from shared memory by ldmatrix (.trans atoms
+        for transposed views)."""
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB))
+        s2r_A = cute.make_tiled_copy_A(atom_A, tiled_mma)
+        s2r_B = cute.make_tiled_copy_B(atom_B, tiled_mma)
+        thr_A = s2r_A.get_slice(tidx)
+        thr_B = s2r_B.get_slice(tidx)
+        gemm(tiled_mma, acc, tCrA, tCrB, thr_A.partition_S(sA), thr_A.retile(tCrA),
+             thr_B.partition_S(sB), thr_B.retile(tCrB), s2r_A, s2r_B)  # fmt: skip
+
+
