@@ -82,7 +82,8 @@ def store_acc(
     dtype = sX.element_type
     rX = cute.make_fragment_like(acc, dtype)
     rX.store(acc.load().to(dtype))
-    r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype), tiled_mma)
+    r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype)
+    r2s = cute.make_tiled_copy_C(r2s_atom, tiled_mma)
     thr_r2s = r2s.get_slice(tidx)
     cute.copy(r2s, thr_r2s.retile(rX), thr_r2s.partition_D(sX))
     barrier.arrive_and_wait()

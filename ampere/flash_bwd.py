@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -290,8 +289,8 @@ class FlashAttentionBackwardSm80:
         tidx: Int32,
     ):
         """Load K, V once; loop over the query blocks; write dK, dV."""
-        tm, tn, d = self.tile_m, self.tile_n, self.tile_hdim
-        sK, sV, sQ, sdO, sP, sdS = smem_tiles
+        tn, d = self.tile_n, self.tile_hdim
+        sK, sV = smem_tiles[0], smem_tiles[1]
         barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_threads)
         thr_g2s = copy_g2s.get_slice(tidx)
         tKVcKV = thr_g2s.partition_S(cute.make_identity_tensor((tn, d)))
@@ -308,23 +307,19 @@ class FlashAttentionBackwardSm80:
         acc_dV.fill(0.0)
 
         for i in cutlass.range(m_block_max - m_block_min, unroll=1):
-            m_block = m_block_min + i
-            masked = cutlass.const_expr(self.causal or self.local)
-            if cutlass.const_expr(masked):
-                self.step_bwd(q_rows, smem_tiles, m_block, n_block, seqlen_q, seqlen_k,
-                              score_scale, scale_log2, window_left, window_right, copy_g2s,
-                              mma_sdp, mma_dkv, mma_dq, acc_dK, acc_dV, barrier, tidx, True)  # fmt: skip
+            args = (
+                q_rows, smem_tiles, m_block_min + i, n_block, seqlen_q, seqlen_k,
+                score_scale, scale_log2, window_left, window_right, copy_g2s,
+                mma_sdp, mma_dkv, mma_dq, acc_dK, acc_dV, barrier, tidx,
+            )  # fmt: skip
+            if cutlass.const_expr(self.causal or self.local):
+                self.step_bwd(*args, True)
             else:
+                # Without a window only a key block holding the seqlen_k tail needs a mask.
                 if keys_left < tn:
-                    self.step_bwd(q_rows, smem_tiles, m_block, n_block, seqlen_q, seqlen_k,
-                                  score_scale, scale_log2, window_left, window_right, copy_g2s,
-                                  mma_sdp, mma_dkv, mma_dq, acc_dK, acc_dV, barrier, tidx,
-                                  True)  # fmt: skip
+                    self.step_bwd(*args, True)
                 else:
-                    self.step_bwd(q_rows, smem_tiles, m_block, n_block, seqlen_q, seqlen_k,
-                                  score_scale, scale_log2, window_left, window_right, copy_g2s,
-                                  mma_sdp, mma_dkv, mma_dq, acc_dK, acc_dV, barrier, tidx,
-                                  False)  # fmt: skip
+                    self.step_bwd(*args, False)
 
         # dK carries the softmax scale (dS is w.r.t. the scaled scores); sK and sV are free
         # after the last block's closing barrier.

@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 VARIANT_FLAGS = {
     "plain": {},
@@ -92,14 +93,6 @@ def precompile_configs(arch: str, target: str, head_dims, dtypes, variants) -> l
     return plans
 
 
-def _ensure(config) -> tuple[str, float]:
-    from .cache import fwd_cache
-
-    t0 = time.perf_counter()
-    status = fwd_cache().ensure_on_disk(config)
-    return status, time.perf_counter() - t0
-
-
 def cmd_precompile(args: argparse.Namespace) -> int:
     from .cache import disk_cache_enabled, fwd_cache
 
@@ -112,30 +105,70 @@ def cmd_precompile(args: argparse.Namespace) -> int:
     for config, label, reason in plans:
         if config is None:
             print(f"skip  {label}: {reason}")
-    print(f"precompile: {len(todo)} configs for {target} into {fwd_cache().directory}")
-    failed = 0
-    if args.jobs > 1 and len(todo) > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
+    print(f"precompile: {len(todo)} configs for {target} into {fwd_cache().directory}", flush=True)
+    return 1 if precompile(todo, args.jobs) else 0
 
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
-            futures = [(label, config, pool.submit(_ensure, config)) for config, label in todo]
-            for label, config, future in futures:
+
+def precompile(todo: list, jobs: int, worker: Callable | None = None) -> int:
+    """Put every ``(config, label)`` of ``todo`` into the disk cache, in ``jobs`` processes;
+    returns how many failed. ``worker(config) -> (status, seconds)`` (default
+    ``cute_fa.cache.precompile_fwd``) must be importable by name: spawned workers unpickle it.
+
+    When a worker process dies (the pool breaks: killed for memory, or a crash), the configs
+    left unfinished are compiled again one at a time, each in a fresh process, so that a config
+    that kills its process fails alone.
+    """
+    if worker is None:
+        from .cache import precompile_fwd as worker
+    jobs = max(1, min(jobs, len(todo)))
+    if jobs == 1:
+        return sum(_report(label, config, partial(worker, config)) for config, label in todo)
+    failed, unfinished = _precompile_pool(todo, jobs, worker)
+    if unfinished:
+        print(
+            f"precompile: a worker process died (killed for memory, or crashed); compiling the "
+            f"{len(unfinished)} unfinished configs one at a time, each in a fresh process "
+            f"(a lower --jobs uses less memory)",
+            flush=True,
+        )
+        for item in unfinished:
+            failed += _precompile_pool([item], 1, worker, retry_broken=False)[0]
+    return failed
+
+
+def _precompile_pool(
+    todo: list, jobs: int, worker: Callable, retry_broken: bool = True
+) -> tuple[int, list]:
+    """(failed, unfinished) of ``todo`` run in a pool of ``jobs`` spawned processes. A config
+    whose worker process died is unfinished, or failed when ``retry_broken`` is False."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    failed, unfinished = 0, []
+    ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA state
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        futures = [(config, label, pool.submit(worker, config)) for config, label in todo]
+        for config, label, future in futures:
+            if retry_broken and isinstance(future.exception(), BrokenProcessPool):
+                unfinished.append((config, label))
+            else:
                 failed += _report(label, config, future.result)
-    else:
-        for config, label in todo:
-            failed += _report(label, config, lambda config=config: _ensure(config))
-    return 1 if failed else 0
+    return failed, unfinished
 
 
-def _report(label: str, config, result) -> int:
+def _report(label: str, config, result: Callable) -> int:
+    from concurrent.futures.process import BrokenProcessPool
+
     try:
         status, seconds = result()
-    except Exception as e:
-        print(f"FAIL  {label} ({config.name}): {type(e).__name__}: {e}")
+    except BrokenProcessPool:
+        print(f"FAIL  {label} ({config.name}): its worker process died", flush=True)
         return 1
-    print(f"{status:8s} {label} ({config.name}) {seconds:.1f} s")
+    except Exception as e:
+        print(f"FAIL  {label} ({config.name}): {type(e).__name__}: {e}", flush=True)
+        return 1
+    print(f"{status:8s} {label} ({config.name}) {seconds:.1f} s", flush=True)
     return 0
 
 

@@ -11,25 +11,45 @@ major version, the host machine type and the source of every module that shapes 
 starts a fresh directory instead of loading a stale kernel.
 
 One entry is one file: an 8-byte magic, the SHA-256 of the payload, the payload length, then
-the payload (the compiled function exported as an object file). A miss takes a per-entry file
-lock, looks again (another process may have just written it), compiles, and writes the entry to
-a temporary file in the same directory that ``os.replace`` moves into place, so a reader sees a
-complete entry or none. An entry whose digest or length does not match (truncated, corrupt) or
-that fails to load is compiled again and overwritten, never trusted. An unwritable directory
-turns the disk cache off for the process with one warning.
+the payload (the compiled function exported as an object file, and the shared library linked
+from it: Note [loading without the DSL]). A miss takes a per-entry file lock, looks again
+(another process may have just written it), compiles, and writes the entry to a temporary file
+in the same directory that ``os.replace`` moves into place, so a reader sees a complete entry or
+none. An entry whose digest or length does not match (truncated, corrupt) or that fails to load
+is compiled again and overwritten, never trusted. An unwritable directory turns the disk cache
+off for the process with one warning.
 
 Compiled forward kernels take torch tensors directly through TVM-FFI (``--enable-tvm-ffi``): no
 per-call DLPack conversion in Python, argument checks compiled into the host stub, and the
 launch goes to torch's current CUDA stream (the TVM-FFI environment stream).
+
+Note [loading without the DSL]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A disk hit should cost milliseconds, and importing the CuTe DSL (its MLIR bindings) costs about
+a second. The exported object file needs only two libraries at run time: the DSL's runtime
+(``libcute_dsl_runtime.so``: CUDA library loading and launch) and TVM-FFI's. So when an entry is
+written, the object file is also linked with the system linker (``ld -shared -z defs -z now``,
+those two libraries as dependencies, named by soname, no paths) into a shared library, and the
+payload holds both. A load preloads the runtime library (found beside the installed DSL, or
+through ``CUTE_DSL_LIBS`` as the DSL itself looks), writes the shared library to a temporary
+file, and opens it with ``tvm_ffi.load_module``: the DSL is not imported. The object file stays
+in the payload for hosts where that fails (no linker when it was written, a ``noexec``
+temporary directory): it is loaded through the DSL's JIT linker, as before. The fingerprint is
+read from package metadata and the runtime library's folder (``cu12``/``cu13``) for the same
+reason, with an import of the DSL only when those are not there. ``CUTE_FA_LINKER`` names the
+linker (``0`` writes object files only).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
 import re
+import shutil
 import struct
+import subprocess
 import sys
 import tempfile
 import threading
@@ -39,10 +59,9 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock
-
 ENV_CACHE = "CUTE_FA_CACHE"
 ENV_CACHE_DIR = "CUTE_FA_CACHE_DIR"
+ENV_LINKER = "CUTE_FA_LINKER"
 SLOW_COMPILE_S = 1.0
 
 _MAGIC = b"CUTEFA01"
@@ -139,14 +158,61 @@ def _source_files() -> list[tuple[str, Path]]:
     return files
 
 
-def _toolchain_versions() -> list[str]:
-    import cutlass
-    import tvm_ffi
-    from cutlass.base_dsl.version_info import CUDA_VERSION
+RUNTIME_LIBRARY = "libcute_dsl_runtime.so"
 
+
+def _distribution_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def dsl_runtime_library() -> str | None:
+    """Path of the CuTe DSL's runtime library, found as the DSL finds it (``CUTE_DSL_LIBS``,
+    else ``cu<major>/lib`` in the installed package) but without importing the DSL; None when
+    that is ambiguous or missing."""
+    import importlib.util
+
+    listed = os.environ.get("CUTE_DSL_LIBS", "").strip()
+    if listed:
+        found = [p for p in listed.split(os.pathsep) if os.path.basename(p) == RUNTIME_LIBRARY]
+        return found[0] if found and os.path.isfile(found[0]) else None
+    try:
+        spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    except (ImportError, ValueError):
+        return None
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    pattern = f"cu*/lib/{RUNTIME_LIBRARY}"
+    candidates = [p for root in roots for p in sorted(Path(root).glob(pattern))]
+    return str(candidates[0]) if len(candidates) == 1 else None
+
+
+def _runtime_cuda_major(path: str | None) -> int | None:
+    """CUDA major version of the DSL build the runtime library belongs to (its ``cuNN`` folder)."""
+    if path is None:
+        return None
+    lib = Path(path).parent
+    match = re.fullmatch(r"cu(\d+)", lib.parent.name) if lib.name == "lib" else None
+    return int(match.group(1)) if match else None
+
+
+def _toolchain_versions() -> list[str]:
+    import tvm_ffi
+
+    version = _distribution_version("nvidia-cutlass-dsl")
+    cuda_major = _runtime_cuda_major(dsl_runtime_library())
+    if version is None or cuda_major is None:  # no package metadata: ask the DSL itself
+        import cutlass
+        from cutlass.base_dsl.version_info import CUDA_VERSION
+
+        version, cuda_major = cutlass.__version__, CUDA_VERSION.major
     return [
-        f"cutlass-dsl {cutlass.__version__}",
-        f"dsl-cuda {CUDA_VERSION.major}",
+        f"cutlass-dsl {version}",
+        f"dsl-cuda {cuda_major}",
         f"tvm-ffi {tvm_ffi.__version__}",
         f"machine {platform.machine()} {sys.platform}",
     ]
@@ -226,6 +292,9 @@ class CompileCache:
         self.compiles = 0  # compiles run by this cache
         self.disk_hits = 0  # entries loaded from disk
         self.rejected = 0  # disk entries found corrupt or unloadable (then recompiled)
+        # Seconds spent, all keys together: compiling, serializing, loading (disk hits and the
+        # load that follows a compile).
+        self.seconds = {"compile": 0.0, "serialize": 0.0, "load": 0.0}
 
     @property
     def disk_enabled(self) -> bool:
@@ -263,13 +332,15 @@ class CompileCache:
         "compiled" (what ``precompile`` uses: it works without a GPU)."""
         if not self._disk:
             raise RuntimeError("the disk cache is off (CUTE_FA_CACHE=0)")
+        from filelock import FileLock
+
         path = self._prepare_dir_and_path(key)
         if path is None:
             raise RuntimeError(f"cache directory {self.directory} is not writable")
         with FileLock(str(path) + ".lock"):
             if self._read_payload(path) is not None:
                 return "hit"
-            self._store(path, self._serialize(self._compile(key), symbol_for(key)))
+            self._store(path, self._serialize_timed(self._compile(key), symbol_for(key)))
         return "compiled"
 
     # ----------------------------------------------------------------------------------------
@@ -278,6 +349,7 @@ class CompileCache:
         t0 = time.perf_counter()
         compiled = self._compile_fn(key)
         elapsed = time.perf_counter() - t0
+        self.seconds["compile"] += elapsed
         self.compiles += 1
         _count_compile()
         if self._verbose and elapsed > SLOW_COMPILE_S:
@@ -314,7 +386,7 @@ class CompileCache:
         if payload is None:
             return None
         try:
-            fn = self._load(payload, symbol_for(key))
+            fn = self._load_timed(payload, symbol_for(key))
         except Exception as e:  # an intact file the loader rejects: recompile, don't crash
             self.rejected += 1
             warnings.warn(
@@ -330,15 +402,27 @@ class CompileCache:
         except OSError as e:
             self._disable_disk(f"cannot write {path}: {e}")
 
+    def _serialize_timed(self, compiled: Any, symbol: str) -> bytes:
+        t0 = time.perf_counter()
+        payload = self._serialize(compiled, symbol)
+        self.seconds["serialize"] += time.perf_counter() - t0
+        return payload
+
+    def _load_timed(self, payload: bytes, symbol: str) -> Callable:
+        t0 = time.perf_counter()
+        fn = self._load(payload, symbol)
+        self.seconds["load"] += time.perf_counter() - t0
+        return fn
+
     def _compile_to_callable(self, key: Hashable, path: Path | None) -> Callable:
         compiled = self._compile(key)
         if self._serialize is None or self._load is None:
             return compiled
         symbol = symbol_for(key)
-        payload = self._serialize(compiled, symbol)
+        payload = self._serialize_timed(compiled, symbol)
         if path is not None:
             self._store(path, payload)
-        return self._load(payload, symbol)
+        return self._load_timed(payload, symbol)
 
     def _get_uncached(self, key: Hashable) -> Callable:
         path = self._prepare_dir_and_path(key) if self._disk else None
@@ -347,6 +431,8 @@ class CompileCache:
         fn = self._try_load(path, key)
         if fn is not None:
             return fn
+        from filelock import FileLock  # only a miss takes the lock
+
         try:
             lock = FileLock(str(path) + ".lock")
             lock.acquire()
@@ -363,43 +449,179 @@ class CompileCache:
 
 
 # --------------------------------------------------------------------------------------------
-# The forward kernels' cache: TVM-FFI compile, export to an object file, load
+# TVM-FFI compile, export (object file + shared library), load (Note [loading without the DSL])
+
+
+def compile_tvm_ffi(kernel: Any, args: tuple, target: str) -> Any:
+    """``cute.compile`` of ``kernel`` with TVM-FFI for ``target``, for ``export_tvm_ffi``.
+
+    The trailing stream argument becomes TVM-FFI's environment stream (torch's current stream
+    at call time), so the compiled function takes no stream argument. No JIT engine is built:
+    the result is exported and loaded from its object file (on a GPU host the DSL would
+    otherwise also generate and link host code for an in-process engine nobody calls).
+    """
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    args = (*args[:-1], make_fake_stream(use_tvm_ffi_env_stream=True))
+    return cute.compile(
+        kernel, *args, options=f"--gpu-arch {target} --enable-tvm-ffi", no_jit_engine=True
+    )
 
 
 def compile_fwd(config) -> Any:
     """``cute.compile`` of the forward kernel for ``config`` (TVM-FFI, environment stream)."""
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream
-
     from .dispatch import fwd_kernel_class
     from .dsl.fake import fwd_fake_args
 
     kernel = fwd_kernel_class(config.arch)(config)
-    # The stream is TVM-FFI's environment stream: torch's current stream at call time, so the
-    # compiled function takes no stream argument.
-    args = (*fwd_fake_args(config)[:-1], make_fake_stream(use_tvm_ffi_env_stream=True))
-    return cute.compile(kernel, *args, options=f"--gpu-arch {config.target} --enable-tvm-ffi")
+    return compile_tvm_ffi(kernel, fwd_fake_args(config), config.target)
+
+
+# Payload: either a bare object file (ELF, written where no linker was found), or this header,
+# the shared library and then the object file.
+_SHARED_MAGIC = b"CUTEFASO"
+_SHARED_HEADER = struct.Struct("<8sQ")  # magic, len(shared library)
+
+
+def pack_tvm_ffi_payload(shared: bytes | None, obj: bytes) -> bytes:
+    if shared is None:
+        return obj
+    return _SHARED_HEADER.pack(_SHARED_MAGIC, len(shared)) + shared + obj
+
+
+def unpack_tvm_ffi_payload(payload: bytes) -> tuple[bytes | None, bytes]:
+    """(shared library or None, object file) of a payload."""
+    if not payload.startswith(_SHARED_MAGIC) or len(payload) < _SHARED_HEADER.size:
+        return None, payload
+    _, n = _SHARED_HEADER.unpack_from(payload)
+    start = _SHARED_HEADER.size
+    if start + n > len(payload):
+        raise ValueError("truncated shared library in a cache payload")
+    return payload[start : start + n], payload[start + n :]
+
+
+def _linker_off() -> bool:
+    return os.environ.get(ENV_LINKER, "").strip().lower() in ("0", "false", "no", "off", "none")
+
+
+def _linker() -> str | None:
+    return None if _linker_off() else shutil.which(os.environ.get(ENV_LINKER, "").strip() or "ld")
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(kind: str, message: str) -> None:
+    if kind not in _warned:
+        _warned.add(kind)
+        warnings.warn(message, stacklevel=3)
+
+
+def link_shared_library(obj: bytes) -> bytes | None:
+    """``obj`` linked into a shared library that depends on the DSL runtime and TVM-FFI (by
+    soname), or None where there is no linker, no runtime library, or the link fails."""
+    if _linker_off():
+        return None
+    linker, runtime = _linker(), dsl_runtime_library()
+    if linker is None or runtime is None:
+        missing = "a linker (ld; or set CUTE_FA_LINKER)" if linker is None else RUNTIME_LIBRARY
+        _warn_once(
+            "link",
+            f"cute_fa: {missing} not found: cache entries hold object files only, and loading "
+            f"them imports the CuTe DSL (about a second per process)",
+        )
+        return None
+    from tvm_ffi.libinfo import find_libtvm_ffi
+
+    with tempfile.TemporaryDirectory(prefix="cute-fa-link-") as d:
+        obj_path, lib_path = os.path.join(d, "module.o"), os.path.join(d, "module.so")
+        with open(obj_path, "wb") as f:
+            f.write(obj)
+        cmd = [linker, "-shared", "-z", "defs", "-z", "now", "-o", lib_path, obj_path]
+        cmd += [runtime, find_libtvm_ffi()]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+            why = "" if proc.returncode == 0 else proc.stderr.strip() or f"exit {proc.returncode}"
+        except (OSError, subprocess.SubprocessError) as e:
+            why = str(e)
+        if why:
+            _warn_once(
+                "link",
+                f"cute_fa: linking a kernel into a shared library failed ({why[:300]}); cache "
+                f"entries hold object files only, and loading them imports the CuTe DSL",
+            )
+            return None
+        with open(lib_path, "rb") as f:
+            return f.read()
 
 
 def export_tvm_ffi(compiled: Any, symbol: str) -> bytes:
-    """Object-file bytes of a TVM-FFI compiled function, exported under ``symbol``."""
+    """Payload of a TVM-FFI compiled function exported under ``symbol``: its object file, and
+    the shared library linked from it where a linker is available."""
     with tempfile.TemporaryDirectory(prefix="cute-fa-export-") as d:
         path = os.path.join(d, "module.o")
         compiled.export_to_c(path, function_name=symbol)
         with open(path, "rb") as f:
-            return f.read()
+            obj = f.read()
+    return pack_tvm_ffi_payload(link_shared_library(obj), obj)
 
 
-def load_tvm_ffi(payload: bytes, symbol: str) -> Callable:
-    """The ``tvm_ffi.Function`` named ``symbol`` in exported object-file bytes."""
+_runtime_handle: Any = None
+
+
+def _load_shared_library(shared: bytes, symbol: str) -> Callable:
+    """The function ``symbol`` of a linked shared library, through TVM-FFI alone."""
+    import ctypes
+
+    import tvm_ffi
+
+    global _runtime_handle
+    if _runtime_handle is None:
+        runtime = dsl_runtime_library()
+        if runtime is None:
+            raise RuntimeError(f"{RUNTIME_LIBRARY} of the CuTe DSL not found")
+        # Loaded first, so that the kernel library's dependency on it (by soname) resolves.
+        _runtime_handle = ctypes.CDLL(runtime)
+    with tempfile.TemporaryDirectory(prefix="cute-fa-load-") as d:
+        path = os.path.join(d, f"{symbol}.so")
+        with open(path, "wb") as f:
+            f.write(shared)
+        # The function holds the module (and the library) alive; the file may go after this.
+        module = tvm_ffi.load_module(path, keep_module_alive=False)
+        return module.get_function(symbol)
+
+
+def _load_object_file(obj: bytes, symbol: str) -> Callable:
+    """The function ``symbol`` of an exported object file, through the DSL's JIT linker."""
     from cutlass.cute.runtime import load_module
 
     with tempfile.TemporaryDirectory(prefix="cute-fa-load-") as d:
         path = os.path.join(d, "module.o")
         with open(path, "wb") as f:
-            f.write(payload)
+            f.write(obj)
         module = load_module(path, enable_tvm_ffi=True)  # reads the file; it may go after this
         return getattr(module, symbol)
+
+
+def load_tvm_ffi(payload: bytes, symbol: str) -> Callable:
+    """The ``tvm_ffi.Function`` named ``symbol`` in an ``export_tvm_ffi`` payload: from the
+    shared library without importing the DSL, else from the object file through the DSL."""
+    shared, obj = unpack_tvm_ffi_payload(payload)
+    if shared is not None:
+        try:
+            return _load_shared_library(shared, symbol)
+        except Exception as e:  # e.g. a noexec temporary directory: the object file still loads
+            _warn_once(
+                "load",
+                f"cute_fa: a cached kernel did not load as a shared library ({e}); loading "
+                f"object files through the CuTe DSL instead",
+            )
+    return _load_object_file(obj, symbol)
+
+
+# --------------------------------------------------------------------------------------------
+# The forward kernels' cache
 
 
 _fwd_cache: CompileCache | None = None
@@ -411,3 +633,15 @@ def fwd_cache() -> CompileCache:
     if _fwd_cache is None:
         _fwd_cache = CompileCache(compile_fwd, export_tvm_ffi, load_tvm_ffi)
     return _fwd_cache
+
+
+def precompile_fwd(config) -> tuple[str, float]:
+    """Make sure the forward kernel of ``config`` is on disk: ("hit" or "compiled", seconds).
+
+    A module-level function, so that ``python -m cute_fa precompile --jobs N`` can send it to
+    worker processes (functions of ``__main__`` cannot be pickled into spawned workers when
+    the program runs as ``python -m``).
+    """
+    t0 = time.perf_counter()
+    status = fwd_cache().ensure_on_disk(config)
+    return status, time.perf_counter() - t0

@@ -36,8 +36,14 @@ FA2's ``(-1, -1)``). A row that sees no key gets output 0 and LSE -inf.
 
 Return convention (as flash_attn.cute): ``(out, lse)``; lse is fp32 (batch, nheads, seqlen_q),
 or (nheads, total_q) for packed varlen queries, when ``return_lse=True`` or when an input
-requires grad; otherwise ``lse`` is None. The backward pass is not implemented yet: the forward
-works on tensors that require grad, and calling backward raises NotImplementedError.
+requires grad; otherwise ``lse`` is None.
+
+Backward: ``cute_fa::bwd`` (a custom op with a fake implementation too, so torch.compile traces
+forward and backward without graph breaks) runs ``cute_fa.backward.run_backward``: gradients
+for q, k, v, also through a used ``lse`` (dLSE). ``deterministic=True`` raises
+NotImplementedError when the backward runs (or is traced). For packed keys the backward's grid
+needs ``max_seqlen_k``: pass it to ``flash_attn_varlen_func`` to avoid a host sync (and under
+CUDA-graph capture, where that sync is not allowed).
 """
 
 from __future__ import annotations
@@ -48,7 +54,6 @@ import os
 from typing import NamedTuple
 
 import torch
-from torch._guards import detect_fake_mode
 
 from . import dispatch
 
@@ -651,44 +656,45 @@ torch.library.register_fake("cute_fa::fwd", _fwd_fake, lib=_lib)
 _fwd_op = torch.ops.cute_fa.fwd.default
 
 
-def _backward_message(device: torch.device | None) -> str:
-    where = ""
-    if device is not None and device.type == "cuda" and torch.cuda.is_available():
-        cap = _capability(device)
-        try:
-            target = dispatch.target_for_capability(*cap)
-        except NotImplementedError:
-            target = "this GPU"
-        where = f" on {target} ({dispatch.capability_name(cap)}; the forward ran the sm80 kernel)"
-    return (
-        f"cute_fa: the attention backward pass is not implemented yet{where}; cute_fa is "
-        f"forward-only for now"
-    )
-
-
 def _bwd_impl(
-    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-    softmax_scale, causal, window_left, window_right, softcap,
+    dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+    max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+    deterministic,
 ):  # fmt: skip
-    raise NotImplementedError(_backward_message(q.device))
+    from .backward import run_backward
+
+    _device_of(
+        (dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"), (dlse, "dlse"),
+    )  # fmt: skip
+    return run_backward(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+        max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+        deterministic, dlse=dlse,
+    )  # fmt: skip
 
 
 def _bwd_fake(
-    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-    softmax_scale, causal, window_left, window_right, softcap,
+    dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+    max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+    deterministic,
 ):  # fmt: skip
-    # Tracing (torch.compile, AOTAutograd) only needs the shapes: the error comes when the
-    # compiled backward runs. Eager calls on meta tensors fail here, as on a real device.
-    if detect_fake_mode() is None:
-        raise NotImplementedError(_backward_message(q.device))
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    from .backward import DETERMINISTIC_MESSAGE
+
+    if deterministic:
+        raise NotImplementedError(DETERMINISTIC_MESSAGE)
+    if dout.shape != out.shape:
+        raise ValueError(f"dout has shape {tuple(dout.shape)}, out {tuple(out.shape)}")
+    if dlse is not None and dlse.shape != lse.shape:
+        raise ValueError(f"dlse has shape {tuple(dlse.shape)}, lse {tuple(lse.shape)}")
+    # The real implementation returns contiguous gradients shaped and typed like q, k, v.
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 _lib.define(
-    "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+    "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
     "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? seqused_q, Tensor? seqused_k, "
-    "int? max_seqlen_q, float softmax_scale, bool causal, int? window_left, int? window_right, "
-    "float softcap) -> (Tensor, Tensor, Tensor)"
+    "int? max_seqlen_q, int? max_seqlen_k, float softmax_scale, bool causal, int? window_left, "
+    "int? window_right, float softcap, bool deterministic) -> (Tensor, Tensor, Tensor)"
 )
 _lib.impl("bwd", _bwd_impl, "CUDA")
 _lib.impl("bwd", _bwd_impl, "CPU")
@@ -696,45 +702,67 @@ torch.library.register_fake("cute_fa::bwd", _bwd_fake, lib=_lib)
 _bwd_op = torch.ops.cute_fa.bwd.default
 
 
+def _eager_cuda(t) -> bool:
+    """A plain CUDA tensor outside any tracing or dispatch/function mode: the op's CUDA
+    implementation may be called directly (Note [eager fast path])."""
+    return (
+        type(t) is torch.Tensor
+        and t.is_cuda
+        and not torch.compiler.is_compiling()
+        and not torch._C._len_torch_dispatch_stack()
+        and not torch._C._is_torch_function_mode_enabled()
+    )
+
+
 class _FlashAttnForward(torch.autograd.Function):
-    """Forward through ``cute_fa::fwd``; backward through ``cute_fa::bwd`` (which raises
-    NotImplementedError for now, at the time backward runs)."""
+    """Forward through ``cute_fa::fwd``; backward through ``cute_fa::bwd``.
+
+    Gradients are not materialised (``set_materialize_grads(False)``): an unused ``lse`` gives
+    ``dlse = None`` and costs nothing; a used one folds into the backward's delta (Note
+    [gradient of the LSE] in cute_fa/backward.py). Only ``out`` unused gives ``dout`` zeros.
+    """
 
     @staticmethod
     def forward(
         ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-        softmax_scale, causal, window_left, window_right, softcap,
+        softmax_scale, causal, window_left, window_right, softcap, max_seqlen_k, deterministic,
     ):  # fmt: skip
         out, lse = _fwd_op(
             q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
             softmax_scale, causal, window_left, window_right, softcap,
         )  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-        ctx.params = (max_seqlen_q, softmax_scale, causal, window_left, window_right, softcap)
+        ctx.params = (
+            max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+            deterministic,
+        )  # fmt: skip
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        dq, dk, dv = _bwd_op(dout, *ctx.saved_tensors, *ctx.params)
-        return dq, dk, dv, *([None] * 10)
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        args = (
+            dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+            *ctx.params,
+        )  # fmt: skip
+        dq, dk, dv = _bwd_impl(*args) if _eager_cuda(dout) else _bwd_op(*args)
+        return dq, dk, dv, *([None] * 12)
 
 
 def _requires_grad(q, k, v) -> bool:
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
-def _forward(requires_grad: bool, q, k, v, *args):
+def _forward(requires_grad: bool, q, k, v, *args, max_seqlen_k=None, deterministic=False):
     """Forward with autograd when needed; eager calls on plain CUDA tensors skip the
-    dispatcher (Note [eager fast path])."""
+    dispatcher (Note [eager fast path]). ``max_seqlen_k`` and ``deterministic`` only concern
+    the backward."""
     if requires_grad:
-        return _FlashAttnForward.apply(q, k, v, *args)
-    if (
-        type(q) is torch.Tensor
-        and q.is_cuda
-        and not torch.compiler.is_compiling()
-        and not torch._C._len_torch_dispatch_stack()
-        and not torch._C._is_torch_function_mode_enabled()
-    ):
+        return _FlashAttnForward.apply(q, k, v, *args, max_seqlen_k, deterministic)
+    if _eager_cuda(q):
         return _fwd_impl(q, k, v, *args)
     return _fwd_op(q, k, v, *args)
 
@@ -744,7 +772,8 @@ def _forward(requires_grad: bool, q, k, v, *args):
 # ``torch.ops.cute_fa.fwd`` is what torch.compile, export, fake tensors and dispatch modes see.
 # A plain eager call (a CUDA ``torch.Tensor``, nothing being traced, no torch dispatch or
 # function mode active, no autograd needed) calls the op's CUDA implementation directly: the
-# same function the dispatcher would reach, without its ~10 us of argument boxing.
+# same function the dispatcher would reach, without its ~10 us of argument boxing. The autograd
+# backward calls ``cute_fa::bwd``'s implementation the same way under the same conditions.
 
 
 # --------------------------------------------------------------------------------------------
@@ -822,6 +851,7 @@ def flash_attn_func(
     out, lse = _forward(
         requires_grad, q, k, v, None, None, None, None, None,
         scale, causal, window_left, window_right, _resolve_softcap(softcap),
+        deterministic=bool(deterministic),
     )  # fmt: skip
     return out, (lse if return_lse or requires_grad else None)
 
@@ -866,7 +896,8 @@ def flash_attn_varlen_func(
     ``seqused_k`` (int32, batch) cap how many rows of each sequence count. Returns ``(out,
     lse)``: out shaped like q with dv, lse fp32 (nheads, total_q) for packed q or (batch,
     nheads, seqlen_q), or None unless ``return_lse`` or an input requires grad.
-    ``max_seqlen_q`` sizes the grid (computed from cu_seqlens_q when None); ``max_seqlen_k``,
+    ``max_seqlen_q`` sizes the grid (computed from cu_seqlens_q when None); ``max_seqlen_k``
+    sizes the backward's grid (computed from cu_seqlens_k when None: a host sync);
     ``min_seqlen_k`` and ``disable_scheduler_metadata`` are accepted and not needed. Sequence
     metadata rules and checks: see the module docstring.
     """
@@ -909,11 +940,16 @@ def flash_attn_varlen_func(
         max_seqlen_q = int(max_seqlen_q)
         if max_seqlen_q < 0:
             raise ValueError(f"max_seqlen_q must be >= 0, got {max_seqlen_q}")
+    if max_seqlen_k is not None:
+        max_seqlen_k = int(max_seqlen_k)
+        if max_seqlen_k < 0:
+            raise ValueError(f"max_seqlen_k must be >= 0, got {max_seqlen_k}")
     causal, window_left, window_right = _window_args(causal, window_size)
     scale = _resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
     requires_grad = _requires_grad(q, k, v)
     out, lse = _forward(
         requires_grad, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
         scale, causal, window_left, window_right, _resolve_softcap(softcap),
+        max_seqlen_k=max_seqlen_k, deterministic=bool(deterministic),
     )  # fmt: skip
     return out, (lse if return_lse or requires_grad else None)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -368,6 +370,84 @@ def test_tvm_ffi_export_and_load(tmp_path):
     again = real_cache(tmp_path)
     assert isinstance(again.get(key), tvm_ffi.Function)
     assert again.compiles == 1 and unpack_entry(path.read_bytes()) is not None
+
+
+_LOAD_IN_A_NEW_PROCESS = """
+import sys
+import torch
+from cute_fa import cache
+path, symbol = sys.argv[1:]
+fn = cache.load_tvm_ffi(cache.unpack_entry(open(path, "rb").read()), symbol)
+cache.fingerprint()
+print("DSL imported:", sorted(m for m in sys.modules if m.split(".")[0] == "cutlass"))
+x = torch.zeros(256)
+try:
+    fn(x, x, 2.0, None)
+except ValueError as e:
+    print("checked:", "expected device_type=cuda" in str(e))
+"""
+
+
+@pytest.mark.compile
+def test_disk_hit_loads_without_the_dsl(tmp_path):
+    """Note [loading without the DSL]: a new process loads an entry through TVM-FFI alone."""
+    if cache._linker() is None:
+        pytest.skip("no linker (ld) on this machine")
+    key = ScaleKey(with_bias=False)
+    real_cache(tmp_path).get(key)
+    (path,) = entries(tmp_path)
+    shared, obj = cache.unpack_tvm_ffi_payload(unpack_entry(path.read_bytes()))
+    assert shared[:4] == obj[:4] == b"\x7fELF" and shared[16] == 3 and obj[16] == 1  # .so, .o
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOAD_IN_A_NEW_PROCESS, str(path), cache.symbol_for(key)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "DSL imported: []" in proc.stdout and "checked: True" in proc.stdout, proc.stderr
+
+
+@pytest.mark.compile
+def test_object_file_entries_load_through_the_dsl(tmp_path, monkeypatch):
+    """Without a linker an entry is the object file alone; a shared library that does not load
+    falls back to the object file beside it."""
+    import torch
+
+    key = ScaleKey(with_bias=True)
+    monkeypatch.setenv(cache.ENV_LINKER, "0")
+    c = real_cache(tmp_path)
+    fn = c.get(key)
+    (path,) = entries(tmp_path)
+    payload = unpack_entry(path.read_bytes())
+    assert cache.unpack_tvm_ffi_payload(payload) == (None, payload) and payload[:4] == b"\x7fELF"
+
+    broken = cache.pack_tvm_ffi_payload(b"not a shared library", payload)
+    monkeypatch.setattr(cache, "_warned", set())
+    with pytest.warns(UserWarning, match="did not load as a shared library"):
+        loaded = cache.load_tvm_ffi(broken, cache.symbol_for(key))
+    x = torch.zeros(256)
+    for f in (fn, loaded):
+        with pytest.raises(ValueError, match="expected device_type=cuda"):
+            f(x, x, 2.0, x)
+
+
+def test_payload_format():
+    assert cache.unpack_tvm_ffi_payload(b"\x7fELF object") == (None, b"\x7fELF object")
+    packed = cache.pack_tvm_ffi_payload(b"shared", b"object")
+    assert cache.unpack_tvm_ffi_payload(packed) == (b"shared", b"object")
+    with pytest.raises(ValueError, match="truncated"):
+        cache.unpack_tvm_ffi_payload(packed[:20])
+
+
+def test_fingerprint_needs_no_dsl_import():
+    """The toolchain lines read from package metadata equal what the DSL itself reports."""
+    from cutlass.base_dsl.version_info import CUDA_VERSION
+
+    lines = cache._toolchain_versions()
+    assert lines[:2] == [f"cutlass-dsl {cutlass.__version__}", f"dsl-cuda {CUDA_VERSION.major}"]
+    runtime = cache.dsl_runtime_library()
+    assert runtime is not None and os.path.basename(runtime) == cache.RUNTIME_LIBRARY
+    assert runtime in cutlass.runtime.find_runtime_libraries(enable_tvm_ffi=False)
 
 
 @pytest.mark.gpu

@@ -7,7 +7,8 @@ contain HMMA (mma.sync) and LDGSTS (cp.async), no HGMMA, and stay within its spi
 Spill budget: the 4-warp tiles (d64/d96/d128: 32 query rows a warp, 64-128 fp32 accumulators a
 thread) sit at the 255-register cap and spill a little; they measured 14-21 % faster than the
 spill-free 8-warp tiles on the H200 (docs/performance.md), so they are kept with a budget of
-LDL+STL instructions that this test holds them to. The 8-warp tiles (d192, d256 non-causal) must not spill.
+LDL+STL instructions that this test holds them to. The 8-warp tiles (d192, d256 non-causal)
+must not spill.
 """
 
 from __future__ import annotations

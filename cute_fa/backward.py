@@ -1,0 +1,315 @@
+"""The torch side of the attention backward pass: compile keys, compile caches and the launch
+sequence preprocess -> main kernel -> postprocess (``run_backward``).
+
+Launch sequence (all on torch's current CUDA stream, no host sync unless noted):
+  1. preprocess: ``delta = rowsum(dO * O) - dLSE`` (fp32, (b, h, sq)) and ``dQaccum = 0``
+     (fp32, (b, h, sq, d)); Note [gradient of the LSE] says why dLSE folds into delta;
+  2. main kernel (the backward protocol, ``cute_fa.dsl.fake.bwd_fake_args``): dK, dV per query
+     head, dK already scaled by softmax_scale; dQ (unscaled) added into dQaccum with atomics;
+  3. postprocess: ``dQ = (dQaccum * softmax_scale).to(dtype)``;
+  4. GQA/MQA: each group of ``h / h_kv`` query heads' dK, dV is summed in fp32 into its kv head
+     (``torch.sum(..., dtype=float32)``) and cast back; with ``h == h_kv`` the kernel writes the
+     returned tensors directly.
+Varlen tensors get a batch dim of 1, as in the forward. Nothing is launched when there is no
+query or no key (the gradients are zero). The only host sync: with packed keys, reading
+cu_seqlens_k (or seqused_k) for the longest key sequence, which sizes the main kernel's grid;
+it happens when ``max_seqlen_k`` is not given, or to check a given one when the forward's value
+checks are on (not under ``CUTE_FA_SKIP_CHECKS=1`` nor during CUDA-graph capture).
+
+Compile keys: ``BwdConfig`` (``cute_fa.config``) for the main kernel, ``BwdPreConfig`` and
+``BwdPostConfig`` (``cute_fa.ampere.flash_bwd_prepost``, next to their kernels and fake
+arguments) for the small ones: neither depends on the mask flags or tiles, so one pre/post
+compile serves every mask variant of a head dim. Each has its own ``CompileCache`` (TVM-FFI
+export to the on-disk store, as the forward).
+
+Note [gradient of the LSE]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+The forward returns ``lse_i = log sum_j exp(s_ij)`` (s the scaled, capped, masked scores) next
+to ``O = P V``. With ``dP = dO V^T``, the score gradient through O is
+``dS = P * (dP - delta)``, ``delta_i = sum_j P_ij dP_ij = rowsum(dO * O)_i``. The LSE adds
+``d lse_i / d s_ij = P_ij``, so with an incoming ``dLSE``: ``dS = P * (dP - delta) + P * dLSE
+= P * (dP - (delta - dLSE))``. The main kernel is unchanged; the preprocess writes
+``delta - dLSE``. Rows that see no key have ``P = 0`` and stay at zero gradient whatever dLSE is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import CompileCache, compile_tvm_ffi, export_tvm_ffi, load_tvm_ffi
+from .config import BwdConfig, sm80_bwd_tile, target_for_capability
+
+__all__ = [
+    "bwd_config",
+    "bwd_cache",
+    "bwd_pre_cache",
+    "bwd_post_cache",
+    "compile_bwd",
+    "compile_bwd_pre",
+    "compile_bwd_post",
+    "run_backward",
+]
+
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+_ALIGN_BYTES = 16
+_STRIDE_MULTIPLE = 8  # elements: 16 bytes of a 16-bit dtype
+
+DETERMINISTIC_MESSAGE = (
+    "cute_fa: deterministic=True is not implemented for the backward pass yet (dQ is "
+    "accumulated with fp32 atomics, whose order varies between runs); pass deterministic=False"
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel classes, compile keys, compile functions, caches
+
+
+def bwd_kernel_classes(arch: int) -> tuple[type, type, type]:
+    """(preprocess, main, postprocess) kernel classes of an arch family."""
+    if arch == 80:
+        from .ampere import (
+            FlashAttentionBackwardPostprocessSm80,
+            FlashAttentionBackwardPreprocessSm80,
+            FlashAttentionBackwardSm80,
+        )
+
+        return (
+            FlashAttentionBackwardPreprocessSm80,
+            FlashAttentionBackwardSm80,
+            FlashAttentionBackwardPostprocessSm80,
+        )
+    raise NotImplementedError(f"cute_fa has no sm{arch} backward kernel yet")
+
+
+def bwd_config(
+    target: str,
+    dtype: str,
+    head_dim: int,
+    head_dim_v: int,
+    *,
+    causal: bool = False,
+    local: bool = False,
+    has_softcap: bool = False,
+    varlen_q: bool = False,
+    varlen_k: bool = False,
+    seqused_q: bool = False,
+    seqused_k: bool = False,
+) -> BwdConfig:
+    """The main kernel's compile key for a request on ``target`` (sm80 family, tuned tiles);
+    NotImplementedError naming the reason when the kernel cannot implement it."""
+    tile_m, tile_n, num_warps = sm80_bwd_tile(head_dim, target, causal)
+    config = BwdConfig(
+        arch=80, target=target, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v,
+        tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, causal=causal, local=local,
+        has_softcap=has_softcap, varlen_q=varlen_q, varlen_k=varlen_k, seqused_q=seqused_q,
+        seqused_k=seqused_k,
+    )  # fmt: skip
+    _, main_cls, _ = bwd_kernel_classes(config.arch)
+    ok, reason = main_cls.can_implement(config)
+    if not ok:
+        raise NotImplementedError(
+            f"cute_fa: no backward kernel implements [{config.name}] on {target}: "
+            f"{main_cls.__name__}: {reason}"
+        )
+    return config
+
+
+def pre_config(config: BwdConfig, has_dlse: bool):
+    """Compile key of the preprocess kernel that goes with a main-kernel config."""
+    from .ampere.flash_bwd_prepost import BwdPreConfig
+
+    return BwdPreConfig(
+        arch=config.arch, target=config.target, dtype=config.dtype, head_dim=config.head_dim,
+        head_dim_v=config.head_dim_v, has_dlse=has_dlse,
+    )  # fmt: skip
+
+
+def post_config(config: BwdConfig):
+    """Compile key of the postprocess kernel that goes with a main-kernel config."""
+    from .ampere.flash_bwd_prepost import BwdPostConfig
+
+    return BwdPostConfig(
+        arch=config.arch, target=config.target, dtype=config.dtype, head_dim=config.head_dim
+    )
+
+
+def compile_bwd(config: BwdConfig):
+    """Compiled main backward kernel of ``config`` (arguments: the backward protocol)."""
+    from .dsl.fake import bwd_fake_args
+
+    _, main_cls, _ = bwd_kernel_classes(config.arch)
+    return compile_tvm_ffi(main_cls(config), bwd_fake_args(config), config.target)
+
+
+def compile_bwd_pre(config):
+    """Compiled preprocess kernel of a ``BwdPreConfig``."""
+    pre_cls, _, _ = bwd_kernel_classes(config.arch)
+    return compile_tvm_ffi(pre_cls(config), pre_cls.fake_args(config), config.target)
+
+
+def compile_bwd_post(config):
+    """Compiled postprocess kernel of a ``BwdPostConfig``."""
+    _, _, post_cls = bwd_kernel_classes(config.arch)
+    return compile_tvm_ffi(post_cls(config), post_cls.fake_args(config), config.target)
+
+
+_caches: dict[str, CompileCache] = {}
+
+
+def _cache(name: str, compile_fn) -> CompileCache:
+    cache = _caches.get(name)
+    if cache is None:
+        cache = _caches.setdefault(name, CompileCache(compile_fn, export_tvm_ffi, load_tvm_ffi))
+    return cache
+
+
+def bwd_cache() -> CompileCache:
+    """The process-wide cache of main backward kernels."""
+    return _cache("main", compile_bwd)
+
+
+def bwd_pre_cache() -> CompileCache:
+    """The process-wide cache of backward preprocess kernels."""
+    return _cache("pre", compile_bwd_pre)
+
+
+def bwd_post_cache() -> CompileCache:
+    """The process-wide cache of backward postprocess kernels."""
+    return _cache("post", compile_bwd_post)
+
+
+# --------------------------------------------------------------------------------------------
+# The launch sequence
+
+
+def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` if the kernels can read it as it is (last dim contiguous, other strides multiples
+    of 16 bytes, 16-byte aligned), else a contiguous copy (a transposed or expanded dout)."""
+    strides = t.stride()
+    ok = (
+        (t.shape[-1] <= 1 or strides[-1] == 1)
+        and all(s % _STRIDE_MULTIPLE == 0 for s in strides[:-1])
+        and t.data_ptr() % _ALIGN_BYTES == 0
+    )
+    return t if ok else t.clone(memory_format=torch.contiguous_format)  # new, aligned memory
+
+
+def _longest_keys(cu_seqlens_k: torch.Tensor, seqused_k: torch.Tensor | None) -> int:
+    """The longest key sequence the kernel visits (a host sync)."""
+    if cu_seqlens_k.shape[0] < 2:
+        return 0
+    lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1] if seqused_k is None else seqused_k
+    return int(lengths.max())
+
+
+def _batch_dim(t: torch.Tensor | None, varlen: bool) -> torch.Tensor | None:
+    """Packed varlen tensors get a leading batch dim of 1 for the kernels."""
+    return t.unsqueeze(0) if t is not None and varlen else t
+
+
+def run_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    seqused_q: torch.Tensor | None,
+    seqused_k: torch.Tensor | None,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int | None,
+    window_right: int | None,
+    softcap: float,
+    deterministic: bool,
+    dlse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of attention; arguments as ``cute_fa::fwd`` saved them, plus ``dout`` (the
+    gradient of ``out``, any strides) and ``dlse`` (the gradient of the returned LSE, or None).
+
+    q, k, v, out and lse are the forward's own tensors (already checked there). The returned
+    gradients are contiguous, shaped and typed like q, k, v. ``max_seqlen_q`` is not needed
+    (the main kernel's grid runs over keys).
+    """
+    from .interface import _capability, _check_values, _kernel_window, resolve_window
+
+    if deterministic:
+        raise NotImplementedError(DETERMINISTIC_MESSAGE)
+    if dout.shape != out.shape:
+        raise ValueError(f"dout has shape {tuple(dout.shape)}, out {tuple(out.shape)}")
+    dtype = q.dtype
+    causal, local, window_left, window_right = resolve_window(causal, (window_left, window_right))
+    varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
+    nheads, nheads_kv = q.shape[-2], k.shape[-2]
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+
+    if q.numel() == 0 or k.numel() == 0:  # no query or no key: nothing flows back
+        return (
+            torch.zeros(q.shape, dtype=dtype, device=q.device),
+            torch.zeros(k.shape, dtype=dtype, device=k.device),
+            torch.zeros(v.shape, dtype=dtype, device=v.device),
+        )
+
+    target = target_for_capability(*_capability(q.device))
+    config = bwd_config(
+        target, _DTYPE_NAMES[dtype], head_dim, head_dim_v, causal=causal, local=local,
+        has_softcap=softcap > 0, varlen_q=varlen_q, varlen_k=varlen_k,
+        seqused_q=seqused_q is not None, seqused_k=seqused_k is not None,
+    )  # fmt: skip
+    pre = bwd_pre_cache().get(pre_config(config, dlse is not None))
+    main = bwd_cache().get(config)
+    post = bwd_post_cache().get(post_config(config))
+
+    if dout.dtype != dtype:
+        dout = dout.to(dtype)
+    dout = _kernel_ready(dout)
+    if dlse is not None:
+        dlse = dlse.to(torch.float32).contiguous()
+    if not varlen_k:
+        max_seqlen_k = k.shape[1]
+    elif max_seqlen_k is None or _check_values(q):
+        longest = _longest_keys(cu_seqlens_k, seqused_k)
+        if max_seqlen_k is None:
+            max_seqlen_k = longest
+        elif max_seqlen_k < longest:
+            raise ValueError(
+                f"max_seqlen_k ({max_seqlen_k}) is smaller than the longest key sequence "
+                f"({longest})"
+            )
+
+    device = q.device
+    q4, out4, dout4 = (_batch_dim(t, varlen_q) for t in (q, out, dout))
+    lse3, dlse3 = _batch_dim(lse, varlen_q), _batch_dim(dlse, varlen_q)
+    k4, v4 = _batch_dim(k, varlen_k), _batch_dim(v, varlen_k)
+    batch4, rows = q4.shape[0], q4.shape[1]
+
+    delta = torch.empty(lse3.shape, dtype=torch.float32, device=device)
+    dq_accum = torch.empty((batch4, nheads, rows, head_dim), dtype=torch.float32, device=device)
+    pre(out4, dout4, dlse3, delta, dq_accum)
+
+    # dK, dV per query head. Keys the kernel never visits (past seqused_k) must read as 0.
+    alloc = torch.zeros if seqused_k is not None else torch.empty
+    grouped = nheads != nheads_kv
+    dk_shape = (*k.shape[:-2], nheads, head_dim)
+    dv_shape = (*v.shape[:-2], nheads, head_dim_v)
+    dk = alloc(dk_shape if grouped else k.shape, dtype=dtype, device=device)
+    dv = alloc(dv_shape if grouped else v.shape, dtype=dtype, device=device)
+    window_left, window_right = _kernel_window(local, window_left, window_right)
+    main(
+        q4, k4, v4, dout4, lse3, delta, dq_accum, _batch_dim(dk, varlen_k),
+        _batch_dim(dv, varlen_k), softmax_scale, softcap, window_left, window_right,
+        max_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+    )  # fmt: skip
+
+    dq = torch.empty(q.shape, dtype=dtype, device=device)
+    post(dq_accum, _batch_dim(dq, varlen_q), softmax_scale)
+
+    if grouped:
+        group = nheads // nheads_kv
+        dk = dk.unflatten(-2, (nheads_kv, group)).sum(-2, dtype=torch.float32).to(dtype)
+        dv = dv.unflatten(-2, (nheads_kv, group)).sum(-2, dtype=torch.float32).to(dtype)
+    return dq, dk, dv

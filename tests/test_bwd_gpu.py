@@ -1,0 +1,559 @@
+"""Backward correctness on a GPU against the fp32 reference (marker ``gpu``; skipped without CUDA).
+
+Tolerance (DESIGN.md, as FA4 checks it): ``dq_ref, dk_ref, dv_ref`` are the gradients of
+``attention_ref`` by fp32 autograd (fp32 leaves, ``upcast=True``), ``dq_pt, …`` those of the same
+math in the input dtype (``upcast=False, reorder_ops=True``, 16-bit leaves); each kernel
+gradient passes when ``max|g - g_ref| <= 2 * max|g_pt - g_ref| + atol``
+(``cute_fa.reference.check_close``, atol a few ulps of the input dtype). No NaN may appear.
+
+Unwritten gradients: before each backward the free blocks of torch's CUDA caching allocator are
+filled with 0xFF bytes (NaN in bf16/fp16/fp32; ``poison_free_memory`` of test_fwd_gpu.py), so
+every buffer the backward allocates (dQaccum, delta, dK/dV per query head, dQ) starts as NaN
+and an element no kernel writes fails the comparison. ``test_poison_reaches_gradients`` checks
+that the guard is live.
+
+Inputs are fresh random tensors every run; each test prints its seed, and
+``CUTE_FA_TEST_SEED=<seed>`` replays one.
+
+Compile configs this module touches (each is a forward and a main backward compile of a few
+seconds; pre/postprocess compiles are per (dtype, head dim, dLSE) and take well under one):
+bf16 batched d in {64, 96, 128, 192, 256} x {no mask, causal, local} = 15; softcap: causal d in
+{64, 128, 256} and local d128 = 4; fp16: causal d64 and no-mask d128 = 2; varlen (cu_seqlens q
+and k): d128 x {no mask, causal, local} and causal d64 = 4; seqused: varlen causal seqused_k and
+varlen seqused_q at d128 = 2. 27 in all.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import math
+import os
+import random
+
+import pytest
+import torch
+from test_fwd_gpu import empty_rows, poison_free_memory
+
+import cute_fa
+from cute_fa.reference import attention_ref, check_close
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+SEED_ENV = "CUTE_FA_TEST_SEED"
+HEAD_DIMS = (64, 96, 128, 192, 256)
+NHEADS = 6
+
+MASKS = [
+    pytest.param(False, (None, None), id="full"),
+    pytest.param(True, (None, None), id="causal"),
+    pytest.param(False, (64, 0), id="win64_0"),
+    pytest.param(False, (32, 32), id="win32_32"),
+]
+
+SEQLENS = [
+    (1, 1),
+    (17, 17),
+    (113, 203),
+    (203, 113),
+    (128, 128),
+    (129, 129),
+    (1000, 1000),
+    (1000, 17),
+    (17, 1000),
+    (1, 129),
+]
+
+
+@pytest.fixture(autouse=True)
+def seed() -> int:
+    """Fresh seed per test (printed, so a failure shows it); CUTE_FA_TEST_SEED replays one."""
+    value = int(os.environ.get(SEED_ENV) or random.SystemRandom().randrange(2**31))
+    torch.manual_seed(value)
+    random.seed(value)
+    print(f"seed {value} (replay with {SEED_ENV}={value})")
+    return value
+
+
+# ------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _nbytes(*shapes_dtypes) -> int:
+    return sum(math.prod(s) * torch.empty((), dtype=dt).element_size() for s, dt in shapes_dtypes)
+
+
+def _bwd_reserve(q, k, v) -> int:
+    """Bytes the backward allocates, doubled, plus slack: the poisoned reserve must cover them."""
+    *lead_q, h, d = q.shape
+    *lead_k, _, dv = v.shape
+    rows = math.prod(lead_q)
+    keys = math.prod(lead_k)
+    total = _nbytes(
+        ((rows, h, d), torch.float32),  # dQaccum
+        ((rows, h), torch.float32),  # delta
+        ((keys, h, d), q.dtype),  # dK per query head
+        ((keys, h, dv), q.dtype),  # dV per query head
+        ((rows, h, d), q.dtype),  # dQ
+        ((keys, h, max(d, dv)), torch.float32),  # the GQA sums
+    )
+    return 2 * total + (16 << 20)
+
+
+def _randn(*shape, dtype=torch.bfloat16, scale=1.0):
+    t = torch.randn(*shape, device="cuda", dtype=torch.float32)
+    return (t * scale).to(dtype)
+
+
+def ref_grads(q, k, v, dout, *, dlse=None, upcast=True, **kwargs):
+    """Gradients of attention_ref: fp32 leaves and math with ``upcast``, else the input dtype
+    (the baseline). ``dlse`` adds ``sum(lse * dlse)`` over rows that see a key."""
+    dtype = torch.float32 if upcast else q.dtype
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = attention_ref(*leaves, upcast=upcast, reorder_ops=not upcast, **kwargs)
+    outputs, grads = [out], [dout.to(out.dtype)]
+    if dlse is not None:
+        outputs.append(torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))
+        grads.append(dlse)
+    return torch.autograd.grad(outputs, leaves, grads)
+
+
+def check_grads(grads, q, k, v, dout, *, dlse=None, **kwargs):
+    """Compare the kernel's (dq, dk, dv) of one batched problem with the reference's."""
+    names = ("dq", "dk", "dv")
+    for g, t, name in zip(grads, (q, k, v), names, strict=True):
+        assert g.shape == t.shape and g.dtype == t.dtype, (name, g.shape, g.dtype)
+        assert not torch.isnan(g).any(), f"NaN in {name} (an element no kernel wrote?)"
+    if q.shape[0] == 0 or q.shape[1] == 0 or k.shape[1] == 0:
+        for g, name in zip(grads, names, strict=True):
+            assert (g == 0).all(), f"{name} must be 0 without queries or keys"
+        return
+    ref = ref_grads(q, k, v, dout, dlse=dlse, upcast=True, **kwargs)
+    pt = ref_grads(q, k, v, dout, dlse=dlse, upcast=False, **kwargs)
+    for g, g_ref, g_pt, name in zip(grads, ref, pt, names, strict=True):
+        check_close(g, g_ref, g_pt, name=name)
+
+
+def run_bwd_and_check(
+    b, sq, sk, h, h_kv, d, *, dtype=torch.bfloat16, causal=False, window=(None, None),
+    softcap=0.0, softmax_scale=None, use_lse=False, use_out=True, dout=None,
+):  # fmt: skip
+    q = _randn(b, sq, h, d, dtype=dtype, scale=softcap / 4 if softcap else 1.0)
+    k = _randn(b, sk, h_kv, d, dtype=dtype)
+    v = _randn(b, sk, h_kv, d, dtype=dtype)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    kwargs = dict(causal=causal, window_size=window, softcap=softcap, softmax_scale=softmax_scale)
+    out, lse = cute_fa.flash_attn_func(*leaves, return_lse=True, **kwargs)
+    if dout is None:
+        dout = _randn(*out.shape, dtype=dtype)
+    dlse = torch.randn_like(lse) if use_lse else None
+    outputs, grad_outputs = [], []
+    if use_out:
+        outputs.append(out)
+        grad_outputs.append(dout)
+    if use_lse:
+        outputs.append(lse)
+        grad_outputs.append(dlse)
+    poison_free_memory(_bwd_reserve(q, k, v))
+    grads = torch.autograd.grad(outputs, leaves, grad_outputs)
+    ref_dout = dout if use_out else torch.zeros_like(out)
+    check_grads(grads, q, k, v, ref_dout, dlse=dlse, **kwargs)
+    return q, k, v, dout, grads
+
+
+# ------------------------------------------------------------------------------------------
+# Batched sweeps
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLENS, ids=[f"{a}x{b}" for a, b in SEQLENS])
+@pytest.mark.parametrize("h_kv", [6, 2, 1], ids=["mha", "gqa3", "mqa"])
+@pytest.mark.parametrize("causal,window", MASKS)
+@pytest.mark.parametrize("d", HEAD_DIMS, ids=[f"d{d}" for d in HEAD_DIMS])
+def test_bwd(d, causal, window, h_kv, seqlen_q, seqlen_k):
+    batch = 2 if max(seqlen_q, seqlen_k) <= 1000 else 1
+    run_bwd_and_check(batch, seqlen_q, seqlen_k, NHEADS, h_kv, d, causal=causal, window=window)
+
+
+SOFTCAP_CASES = [(64, True, (None, None)), (128, True, (None, None)), (256, True, (None, None)),
+                 (128, False, (32, 32))]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "seqlen_q,seqlen_k", [(113, 203), (1000, 1000), (17, 1000)], ids=["113x203", "1000", "17x1000"]
+)
+@pytest.mark.parametrize("h_kv", [6, 2], ids=["mha", "gqa3"])
+@pytest.mark.parametrize(
+    "d,causal,window", SOFTCAP_CASES, ids=["d64-causal", "d128-causal", "d256-causal", "d128-win"]
+)
+def test_bwd_softcap(d, causal, window, h_kv, seqlen_q, seqlen_k):
+    """softcap * tanh(s / softcap): dS picks up the tanh derivative (1 - tanh^2)."""
+    run_bwd_and_check(2, seqlen_q, seqlen_k, NHEADS, h_kv, d, causal=causal, window=window,
+                      softcap=15.0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "d,causal", [(64, True), (128, False)], ids=["d64-causal", "d128-full"]
+)  # fmt: skip
+@pytest.mark.parametrize(
+    "seqlen_q,seqlen_k", [(113, 203), (1000, 1000)], ids=["113x203", "1000"]
+)  # fmt: skip
+def test_bwd_fp16(d, causal, seqlen_q, seqlen_k):
+    run_bwd_and_check(2, seqlen_q, seqlen_k, NHEADS, 2, d, dtype=torch.float16, causal=causal)
+
+
+def test_bwd_softmax_scale():
+    run_bwd_and_check(2, 150, 230, NHEADS, 3, 128, causal=True, softmax_scale=0.37 / 128**0.5)
+
+
+@pytest.mark.parametrize(
+    "seqlen_q,seqlen_k", [(0, 0), (0, 128), (128, 0), (1, 0)], ids=["0x0", "0x128", "128x0", "1x0"]
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_bwd_seqlen_zero(causal, seqlen_q, seqlen_k):
+    """Nothing to attend: zero gradients, no launch."""
+    run_bwd_and_check(2, seqlen_q, seqlen_k, NHEADS, 2, 128, causal=causal)
+
+
+def test_bwd_batch_zero():
+    run_bwd_and_check(0, 64, 64, NHEADS, 2, 128, causal=True)
+
+
+@pytest.mark.parametrize(
+    "seqlen_q,seqlen_k,causal,window",
+    [
+        (128, 128, False, (-200, -150)),  # no query sees any key
+        (300, 100, True, (None, None)),  # causal, sq > sk: the first 200 rows see nothing
+        (200, 200, False, (-190, None)),  # only the first 10 rows see a key
+        (64, 1000, False, (None, -1000)),  # right bound before key 0 for every row
+        (1000, 1000, False, (None, -300)),  # the last 300 keys are seen by no query
+    ],
+    ids=["band-200_-150", "causal300x100", "win-190_None", "winNone_-1000", "winNone_-300"],
+)
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
+def test_bwd_fully_masked(d, seqlen_q, seqlen_k, causal, window):
+    """Rows that see no key get zero dQ; keys no query sees get zero dK and dV (written by the
+    kernel: the memory they land in was poisoned)."""
+    assert empty_rows(seqlen_q, seqlen_k, causal, window).any()
+    _, _, _, _, (dq, dk, dv) = run_bwd_and_check(
+        2, seqlen_q, seqlen_k, NHEADS, 2, d, causal=causal, window=window
+    )
+    dead = empty_rows(seqlen_q, seqlen_k, causal, window).to(dq.device)
+    assert (dq[:, dead] == 0).all()
+
+
+def test_bwd_new_seqlen_does_not_recompile():
+    from cute_fa.cache import compile_count
+
+    run_bwd_and_check(2, 128, 128, NHEADS, 2, 128, causal=True)
+    before = compile_count()
+    for b, sq, sk in [(1, 300, 300), (3, 77, 1000), (2, 1000, 17)]:
+        run_bwd_and_check(b, sq, sk, NHEADS, 2, 128, causal=True)
+    run_bwd_and_check(2, 128, 128, 12, 4, 128, causal=True)  # other head counts
+    assert compile_count() == before, "a new sequence length, batch or head count recompiled"
+
+
+def test_poison_reaches_gradients():
+    """The NaN guard is live: dQ, dK and dV of a backward land in memory poisoned just before."""
+    q, k, v = (_randn(2, 300, NHEADS, 128).requires_grad_() for _ in range(3))
+    out, _ = cute_fa.flash_attn_func(q, k, v)
+    dout = _randn(*out.shape)
+    poison = poison_free_memory(_bwd_reserve(q, k, v))
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    for g, name in ((dq, "dq"), (dk, "dk"), (dv, "dv")):
+        assert poison.covers(g), f"{name} was not allocated from poisoned memory"
+
+
+# ------------------------------------------------------------------------------------------
+# dout layouts, dLSE, inputs
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_bwd_noncontiguous_dout(causal):
+    """A transposed dout, an expanded one (stride 0: the gradient of out.sum()) and one at an
+    odd offset; q, k, v views of one packed tensor."""
+    b, s, h, d = 2, 257, NHEADS, 128
+    transposed = _randn(b, h, s, d).transpose(1, 2)
+    assert not transposed.is_contiguous()
+    run_bwd_and_check(b, s, s, h, 2, d, causal=causal, dout=transposed)
+    expanded = _randn(1, 1, 1, 1).expand(b, s, h, d)
+    run_bwd_and_check(b, s, s, h, 2, d, causal=causal, dout=expanded)
+    offset = _randn(b * s * h * d + 3)[3:].view(b, s, h, d)  # 6 bytes past an aligned start
+    run_bwd_and_check(b, s, s, h, 2, d, causal=causal, dout=offset)
+
+    qkv = _randn(b, s, 3, h, d).requires_grad_()
+    q, k, v = qkv.unbind(2)
+    out, _ = cute_fa.flash_attn_func(q, k, v, causal=causal)
+    dout = _randn(*out.shape)
+    (dqkv,) = torch.autograd.grad(out, qkv, dout)
+    base = qkv.detach()
+    check_grads(dqkv.unbind(2), base[:, :, 0], base[:, :, 1], base[:, :, 2], dout, causal=causal)
+
+
+@pytest.mark.parametrize("use_out", [True, False], ids=["out_and_lse", "lse_only"])
+@pytest.mark.parametrize("causal,window", [MASKS[0], MASKS[1], MASKS[3]])
+def test_bwd_dlse(causal, window, use_out):
+    """Gradient through the returned LSE: dS = P * (dP - (delta - dLSE))."""
+    run_bwd_and_check(2, 300, 257, NHEADS, 2, 128, causal=causal, window=window, use_lse=True,
+                      use_out=use_out)  # fmt: skip
+
+
+def test_bwd_dlse_fully_masked_rows():
+    """dLSE on rows that see no key (lse = -inf) contributes nothing."""
+    run_bwd_and_check(2, 300, 100, NHEADS, 2, 64, causal=True, use_lse=True)
+
+
+@pytest.mark.parametrize(
+    "sq,sk,causal,softcap",
+    [(5, 7, False, 0.0), (17, 33, True, 0.0), (33, 17, True, 5.0), (1, 40, False, 5.0)],
+    ids=["5x7", "17x33-causal", "33x17-causal-cap", "1x40-cap"],
+)
+def test_bwd_matches_fp64_reference(sq, sk, causal, softcap):
+    """Tiny shapes: the kernel's gradients against fp64 autograd of the reference (inputs the
+    same bf16 values), with the bf16 baseline's error as the yardstick."""
+    b, h, h_kv, d = 1, 2, 1, 64
+    q = _randn(b, sq, h, d, scale=softcap / 4 if softcap else 1.0)
+    k, v = _randn(b, sk, h_kv, d), _randn(b, sk, h_kv, d)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, _ = cute_fa.flash_attn_func(*leaves, causal=causal, softcap=softcap)
+    dout = _randn(*out.shape)
+    grads = torch.autograd.grad(out, leaves, dout)
+    kwargs = dict(causal=causal, softcap=softcap)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    out64, _ = attention_ref(*ref_leaves, upcast=False, **kwargs)
+    ref = torch.autograd.grad(out64, ref_leaves, dout.double())
+    pt = ref_grads(q, k, v, dout, upcast=False, **kwargs)
+    for g, g_ref, g_pt, name in zip(grads, ref, pt, ("dq", "dk", "dv"), strict=True):
+        check_close(g, g_ref, g_pt, name=name)
+
+
+def test_bwd_dk_dv_run_to_run_identical():
+    """dK and dV live in registers of one CTA (and GQA sums run in a fixed order): bitwise
+    identical across runs. dQ is summed with atomics and only close (deterministic=True, which
+    would make it identical too, is not implemented yet)."""
+    q, k, v = _randn(2, 1000, NHEADS, 128), _randn(2, 1000, 2, 128), _randn(2, 1000, 2, 128)
+    dout = _randn(2, 1000, NHEADS, 128)
+    runs = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, _ = cute_fa.flash_attn_func(*leaves, causal=True)
+        runs.append(torch.autograd.grad(out, leaves, dout))
+    (dq1, dk1, dv1), (dq2, dk2, dv2) = runs
+    assert torch.equal(dk1, dk2) and torch.equal(dv1, dv2)
+    torch.testing.assert_close(dq1, dq2, rtol=2**-6, atol=2**-6 * float(dq1.abs().max()))
+
+
+def test_bwd_deterministic_not_implemented():
+    q = _randn(2, 64, NHEADS, 64).requires_grad_()
+    out, _ = cute_fa.flash_attn_func(q, q.detach().clone(), q.detach().clone(), deterministic=True)
+    with pytest.raises(NotImplementedError, match="deterministic=True"):
+        out.sum().backward()
+
+
+# ------------------------------------------------------------------------------------------
+# Varlen
+
+LENS_Q = [17, 0, 300, 1, 129, 300, 0, 64]
+LENS_K = [300, 17, 129, 1, 0, 17, 0, 200]
+
+
+def _cu(lens) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+
+
+def run_varlen_bwd_and_check(
+    lens_q, lens_k, d, *, causal=False, window=(None, None), softcap=0.0, used_q=None,
+    used_k=None, h=NHEADS, h_kv=2, pass_max_seqlen_k=True,
+):  # fmt: skip
+    """Packed varlen forward + backward; each sequence's gradients are checked on their own
+    against attention_ref; rows past seqused_q and keys past seqused_k get zero gradients."""
+    total_q, total_k = sum(lens_q), sum(lens_k)
+    q = _randn(total_q, h, d, scale=softcap / 4 if softcap else 1.0)
+    k, v = _randn(total_k, h_kv, d), _randn(total_k, h_kv, d)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    extra = {}
+    if used_q is not None:
+        extra["seqused_q"] = torch.tensor(used_q, dtype=torch.int32, device="cuda")
+    if used_k is not None:
+        extra["seqused_k"] = torch.tensor(used_k, dtype=torch.int32, device="cuda")
+    if pass_max_seqlen_k:
+        extra["max_seqlen_k"] = max(lens_k)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, _ = cute_fa.flash_attn_varlen_func(
+        *leaves, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), causal=causal,
+        window_size=window, softcap=softcap, **extra,
+    )  # fmt: skip
+    dout = _randn(*out.shape)
+    poison_free_memory(_bwd_reserve(q[None], k[None], v[None]))
+    dq, dk, dv = torch.autograd.grad(out, leaves, dout)
+    for g, t in ((dq, q), (dk, k), (dv, v)):
+        assert g.shape == t.shape and not torch.isnan(g).any()
+    kwargs = dict(causal=causal, window_size=window, softcap=softcap)
+    for i, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=True)):
+        q0, k0 = int(cu_q[i]), int(cu_k[i])
+        uq = lq if used_q is None else used_q[i]
+        uk = lk if used_k is None else used_k[i]
+        rows, keys = slice(q0, q0 + uq), slice(k0, k0 + uk)
+        try:
+            check_grads(
+                (dq[rows][None], dk[keys][None], dv[keys][None]),
+                q[rows][None], k[keys][None], v[keys][None], dout[rows][None], **kwargs,
+            )  # fmt: skip
+            assert (dq[q0 + uq : q0 + lq] == 0).all(), "dq past seqused_q must be 0"
+            assert (dk[k0 + uk : k0 + lk] == 0).all(), "dk past seqused_k must be 0"
+            assert (dv[k0 + uk : k0 + lk] == 0).all(), "dv past seqused_k must be 0"
+        except AssertionError as e:
+            raise AssertionError(f"sequence {i} (len_q={uq}, len_k={uk}): {e}") from e
+
+
+@pytest.mark.parametrize("causal,window", [MASKS[0], MASKS[1], MASKS[3]])
+def test_bwd_varlen(causal, window):
+    run_varlen_bwd_and_check(LENS_Q, LENS_K, 128, causal=causal, window=window)
+
+
+def test_bwd_varlen_d64_random_lengths():
+    n = 9
+    lens_q = [random.choice([0, 1, random.randrange(2, 400)]) for _ in range(n)]
+    lens_k = [random.choice([0, 1, random.randrange(2, 400)]) for _ in range(n)]
+    print(f"lens_q={lens_q} lens_k={lens_k}")
+    run_varlen_bwd_and_check(lens_q, lens_k, 64, causal=True, pass_max_seqlen_k=False)
+
+
+def test_bwd_varlen_seqused_k():
+    used_k = [min(lk, u) for lk, u in zip(LENS_K, [300, 5, 64, 0, 0, 17, 0, 100], strict=True)]
+    run_varlen_bwd_and_check(LENS_Q, LENS_K, 128, causal=True, used_k=used_k)
+
+
+def test_bwd_varlen_seqused_q():
+    used_q = [min(lq, u) for lq, u in zip(LENS_Q, [10, 0, 300, 1, 0, 150, 0, 64], strict=True)]
+    run_varlen_bwd_and_check(LENS_Q, LENS_K, 128, used_q=used_q)
+
+
+def test_bwd_varlen_max_seqlen_k_too_small():
+    lens = [100, 200]
+    q = _randn(300, NHEADS, 128).requires_grad_()
+    k = _randn(300, 2, 128)
+    out, _ = cute_fa.flash_attn_varlen_func(
+        q, k, k.clone(), cu_seqlens_q=_cu(lens), cu_seqlens_k=_cu(lens), max_seqlen_k=150
+    )
+    with pytest.raises(ValueError, match="max_seqlen_k"):
+        out.sum().backward()
+
+
+# ------------------------------------------------------------------------------------------
+# torch.compile and CUDA graphs
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, dim=384, heads=NHEADS, kv_heads=2, causal=True):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd, self.causal = heads, kv_heads, dim // heads, causal
+        self.q = torch.nn.Linear(dim, dim, bias=False)
+        self.kv = torch.nn.Linear(dim, 2 * kv_heads * self.hd, bias=False)
+        self.o = torch.nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.hd)
+        k, v = self.kv(x).view(b, s, 2, self.kv_heads, self.hd).unbind(2)
+        out, _ = cute_fa.flash_attn_func(q, k, v, causal=self.causal)
+        return x + self.o(out.reshape(b, s, -1))
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, name: str, rel: float = 2**-5) -> None:
+    """Same computation, different rounding/ordering (atomics, fused elementwise ops)."""
+    err = float((a.float() - b.float()).abs().max())
+    scale = float(b.float().abs().max())
+    assert err <= rel * scale + 1e-6, f"{name}: max diff {err:.3e} vs max |ref| {scale:.3e}"
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph_fwd_bwd(backend):
+    if backend == "inductor" and importlib.util.find_spec("triton") is None:
+        pytest.skip("inductor needs triton")
+    torch._dynamo.reset()
+    model = _Attention().to(device="cuda", dtype=torch.bfloat16)
+    x = _randn(2, 300, 384).requires_grad_()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    results = []
+    for fn in (model, compiled):
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        y = fn(x)
+        (y.float().square().mean()).backward()
+        results.append((y.detach(), x.grad.clone(), [p.grad.clone() for p in model.parameters()]))
+    (y_e, gx_e, gp_e), (y_c, gx_c, gp_c) = results
+    _close(y_c, y_e, "out")
+    _close(gx_c, gx_e, "x.grad")
+    for (name, _), a, b in zip(model.named_parameters(), gp_c, gp_e, strict=True):
+        _close(a, b, name)
+    torch._dynamo.reset()
+
+
+def _graph_capture(step):
+    """Warm up ``step`` on a side stream (compiles, allocator), capture it, return (graph,
+    captured outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs
+
+
+def test_cuda_graph_fwd_bwd_replay_matches_eager():
+    b, s, h, h_kv, d = 2, 257, NHEADS, 2, 128
+    q = _randn(b, s, h, d).requires_grad_()
+    k = _randn(b, s, h_kv, d).requires_grad_()
+    v = _randn(b, s, h_kv, d).requires_grad_()
+    dout, dlse = _randn(b, s, h, d), torch.randn(b, h, s, device="cuda")
+
+    def step():
+        out, lse = cute_fa.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        return (out, *torch.autograd.grad((out, lse), (q, k, v), (dout, dlse)))
+
+    graph, captured = _graph_capture(step)
+    for _ in range(2):
+        with torch.no_grad():
+            for t in (q, k, v, dout):
+                t.copy_(torch.randn_like(t))
+            dlse.copy_(torch.randn_like(dlse))
+        graph.replay()
+        eager = step()
+        for a, e, name in zip(captured, eager, ("out", "dq", "dk", "dv"), strict=True):
+            if name == "dq":
+                _close(a, e, name, rel=2**-7)
+            else:
+                assert torch.equal(a, e), f"{name}: graph replay differs from eager"
+
+
+def test_cuda_graph_varlen_fwd_bwd():
+    """Varlen under capture: max_seqlen_q and max_seqlen_k given, so nothing syncs."""
+    lens = [100, 0, 257, 31]
+    cu = _cu(lens)
+    q = _randn(sum(lens), NHEADS, 128).requires_grad_()
+    k = _randn(sum(lens), 2, 128).requires_grad_()
+    v = _randn(sum(lens), 2, 128).requires_grad_()
+    dout = _randn(sum(lens), NHEADS, 128)
+
+    def step():
+        out, _ = cute_fa.flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
+            max_seqlen_k=max(lens), causal=True,
+        )  # fmt: skip
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    graph, captured = _graph_capture(step)
+    with torch.no_grad():
+        for t in (q, k, v, dout):
+            t.copy_(torch.randn_like(t))
+    graph.replay()
+    eager = step()
+    _close(captured[0], eager[0], "dq", rel=2**-7)
+    assert torch.equal(captured[1], eager[1]) and torch.equal(captured[2], eager[2])

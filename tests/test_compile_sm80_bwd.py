@@ -1,0 +1,214 @@
+"""Compile-only checks of the sm80 backward kernels on the CPU, with a SASS read of each cubin.
+
+Pre/postprocess (cheap, every head dim): every global access of a row is 128 bits
+(``LDG.E.128`` / ``STG.E.128``), the preprocess reduces rows with butterfly shuffles, nothing
+spills, no MMA. They also go through the real compile path (TVM-FFI, export to the on-disk
+cache) once.
+
+Main kernel (a few seconds a compile): every head dim with a flag set that turns on most
+features at once, plus a few others. The cubin must hold HMMA (mma.sync), LDSM (ldmatrix) and
+LDGSTS (cp.async), no HGMMA, at most 255 registers; its spills (LDL + STL instructions) and stack
+are printed (``pytest -rP`` shows them) and held to ``SPILL_BUDGET`` where one is set. These
+tests skip when ``cute_fa.ampere.FlashAttentionBackwardSm80`` cannot be imported.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+
+import pytest
+from cute_fa.ampere import (
+    BwdPostConfig,
+    BwdPreConfig,
+    FlashAttentionBackwardPostprocessSm80,
+    FlashAttentionBackwardPreprocessSm80,
+)
+
+from cute_fa.config import BwdConfig, sm80_bwd_tile
+from cute_fa.sass import inspect_cubin
+
+pytestmark = pytest.mark.compile
+
+HEAD_DIMS = (64, 96, 128, 192, 256)
+
+# Largest LDL+STL instruction count allowed per head dim of the main kernel; None: report only.
+SPILL_BUDGET: dict[int, int | None] = {64: None, 96: None, 128: None, 192: None, 256: None}
+
+Pre = FlashAttentionBackwardPreprocessSm80
+Post = FlashAttentionBackwardPostprocessSm80
+
+MAIN_FLAG_SETS = {
+    "causal_softcap_varlen": {
+        "causal": True, "has_softcap": True, "varlen_q": True, "varlen_k": True,
+    },
+    "local_seqused": {"local": True, "varlen_q": True, "varlen_k": True, "seqused_q": True,
+                      "seqused_k": True},
+    "plain": {},
+}  # fmt: skip
+MAIN_CASES = [(d, "causal_softcap_varlen") for d in HEAD_DIMS] + [
+    (128, "local_seqused"),
+    (64, "plain"),
+]
+
+
+def _cubin(kernel, args: tuple, target: str) -> bytes:
+    import cutlass.cute as cute
+
+    with tempfile.TemporaryDirectory(prefix="cute-fa-cubin-") as d:
+        compiled = cute.compile(
+            kernel, *args, options=f"--gpu-arch {target} --keep-cubin --dump-dir {d}"
+        )
+        cubin = compiled.__cubin__
+    assert cubin, "the DSL kept no cubin"
+    return cubin if isinstance(cubin, bytes) else cubin.encode("latin-1")
+
+
+def _count(sass: str, pattern: str) -> int:
+    return len(re.findall(pattern, sass))
+
+
+def _check_elementwise(info: dict) -> None:
+    counts, sass = info["sass_counts"], info["sass_text"]
+    assert counts["HMMA"] == 0 and counts["HGMMA"] == 0
+    assert counts["LDL"] + counts["STL"] == 0, f"spills: stack {info['stack']} B"
+    assert info["regs"] <= 64, f"{info['regs']} registers for an elementwise kernel"
+    # Every load of a 16-bit row or of the fp32 accumulator is 128 bits wide.
+    assert _count(sass, r"LDG\.E\.128") > 0, "no 128-bit global loads"
+    assert _count(sass, r"STG\.E\.128") > 0, "no 128-bit global stores"
+
+
+# --------------------------------------------------------------------------------------------
+# Pre/postprocess
+
+
+@pytest.mark.parametrize("has_dlse", [False, True], ids=["nodlse", "dlse"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_preprocess_compiles(d: int, has_dlse: bool) -> None:
+    config = BwdPreConfig(80, "sm_90a", "bf16", d, d, has_dlse)
+    info = inspect_cubin(_cubin(Pre(config), Pre.fake_args(config), config.target))
+    _check_elementwise(info)
+    sass = info["sass_text"]
+    assert _count(sass, r"SHFL\.BFLY") > 0, "rows are reduced with butterfly shuffles"
+    # Loads of O and dO and zero stores of dQaccum are all 128-bit; the scalar stores are delta
+    # (and the scalar loads dLSE).
+    assert _count(sass, r"LDG\.E(?!\.128)") == (_count(sass, r"STG\.E(?!\.128)") if has_dlse else 0)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_postprocess_compiles(d: int, dtype: str) -> None:
+    config = BwdPostConfig(80, "sm_90a", dtype, d)
+    info = inspect_cubin(_cubin(Post(config), Post.fake_args(config), config.target))
+    _check_elementwise(info)
+    sass = info["sass_text"]
+    assert _count(sass, r"LDG\.E(?!\.128)") == 0 and _count(sass, r"STG\.E(?!\.128)") == 0
+
+
+def test_prepost_compile_for_sm80_and_mixed_head_dims() -> None:
+    pre = BwdPreConfig(80, "sm_80", "fp16", 192, 128, True)
+    _check_elementwise(inspect_cubin(_cubin(Pre(pre), Pre.fake_args(pre), "sm_80")))
+    post = BwdPostConfig(80, "sm_80", "bf16", 80)  # not a multiple of 16 chunks a row
+    _check_elementwise(inspect_cubin(_cubin(Post(post), Post.fake_args(post), "sm_80")))
+
+
+def test_prepost_can_implement() -> None:
+    assert Pre.can_implement(BwdPreConfig(80, "sm_90a", "bf16", 128, 128)) == (True, "")
+    ok, reason = Pre.can_implement(BwdPreConfig(80, "sm_90a", "bf16", 128, 260))
+    assert not ok and "head_dim_v" in reason
+    ok, reason = Post.can_implement(BwdPostConfig(90, "sm_90a", "bf16", 128))
+    assert not ok and "sm90" in reason
+    with pytest.raises(NotImplementedError, match="head_dim 12"):
+        Post(BwdPostConfig(80, "sm_90a", "bf16", 12))
+    with pytest.raises(ValueError, match="dtype"):
+        BwdPreConfig(80, "sm_90a", "fp32", 128, 128)
+
+
+def test_prepost_through_the_disk_cache(tmp_path) -> None:
+    """The TVM-FFI compile and export of the pre/postprocess work without a GPU, and a second
+    cache instance finds the entries on disk."""
+    from cute_fa.backward import compile_bwd_post, compile_bwd_pre, post_config, pre_config
+    from cute_fa.cache import CompileCache, export_tvm_ffi, load_tvm_ffi
+
+    config = BwdConfig(80, "sm_90a", "bf16", 128, 128, 64, 128, 8, causal=True)
+    for compile_fn, key in (
+        (compile_bwd_pre, pre_config(config, has_dlse=True)),
+        (compile_bwd_post, post_config(config)),
+    ):
+        cache = CompileCache(compile_fn, export_tvm_ffi, load_tvm_ffi, directory=tmp_path)
+        assert cache.ensure_on_disk(key) == "compiled"
+        again = CompileCache(compile_fn, export_tvm_ffi, load_tvm_ffi, directory=tmp_path)
+        assert again.ensure_on_disk(key) == "hit"
+
+
+def test_prepost_keys_ignore_masks_and_tiles() -> None:
+    """One pre/postprocess compile serves every mask variant and tile of a head dim."""
+    from cute_fa.backward import post_config, pre_config
+
+    a = BwdConfig(80, "sm_90a", "bf16", 128, 128, 64, 128, 8)
+    b = a.replace(causal=True, has_softcap=True, varlen_q=True, tile_n=64)
+    assert pre_config(a, False) == pre_config(b, False) != pre_config(a, True)
+    assert post_config(a) == post_config(b)
+
+
+# --------------------------------------------------------------------------------------------
+# Main kernel
+
+
+def _main_kernel_class():
+    try:
+        from cute_fa.ampere import FlashAttentionBackwardSm80
+    except ImportError as e:
+        pytest.skip(f"cute_fa.ampere.FlashAttentionBackwardSm80 is not importable: {e}")
+    return FlashAttentionBackwardSm80
+
+
+def _main_config(d: int, target: str, dtype: str = "bf16", **flags) -> BwdConfig:
+    tile_m, tile_n, num_warps = sm80_bwd_tile(d, target, flags.get("causal", False))
+    return BwdConfig(
+        arch=80, target=target, dtype=dtype, head_dim=d, head_dim_v=d,
+        tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, **flags,
+    )  # fmt: skip
+
+
+def _check_main(config: BwdConfig) -> None:
+    from cute_fa.dsl.fake import bwd_fake_args
+
+    cls = _main_kernel_class()
+    ok, reason = cls.can_implement(config)
+    assert ok, reason
+    info = inspect_cubin(_cubin(cls(config), bwd_fake_args(config), config.target))
+    counts = info["sass_counts"]
+    spills = counts["LDL"] + counts["STL"]
+    print(
+        f"{config.name}: REG {info['regs']} STACK {info['stack']} spills (LDL+STL) {spills} "
+        f"HMMA {counts['HMMA']} LDSM {counts['LDSM']} LDGSTS {counts['LDGSTS']}"
+    )
+    assert counts["HMMA"] > 0, "no mma.sync (HMMA) in the SASS"
+    assert counts["LDSM"] > 0, "no ldmatrix (LDSM) in the SASS"
+    assert counts["LDGSTS"] > 0, "no cp.async (LDGSTS) in the SASS"
+    assert counts["HGMMA"] == 0
+    assert info["regs"] <= 255
+    budget = SPILL_BUDGET[config.head_dim]
+    if budget is not None:
+        assert spills <= budget, f"{spills} LDL/STL (stack {info['stack']} B), budget {budget}"
+
+
+@pytest.mark.parametrize("d,flags", MAIN_CASES, ids=[f"d{d}-{f}" for d, f in MAIN_CASES])
+def test_main_kernel_compiles_for_sm90a(d: int, flags: str) -> None:
+    _check_main(_main_config(d, "sm_90a", **MAIN_FLAG_SETS[flags]))
+
+
+def test_main_kernel_compiles_for_sm80_fp16() -> None:
+    _check_main(_main_config(128, "sm_80", dtype="fp16", causal=True))
+
+
+def test_bwd_config_uses_the_tile_table() -> None:
+    _main_kernel_class()
+    from cute_fa.backward import bwd_config
+
+    for d in HEAD_DIMS:
+        config = bwd_config("sm_90a", "bf16", d, d, causal=True)
+        assert (config.tile_m, config.tile_n, config.num_warps) == sm80_bwd_tile(d, "sm_90a", True)
+    with pytest.raises(NotImplementedError, match="head_dim"):
+        bwd_config("sm_90a", "bf16", 80, 80)
