@@ -170,6 +170,7 @@ class MatrixRow:
     label: str
     request: FwdRequest | None  # None: an interface argument no kernel implements yet
     note: str = ""
+    backward: bool = False  # the row asks the backward kernels, not the forward
 
 
 def _base(**changes) -> FwdRequest:
@@ -201,8 +202,38 @@ def feature_rows() -> list[MatrixRow]:
             f"accepted by name; NotImplementedError unless off: {names}",
         )
     )
-    rows.append(MatrixRow("backward", None, "not implemented yet (NotImplementedError)"))
+    for label, request in [
+        ("backward, head_dim 64", _base(head_dim=64, head_dim_v=64)),
+        ("backward, head_dim 128", _base()),
+        ("backward, head_dim 256", _base(head_dim=256, head_dim_v=256)),
+        ("backward, causal", _base(causal=True)),
+        ("backward, sliding window", _base(local=True)),
+        ("backward, softcap", _base(has_softcap=True)),
+        ("backward, varlen", _base(varlen_q=True, varlen_k=True)),
+    ]:
+        rows.append(MatrixRow(label, request, backward=True))
+    rows.append(
+        MatrixRow(
+            "backward, deterministic=True",
+            None,
+            "not implemented yet (NotImplementedError when the backward runs)",
+        )
+    )
     return rows
+
+
+def _try_bwd(capability: tuple[int, int], request: FwdRequest) -> tuple[int | None, str]:
+    """(kernel family, "") when the backward kernels implement ``request``, else (None, why)."""
+    from .backward import bwd_config  # the backward plan lives with the torch-side backward
+
+    flags = {f.name: getattr(request, f.name) for f in fields(request)}
+    target = target_for_capability(*capability)
+    try:
+        config = bwd_config(target, flags.pop("dtype"), flags.pop("head_dim"),
+                            flags.pop("head_dim_v"), **flags)  # fmt: skip
+    except NotImplementedError as e:
+        return None, str(e)
+    return config.arch, ""
 
 
 def feature_matrix() -> tuple[list[str], list[tuple[str, list[str]]], list[str]]:
@@ -217,6 +248,11 @@ def feature_matrix() -> tuple[list[str], list[tuple[str, list[str]]], list[str]]
         for capability in capabilities:
             if row.request is None:
                 why = row.note
+            elif row.backward:
+                arch, why = _try_bwd(capability, row.request)
+                if arch is not None:
+                    cells.append(f"sm{arch}")
+                    continue
             else:
                 cls, _, why = _try_plan(capability, row.request)
                 if cls is not None:
@@ -250,7 +286,7 @@ def format_feature_matrix(markdown: bool = False) -> str:
         lines.append("")
         lines += [f"({i + 1}) {note}" for i, note in enumerate(notes)]
     title = (
-        "cute_fa forward features by compile target (cell: kernel family that runs it; "
+        "cute_fa features by compile target (cell: kernel family that runs it; "
         "generated from each kernel class's can_implement)"
     )
     return "\n".join([title, "", *lines])
