@@ -1,7 +1,8 @@
 """Compile-only checks of the sm80 forward kernel on the CPU, with a SASS read of each cubin.
 
 Every head dim, with flag combinations that together cover each feature flag, is cross-compiled
-for sm_90a (the H200's target; the sm80 kernels run there) and a few for sm_80. Each cubin must
+for sm_90a (the H200's target; the sm80 kernels run there) and a few for sm_80 and sm_100a.
+Each cubin must
 contain HMMA (mma.sync) and LDGSTS (cp.async), no HGMMA, and stay within its spill budget.
 
 Spill budget: the 4-warp tiles (d64/d96/d128: 32 query rows a warp, 64-128 fp32 accumulators a
@@ -63,6 +64,12 @@ def test_sm80_fwd_compiles_for_sm90a(d: int, flags: str) -> None:
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_sm80_fwd_compiles_for_sm80(d: int) -> None:
     _check(compile_and_inspect(_config(d, "sm_80", causal=True)), d)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_sm80_fwd_compiles_for_sm100a(d: int) -> None:
+    """Blackwell runs the sm80 kernel until cute_fa.blackwell has its own: compile-checked only."""
+    _check(compile_and_inspect(_config(d, "sm_100a", causal=True)), d)
 
 
 def test_sm80_fwd_fp16_compiles() -> None:
