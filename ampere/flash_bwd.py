@@ -9,7 +9,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warp
 
-from cute_fa.config import SMEM_CAPACITY, BwdConfig
+from cute_fa.config import BwdConfig
 from cute_fa.dsl.fake import DTYPE
 from cute_fa.dsl.mask import apply_mask
 from cute_fa.dsl.seqlen import seqlen_info
@@ -17,8 +17,7 @@ from cute_fa.dsl.softmax import LOG2_E, mn_view
 
 from .copy import gmem_tiled_copies, load_rows, smem_layout, store_acc, store_zeros, transposed
 from .mma import gemm
-
-SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+from .support import bwd_can_implement
 
 
 def _elem_ptr(t: cute.Tensor, i: int):
@@ -76,28 +75,7 @@ class FlashAttentionBackwardSm80:
         self.local = config.local
         self.has_softcap = config.has_softcap
 
-    @staticmethod
-    def can_implement(config: BwdConfig) -> tuple[bool, str]:
-        if config.arch != 80:
-            return False, f"config is for sm{config.arch}, this kernel is sm80"
-        if config.head_dim not in SUPPORTED_HEAD_DIMS:
-            return False, f"head_dim {config.head_dim} not in {SUPPORTED_HEAD_DIMS}"
-        if config.head_dim_v != config.head_dim:
-            return False, "head_dim_v != head_dim is not supported on sm80"
-        if config.num_warps % 4 != 0:
-            return False, "num_warps must be a multiple of 4"
-        w = config.num_warps
-        if config.tile_m % 32 != 0 or config.tile_n % (16 * w // 2) != 0:
-            return False, f"tile {config.tile_m}x{config.tile_n} does not fit {w} warps"
-        if config.tile_n % 64 != 0 or config.tile_n % (16 * 4) != 0:
-            return False, "tile_n must be a multiple of 64"
-        if config.head_dim % (16 * w // 4) != 0:
-            return False, f"head_dim {config.head_dim} does not split over {w // 4} warps"
-        smem = (2 * config.tile_n * config.head_dim + 2 * config.tile_m * config.head_dim
-                + 2 * config.tile_m * config.tile_n) * 2  # fmt: skip
-        if smem > SMEM_CAPACITY.get(config.target, 0):
-            return False, f"tiles need {smem} B of shared memory, more than {config.target} has"
-        return True, ""
+    can_implement = staticmethod(bwd_can_implement)
 
     # ------------------------------------------------------------------------------------------
     # Host side

@@ -9,15 +9,14 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
-from cute_fa.config import SMEM_CAPACITY, FwdConfig
+from cute_fa.config import FwdConfig
 from cute_fa.dsl.fake import DTYPE
 from cute_fa.dsl.mask import apply_mask, block_range
 from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import LOG2_E, OnlineSoftmax, mn_view
 
 from .mma import acc_as_A_operand, gemm
-
-SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+from .support import fwd_can_implement
 
 
 class FlashAttentionForwardSm80:
@@ -64,22 +63,7 @@ class FlashAttentionForwardSm80:
         self.local = config.local
         self.has_softcap = config.has_softcap
 
-    @staticmethod
-    def can_implement(config: FwdConfig) -> tuple[bool, str]:
-        if config.arch != 80:
-            return False, f"config is for sm{config.arch}, this kernel is sm80"
-        if config.head_dim not in SUPPORTED_HEAD_DIMS:
-            return False, f"head_dim {config.head_dim} not in {SUPPORTED_HEAD_DIMS}"
-        if config.head_dim_v != config.head_dim:
-            return False, "head_dim_v != head_dim is not supported on sm80"
-        if config.tile_m % (16 * config.num_warps) != 0:
-            return False, f"tile_m {config.tile_m} is not a multiple of 16 * num_warps"
-        if config.tile_n % 16 != 0:
-            return False, f"tile_n {config.tile_n} is not a multiple of 16"
-        smem = (config.tile_m + 2 * config.tile_n) * config.head_dim * 2
-        if smem > SMEM_CAPACITY.get(config.target, 0):
-            return False, f"tile needs {smem} B of shared memory, more than {config.target} has"
-        return True, ""
+    can_implement = staticmethod(fwd_can_implement)
 
     # ------------------------------------------------------------------------------------------
     # Host side

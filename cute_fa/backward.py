@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from .ampere.support import bwd_can_implement
 from .cache import CompileCache, compile_tvm_ffi, export_tvm_ffi, load_tvm_ffi
 from .config import BwdConfig, sm80_bwd_tile, target_for_capability
 
@@ -104,12 +105,12 @@ def bwd_config(
         has_softcap=has_softcap, varlen_q=varlen_q, varlen_k=varlen_k, seqused_q=seqused_q,
         seqused_k=seqused_k,
     )  # fmt: skip
-    _, main_cls, _ = bwd_kernel_classes(config.arch)
-    ok, reason = main_cls.can_implement(config)
+    main_name = "FlashAttentionBackwardSm80"
+    ok, reason = bwd_can_implement(config)
     if not ok:
         raise NotImplementedError(
             f"cute_fa: no backward kernel implements [{config.name}] on {target}: "
-            f"{main_cls.__name__}: {reason}"
+            f"{main_name}: {reason}"
         )
     return config
 

@@ -5,15 +5,18 @@ device's own target (``config.target_for_capability``). A request the chosen ker
 implement (its ``can_implement`` says no) raises ``NotImplementedError`` naming the feature and
 the architecture: there is never a silent fallback to another implementation.
 
-This module imports neither torch nor the CuTe DSL at import time; kernel classes are imported
-when first needed.
+This module imports neither torch nor the CuTe DSL: kernels are known by ``KernelSpec`` (name,
+family, a DSL-free ``can_implement``) and their classes are imported only to compile.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
+from .ampere import support as sm80_support
 from .config import TARGETS, FwdConfig, sm80_fwd_tile, target_for_capability
 
 MIN_CAPABILITY = (8, 0)
@@ -66,24 +69,41 @@ def capability_name(capability: tuple[int, int]) -> str:
     return f"compute capability {capability[0]}.{capability[1]}"
 
 
-def fwd_kernel_classes(capability: tuple[int, int]) -> list[type]:
-    """Forward kernel classes that may serve a device, best first."""
+@dataclass(frozen=True)
+class KernelSpec:
+    """A kernel class known by name: what it can do is asked without importing it (and so
+    without importing the CuTe DSL); ``load()`` imports the class itself, for compiling."""
+
+    name: str
+    arch: int
+    module: str
+    can_implement: Callable[[FwdConfig], tuple[bool, str]]
+
+    def load(self) -> type:
+        return getattr(importlib.import_module(self.module), self.name)
+
+
+SM80_FWD = KernelSpec(
+    "FlashAttentionForwardSm80", 80, "cute_fa.ampere.flash_fwd", sm80_support.fwd_can_implement
+)
+_FWD_SPECS = {80: SM80_FWD}
+
+
+def fwd_kernel_classes(capability: tuple[int, int]) -> list[KernelSpec]:
+    """Forward kernels that may serve a device, best first."""
     if tuple(capability) < MIN_CAPABILITY:
         raise NotImplementedError(
             f"cute_fa needs an NVIDIA GPU of compute capability 8.0 (Ampere) or newer; "
             f"this one has {capability_name(capability)}"
         )
-    from .ampere import FlashAttentionForwardSm80
-
-    return [FlashAttentionForwardSm80]
+    return [SM80_FWD]
 
 
 def fwd_kernel_class(arch: int) -> type:
-    """The kernel class of a config's ``arch`` family (80: ampere, 90: hopper, 100: blackwell)."""
-    if arch == 80:
-        from .ampere import FlashAttentionForwardSm80
-
-        return FlashAttentionForwardSm80
+    """The kernel class of a config's ``arch`` family (80: ampere, 90: hopper, 100: blackwell);
+    imports it (and the CuTe DSL)."""
+    if arch in _FWD_SPECS:
+        return _FWD_SPECS[arch].load()
     raise NotImplementedError(f"cute_fa has no sm{arch} forward kernel yet")
 
 
@@ -99,7 +119,7 @@ _CONFIG_BUILDERS = {80: _sm80_config}
 
 
 def fwd_config_for_target(
-    cls: type, target: str, request: FwdRequest
+    cls: KernelSpec | type, target: str, request: FwdRequest
 ) -> tuple[FwdConfig | None, str]:
     """(config, "") when ``cls`` implements ``request`` on ``target``, else (None, reason)."""
     try:
@@ -122,7 +142,7 @@ def _try_plan(
         config, reason = fwd_config_for_target(cls, target, request)
         if config is not None:
             return cls, config, ""
-        reasons.append(f"{cls.__name__}: {reason}")
+        reasons.append(f"{cls.name}: {reason}")
     return None, None, "; ".join(reasons)
 
 

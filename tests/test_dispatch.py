@@ -26,7 +26,7 @@ def req(**kw) -> FwdRequest:
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_every_arch_from_sm80_uses_the_sm80_kernel_for_its_own_target(capability, d):
     cls, config = dispatch.fwd_plan(capability, req(head_dim=d, head_dim_v=d, causal=True))
-    assert cls is FlashAttentionForwardSm80
+    assert cls.load() is FlashAttentionForwardSm80
     assert config.arch == 80 and config.target == TARGETS[capability]
     assert (config.tile_m, config.tile_n, config.num_warps) == sm80_fwd_tile(d, config.target, True)
     assert config.causal and not config.local
