@@ -26,14 +26,12 @@ varlen seqused_q at d128 = 2. 27 in all.
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import math
-import os
 import random
 
 import pytest
 import torch
-from test_fwd_gpu import empty_rows, poison_free_memory
+from gpu_support import cu_seqlens, empty_rows, poison_free_memory, seed  # noqa: F401
 
 import cute_fa
 from cute_fa.reference import attention_ref, check_close
@@ -43,7 +41,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-SEED_ENV = "CUTE_FA_TEST_SEED"
 HEAD_DIMS = (64, 96, 128, 192, 256)
 NHEADS = 6
 
@@ -66,20 +63,6 @@ SEQLENS = [
     (17, 1000),
     (1, 129),
 ]
-
-
-@pytest.fixture(autouse=True)
-def seed() -> int:
-    """Fresh seed per test (printed, so a failure shows it); CUTE_FA_TEST_SEED replays one."""
-    value = int(os.environ.get(SEED_ENV) or random.SystemRandom().randrange(2**31))
-    torch.manual_seed(value)
-    random.seed(value)
-    print(f"seed {value} (replay with {SEED_ENV}={value})")
-    return value
-
-
-# ------------------------------------------------------------------------------------------
-# Helpers
 
 
 def _nbytes(*shapes_dtypes) -> int:
@@ -359,10 +342,6 @@ LENS_Q = [17, 0, 300, 1, 129, 300, 0, 64]
 LENS_K = [300, 17, 129, 1, 0, 17, 0, 200]
 
 
-def _cu(lens) -> torch.Tensor:
-    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
-
-
 def run_varlen_bwd_and_check(
     lens_q, lens_k, d, *, causal=False, window=(None, None), softcap=0.0, used_q=None,
     used_k=None, h=NHEADS, h_kv=2, pass_max_seqlen_k=True,
@@ -372,7 +351,7 @@ def run_varlen_bwd_and_check(
     total_q, total_k = sum(lens_q), sum(lens_k)
     q = _randn(total_q, h, d, scale=softcap / 4 if softcap else 1.0)
     k, v = _randn(total_k, h_kv, d), _randn(total_k, h_kv, d)
-    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
     extra = {}
     if used_q is not None:
         extra["seqused_q"] = torch.tensor(used_q, dtype=torch.int32, device="cuda")
@@ -436,7 +415,8 @@ def test_bwd_varlen_max_seqlen_k_too_small():
     q = _randn(300, NHEADS, 128).requires_grad_()
     k = _randn(300, 2, 128)
     out, _ = cute_fa.flash_attn_varlen_func(
-        q, k, k.clone(), cu_seqlens_q=_cu(lens), cu_seqlens_k=_cu(lens), max_seqlen_k=150
+        q, k, k.clone(), cu_seqlens_q=cu_seqlens(lens), cu_seqlens_k=cu_seqlens(lens),
+        max_seqlen_k=150,
     )
     with pytest.raises(ValueError, match="max_seqlen_k"):
         out.sum().backward()
@@ -536,7 +516,7 @@ def test_cuda_graph_fwd_bwd_replay_matches_eager():
 def test_cuda_graph_varlen_fwd_bwd():
     """Varlen under capture: max_seqlen_q and max_seqlen_k given, so nothing syncs."""
     lens = [100, 0, 257, 31]
-    cu = _cu(lens)
+    cu = cu_seqlens(lens)
     q = _randn(sum(lens), NHEADS, 128).requires_grad_()
     k = _randn(sum(lens), 2, 128).requires_grad_()
     v = _randn(sum(lens), 2, 128).requires_grad_()

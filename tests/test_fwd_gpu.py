@@ -35,13 +35,12 @@ Compiling them one after another is most of a cold run. To compile them in paral
 
 from __future__ import annotations
 
-import itertools
 import math
-import os
 import random
 
 import pytest
 import torch
+from gpu_support import cu_seqlens, empty_rows, poison_free_memory, seed  # noqa: F401
 
 import cute_fa
 from cute_fa.reference import attention_ref, check_close
@@ -51,7 +50,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-SEED_ENV = "CUTE_FA_TEST_SEED"
 HEAD_DIMS = (64, 96, 128, 192, 256)
 NHEADS = 6
 # Absolute slack on LSE (fp32, natural log): the kernel's exp2/log2 approximations and the
@@ -90,95 +88,6 @@ SEQLENS = [
 # Fixtures and helpers
 
 
-@pytest.fixture(autouse=True)
-def seed() -> int:
-    """Fresh seed per test (printed, so a failure shows it); CUTE_FA_TEST_SEED replays one."""
-    value = int(os.environ.get(SEED_ENV) or random.SystemRandom().randrange(2**31))
-    torch.manual_seed(value)
-    random.seed(value)
-    print(f"seed {value} (replay with {SEED_ENV}={value})")
-    return value
-
-
-def _memset_ff(ptr: int, nbytes: int, stream: int) -> None:
-    """cuMemsetD8Async(ptr, 0xFF, nbytes) on ``stream`` through cuda-python's driver bindings."""
-    try:
-        from cuda.bindings import driver
-    except ImportError:  # cuda-python before 12.6 named the module cuda.cuda
-        from cuda import cuda as driver
-    (err,) = driver.cuMemsetD8Async(driver.CUdeviceptr(ptr), 0xFF, nbytes, driver.CUstream(stream))
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuMemsetD8Async failed: {err}")
-
-
-class Poison:
-    """Address ranges that held 0xFF bytes when ``poison_free_memory`` returned."""
-
-    def __init__(self, ranges: list[tuple[int, int]], complete: bool):
-        self.ranges = ranges
-        self.complete = complete  # every free block was filled, not only the reserve
-
-    def covers(self, t: torch.Tensor) -> bool:
-        start = t.untyped_storage().data_ptr()
-        end = start + t.untyped_storage().nbytes()
-        return any(lo <= start and end <= lo + n for lo, n in self.ranges)
-
-
-def _expandable_segments() -> bool:
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
-    return "expandable_segments:true" in conf.replace(" ", "").lower()
-
-
-def poison_free_memory(reserve_bytes: int) -> Poison:
-    """Fill the free memory of torch's CUDA caching allocator with 0xFF (NaN in bf16/fp16/fp32).
-
-    How: first make sure each pool holds a free block that is big enough for what the next
-    call allocates (a ``reserve_bytes`` tensor for the large pool, two 1 MiB tensors for the
-    small pool, filled and freed), then read ``torch.cuda.memory_snapshot()`` and memset every
-    ``inactive`` block of this device on the current stream. The caching allocator serves a
-    request from a free cached block whenever one fits, so the kernel's ``out``/``lse`` start as
-    NaN, and the memsets are ordered before the launch by the stream.
-
-    Limits: memory the allocator does not hold yet (a fresh cudaMalloc when nothing cached
-    fits) is not poisoned, hence the reserve; with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` nothing
-    is cached and this does nothing useful; with expandable segments only the reserve blocks are
-    filled (an inactive range there may be unmapped); blocks awaiting another stream and the
-    pools of CUDA graphs are skipped.
-    A kernel that writes the wrong value where it should write nothing is not caught by this
-    (the reference comparison catches it).
-    """
-    device = torch.cuda.current_device()
-    stream = torch.cuda.current_stream()
-    big = torch.empty(reserve_bytes, dtype=torch.uint8, device="cuda")
-    small = [torch.empty(1 << 20, dtype=torch.uint8, device="cuda") for _ in range(2)]
-    ranges = []
-    for t in (big, *small):
-        t.fill_(0xFF)
-        ranges.append((t.data_ptr(), t.numel()))
-    del big, small, t
-    if _expandable_segments():
-        return Poison(ranges, complete=False)
-    try:
-        segments = torch.cuda.memory_snapshot(include_traces=False)
-    except TypeError:  # torch without include_traces
-        segments = torch.cuda.memory_snapshot()
-    ranges = []
-    for seg in segments:
-        # Only torch's default pool: free blocks of a CUDA-graph pool may still be read by a
-        # replay of that graph.
-        if seg.get("device", device) != device or tuple(seg.get("segment_pool_id", (0, 0))) != (
-            0,
-            0,
-        ):
-            continue
-        addr = seg["address"]
-        for block in seg["blocks"]:
-            if block["state"] == "inactive" and block["size"] > 0:
-                ptr = block.get("address", addr)
-                _memset_ff(ptr, block["size"], stream.cuda_stream)
-                ranges.append((ptr, block["size"]))
-            addr += block["size"]
-    return Poison(ranges, complete=True)
 
 
 def _bytes(shape, dtype) -> int:
@@ -187,26 +96,6 @@ def _bytes(shape, dtype) -> int:
 
 def _reserve_for(out_shape, dtype, lse_shape) -> int:
     return 2 * (_bytes(out_shape, dtype) + _bytes(lse_shape, torch.float32)) + (16 << 20)
-
-
-def empty_rows(seqlen_q: int, seqlen_k: int, causal: bool, window) -> torch.Tensor:
-    """(seqlen_q,) bool: query rows that see no key under the bottom-right aligned mask.
-
-    Query i sees key j iff i + sk - sq - left <= j <= i + sk - sq + right (None: unbounded;
-    causal sets right = 0). Written independently of the reference on purpose.
-    """
-    left, right = window
-    if causal:
-        right = 0
-    i = torch.arange(seqlen_q)
-    shift = seqlen_k - seqlen_q
-    lo = torch.zeros_like(i) if left is None else (i + shift - left).clamp(min=0)
-    hi = (
-        torch.full_like(i, seqlen_k - 1)
-        if right is None
-        else (i + shift + right).clamp(max=seqlen_k - 1)
-    )
-    return lo > hi
 
 
 def check_against_ref(
@@ -404,10 +293,6 @@ LENS_Q = [17, 0, 300, 1, 129, 300, 0]
 LENS_K = [300, 17, 129, 1, 0, 17, 0]
 
 
-def _cu(lens) -> torch.Tensor:
-    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
-
-
 def run_varlen_and_check(
     lens_q,
     lens_k,
@@ -429,7 +314,7 @@ def run_varlen_and_check(
         q = (q.float() * (softcap / 4)).to(dtype)
     k = torch.randn(total_k, h_kv, d, device="cuda", dtype=dtype)
     v = torch.randn(total_k, h_kv, d, device="cuda", dtype=dtype)
-    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
     extra = {}
     if used_k is not None:
         extra["seqused_k"] = torch.tensor(used_k, dtype=torch.int32, device="cuda")

@@ -1,0 +1,128 @@
+"""Helpers shared by the GPU test modules: seeding, memory poisoning, independent mask
+bookkeeping and cu_seqlens construction."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+
+import pytest
+import torch
+
+SEED_ENV = "CUTE_FA_TEST_SEED"
+
+
+@pytest.fixture(autouse=True)
+def seed() -> int:
+    """Fresh seed per test (printed, so a failure shows it); CUTE_FA_TEST_SEED replays one."""
+    value = int(os.environ.get(SEED_ENV) or random.SystemRandom().randrange(2**31))
+    torch.manual_seed(value)
+    random.seed(value)
+    print(f"seed {value} (replay with {SEED_ENV}={value})")
+    return value
+
+
+def _memset_ff(ptr: int, nbytes: int, stream: int) -> None:
+    """cuMemsetD8Async(ptr, 0xFF, nbytes) on ``stream`` through cuda-python's driver bindings."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:  # cuda-python before 12.6 named the module cuda.cuda
+        from cuda import cuda as driver
+    (err,) = driver.cuMemsetD8Async(driver.CUdeviceptr(ptr), 0xFF, nbytes, driver.CUstream(stream))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuMemsetD8Async failed: {err}")
+
+
+class Poison:
+    """Address ranges that held 0xFF bytes when ``poison_free_memory`` returned."""
+
+    def __init__(self, ranges: list[tuple[int, int]], complete: bool):
+        self.ranges = ranges
+        self.complete = complete  # every free block was filled, not only the reserve
+
+    def covers(self, t: torch.Tensor) -> bool:
+        start = t.untyped_storage().data_ptr()
+        end = start + t.untyped_storage().nbytes()
+        return any(lo <= start and end <= lo + n for lo, n in self.ranges)
+
+
+def _expandable_segments() -> bool:
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
+def poison_free_memory(reserve_bytes: int) -> Poison:
+    """Fill the free memory of torch's CUDA caching allocator with 0xFF (NaN in bf16/fp16/fp32).
+
+    How: first make sure each pool holds a free block that is big enough for what the next
+    call allocates (a ``reserve_bytes`` tensor for the large pool, two 1 MiB tensors for the
+    small pool, filled and freed), then read ``torch.cuda.memory_snapshot()`` and memset every
+    ``inactive`` block of this device on the current stream. The caching allocator serves a
+    request from a free cached block whenever one fits, so the kernel's ``out``/``lse`` start as
+    NaN, and the memsets are ordered before the launch by the stream.
+
+    Limits: memory the allocator does not hold yet (a fresh cudaMalloc when nothing cached
+    fits) is not poisoned, hence the reserve; with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` nothing
+    is cached and this does nothing useful; with expandable segments only the reserve blocks are
+    filled (an inactive range there may be unmapped); blocks awaiting another stream and the
+    pools of CUDA graphs are skipped.
+    A kernel that writes the wrong value where it should write nothing is not caught by this
+    (the reference comparison catches it).
+    """
+    device = torch.cuda.current_device()
+    stream = torch.cuda.current_stream()
+    big = torch.empty(reserve_bytes, dtype=torch.uint8, device="cuda")
+    small = [torch.empty(1 << 20, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    ranges = []
+    for t in (big, *small):
+        t.fill_(0xFF)
+        ranges.append((t.data_ptr(), t.numel()))
+    del big, small, t
+    if _expandable_segments():
+        return Poison(ranges, complete=False)
+    try:
+        segments = torch.cuda.memory_snapshot(include_traces=False)
+    except TypeError:  # torch without include_traces
+        segments = torch.cuda.memory_snapshot()
+    ranges = []
+    for seg in segments:
+        # Only torch's default pool: free blocks of a CUDA-graph pool may still be read by a
+        # replay of that graph.
+        if seg.get("device", device) != device or tuple(seg.get("segment_pool_id", (0, 0))) != (
+            0,
+            0,
+        ):
+            continue
+        addr = seg["address"]
+        for block in seg["blocks"]:
+            if block["state"] == "inactive" and block["size"] > 0:
+                ptr = block.get("address", addr)
+                _memset_ff(ptr, block["size"], stream.cuda_stream)
+                ranges.append((ptr, block["size"]))
+            addr += block["size"]
+    return Poison(ranges, complete=True)
+
+
+def empty_rows(seqlen_q: int, seqlen_k: int, causal: bool, window) -> torch.Tensor:
+    """(seqlen_q,) bool: query rows that see no key under the bottom-right aligned mask.
+
+    Query i sees key j iff i + sk - sq - left <= j <= i + sk - sq + right (None: unbounded;
+    causal sets right = 0). Written independently of the reference on purpose.
+    """
+    left, right = window
+    if causal:
+        right = 0
+    i = torch.arange(seqlen_q)
+    shift = seqlen_k - seqlen_q
+    lo = torch.zeros_like(i) if left is None else (i + shift - left).clamp(min=0)
+    hi = (
+        torch.full_like(i, seqlen_k - 1)
+        if right is None
+        else (i + shift + right).clamp(max=seqlen_k - 1)
+    )
+    return lo > hi
+
+
+def cu_seqlens(lens) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
