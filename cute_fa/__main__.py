@@ -1,4 +1,4 @@
-"""``python -m cute_fa <command>``: features | precompile | demo | bench.
+"""``python -m cute_fa <command>``: features | precompile | demo | bench | tune.
 
 features    the feature matrix, generated from each kernel class's can_implement
 precompile  fill the on-disk compile cache for a matrix of configs (no GPU needed)
@@ -6,6 +6,7 @@ demo        on a GPU: attention at a few shapes against the reference (PASS/FAIL
             without one: cross-compile the sm80 kernels and report registers, shared
             memory, spills and the SASS instruction mix
 bench       timing against torch SDPA and FlexAttention (``cute_fa.bench``)
+tune        the sm80 forward over candidate tile shapes, beside SDPA FLASH (``cute_fa.tune``)
 """
 
 from __future__ import annotations
@@ -342,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     sub.add_parser("bench", help="timing against torch SDPA and FlexAttention", add_help=False)
+    sub.add_parser("tune", help="time the sm80 forward over candidate tiles (GPU)", add_help=False)
     return parser
 
 
@@ -351,6 +353,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import bench
 
         return bench.main(argv[1:], prog="python -m cute_fa bench")
+    if argv and argv[0] == "tune":
+        from . import tune
+
+        return tune.main(argv[1:], prog="python -m cute_fa tune")
     args = build_parser().parse_args(argv)
     if getattr(args, "dtypes", None):
         unknown = [d for d in args.dtypes if d not in DTYPES]

@@ -1,0 +1,155 @@
+"""``python -m cute_fa tune``: time the sm80 forward kernel over candidate tile shapes.
+
+The tuned table in ``cute_fa/config.py`` (``SM80_FWD_TILES``) records, per head dim, the tile
+that won such a sweep on the H200 and the numbers that decided it. This command reruns the sweep
+on the GPU at hand, with SDPA FLASH (the CUDA FlashAttention-2) in the same process: for every
+(d, seqlen, causal) of the request it compiles each candidate ``(tile_m, tile_n, num_warps)``
+that the kernel can implement, checks it against the fp32 reference on a small problem, times
+it with the benchmark's method (``cute_fa.bench.median_ms``, inputs rotated past L2) and prints
+TFLOPs per candidate. Nothing is written back: copy a winner into the table by hand, with its
+reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+# (tile_m, tile_n, num_warps) candidates per head dim.
+CANDIDATES = {
+    64: [(128, 64, 4), (128, 128, 4), (128, 128, 8), (64, 128, 4)],
+    96: [(128, 64, 4), (128, 64, 8), (64, 64, 4)],
+    128: [(128, 64, 4), (128, 64, 8), (64, 128, 4), (128, 128, 8), (64, 64, 4)],
+    192: [(128, 64, 8), (64, 64, 4), (128, 32, 4)],
+    256: [(128, 64, 8), (64, 64, 4), (64, 32, 4)],
+}
+
+
+def candidate_configs(head_dim: int, target: str, causal: bool, dtype: str = "bf16") -> list:
+    """FwdConfigs of the candidates the sm80 kernel implements on ``target``."""
+    from .ampere.support import fwd_can_implement
+    from .config import FwdConfig
+
+    configs = []
+    for tile_m, tile_n, warps in CANDIDATES.get(head_dim, []):
+        config = FwdConfig(
+            arch=80, target=target, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim,
+            tile_m=tile_m, tile_n=tile_n, num_warps=warps, causal=causal,
+        )  # fmt: skip
+        if fwd_can_implement(config)[0]:
+            configs.append(config)
+    return configs
+
+
+def _check(kernel, config, torch) -> float:
+    """Max |out - ref| of one candidate on a small problem with ragged lengths; raises on NaN or
+    on an error past the DESIGN.md tolerance."""
+    from .reference import attention_ref, check_close
+
+    b, sq, sk, h, d = 2, 333, 517, 4, config.head_dim
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for s in (sq, sk, sk))
+    out = torch.full_like(q, float("nan"))
+    lse = torch.empty(b, h, sq, device="cuda", dtype=torch.float32)
+    kernel(q, k, v, out, lse, d**-0.5, 0.0, 0, 0, sq, None, None, None, None)
+    out_ref, _ = attention_ref(q, k, v, causal=config.causal)
+    out_pt, _ = attention_ref(q, k, v, causal=config.causal, upcast=False)
+    check_close(out, out_ref, out_pt)
+    return float((out.float() - out_ref.float()).abs().max())
+
+
+def run(head_dims, seqlens, causals, warmup_ms: float, rep_ms: float) -> list[dict]:
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from .bench import Rotation, attention_flops, median_ms, num_input_sets
+    from .cache import fwd_cache
+    from .config import target_for_capability
+
+    target = target_for_capability(*torch.cuda.get_device_capability())
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    rows = []
+    for d in head_dims:
+        for causal in causals:
+            configs = candidate_configs(d, target, causal)
+            kernels = {c: fwd_cache().get(c) for c in configs}
+            checked = {c: _check(kernels[c], c, torch) for c in configs}
+            for seqlen in seqlens:
+                batch, heads = max(1, 16384 // seqlen), 2048 // d
+                flops = attention_flops(batch, heads, seqlen, seqlen, d, causal)
+                n_sets = num_input_sets(3 * batch * seqlen * heads * d * 2, l2)
+                sets = [
+                    tuple(
+                        torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16)
+                        for _ in range(3)
+                    )
+                    for _ in range(n_sets)
+                ]
+                outs = [torch.empty_like(q) for q, _, _ in sets]
+                lses = [torch.empty(batch, heads, seqlen, device="cuda") for _ in sets]
+                row = {"d": d, "seqlen": seqlen, "causal": int(causal)}
+                for c in configs:
+                    fns = [
+                        _kernel_call(kernels[c], q, k, v, o, lse, seqlen)
+                        for (q, k, v), o, lse in zip(sets, outs, lses, strict=True)
+                    ]
+                    ms = median_ms(Rotation(fns), warmup_ms, rep_ms)
+                    label = f"{c.tile_m}x{c.tile_n}w{c.num_warps}"
+                    row[label] = flops / ms / 1e9
+                    row[label + " err"] = checked[c]
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    fns = [_sdpa_call(torch, q, k, v, causal) for q, k, v in sets]
+                    row["SDPA FLASH"] = flops / median_ms(Rotation(fns), warmup_ms, rep_ms) / 1e9
+                rows.append(row)
+                print(format_row(row), flush=True)
+                del sets, outs, lses
+    return rows
+
+
+def _kernel_call(kernel, q, k, v, out, lse, seqlen: int):
+    scale = q.shape[-1] ** -0.5
+    return lambda: kernel(q, k, v, out, lse, scale, 0.0, 0, 0, seqlen, None, None, None, None)
+
+
+def _sdpa_call(torch, q, k, v, causal: bool):
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    return lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+
+def format_row(row: dict) -> str:
+    cells = [f"d{row['d']} s{row['seqlen']} causal={row['causal']}:"]
+    for key, value in row.items():
+        if key in ("d", "seqlen", "causal") or key.endswith(" err"):
+            continue
+        cells.append(f"{key} {value:.0f}")
+    return "  ".join(cells)
+
+
+def _ints(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        out.append(int(part[:-1]) * 1024 if part.endswith("k") else int(part))
+    return out
+
+
+def build_parser(prog: str = "python -m cute_fa tune") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    parser.add_argument("--d", type=_ints, default=[64, 128, 256], help="head dims")
+    parser.add_argument("--seqlen", type=_ints, default=[2048, 8192], help="e.g. 2k,8k")
+    parser.add_argument("--causal", type=_ints, default=[0, 1], help="'0', '1' or '0,1'")
+    parser.add_argument("--warmup", type=float, default=25.0, help="ms of warm-up per case")
+    parser.add_argument("--rep", type=float, default=100.0, help="ms of repetitions per case")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m cute_fa tune") -> int:
+    args = build_parser(prog).parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("cute_fa tune: needs a CUDA GPU (it times kernels)")
+        return 1
+    run(args.d, args.seqlen, [bool(c) for c in args.causal], args.warmup, args.rep)
+    return 0
+
+

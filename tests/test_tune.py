@@ -1,0 +1,26 @@
+"""``python -m cute_fa tune`` on a CPU machine: its candidates and its command line."""
+
+from __future__ import annotations
+
+import pytest
+
+from cute_fa.config import SM80_FWD_TILES
+from cute_fa.tune import CANDIDATES, build_parser, candidate_configs
+
+
+@pytest.mark.parametrize("d", sorted(SM80_FWD_TILES))
+def test_the_tuned_tile_is_among_the_candidates(d):
+    assert SM80_FWD_TILES[d] in CANDIDATES[d]
+
+
+def test_candidates_are_implementable_and_filtered_by_shared_memory():
+    big = candidate_configs(256, "sm_90a", causal=False)
+    small = candidate_configs(256, "sm_86", causal=False)
+    assert {(c.tile_m, c.tile_n, c.num_warps) for c in big} == set(CANDIDATES[256])
+    assert len(small) < len(big)  # 128x64 at d256 needs 128 KiB, more than sm86's 99 KiB
+    assert all(c.target == "sm_86" for c in small)
+
+
+def test_command_line():
+    args = build_parser().parse_args(["--d", "128", "--seqlen", "2k,8k", "--causal", "1"])
+    assert args.d == [128] and args.seqlen == [2048, 8192] and args.causal == [1]
