@@ -8,8 +8,8 @@ cache) once.
 Main kernel (a few seconds a compile): every head dim with a flag set that turns on most
 features at once, plus a few others. The cubin must hold HMMA (mma.sync), LDSM (ldmatrix) and
 LDGSTS (cp.async), no HGMMA, at most 255 registers; its spills (LDL + STL instructions) and stack
-are printed (``pytest -rP`` shows them) and held to ``SPILL_BUDGET`` where one is set. These
-tests skip when ``cute_fa.ampere.FlashAttentionBackwardSm80`` cannot be imported.
+are printed (``pytest -rP`` shows them) and held to ``SPILL_BUDGET``: the 8-warp tiles sit at
+the 255-register cap, and d96/d128 with many features spill a few words (4-8 LDL+STL).
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ pytestmark = pytest.mark.compile
 
 HEAD_DIMS = (64, 96, 128, 192, 256)
 
-# Largest LDL+STL instruction count allowed per head dim of the main kernel; None: report only.
-SPILL_BUDGET: dict[int, int | None] = {64: None, 96: None, 128: None, 192: None, 256: None}
+# Largest LDL+STL instruction count allowed per head dim of the main kernel (measured: d64 0,
+# d96 4, d128 8, d192 0, d256 0).
+SPILL_BUDGET: dict[int, int] = {64: 0, 96: 8, 128: 16, 192: 0, 256: 0}
 
 Pre = FlashAttentionBackwardPreprocessSm80
 Post = FlashAttentionBackwardPostprocessSm80
@@ -156,10 +157,8 @@ def test_prepost_keys_ignore_masks_and_tiles() -> None:
 
 
 def _main_kernel_class():
-    try:
-        from cute_fa.ampere import FlashAttentionBackwardSm80
-    except ImportError as e:
-        pytest.skip(f"cute_fa.ampere.FlashAttentionBackwardSm80 is not importable: {e}")
+    from cute_fa.ampere import FlashAttentionBackwardSm80
+
     return FlashAttentionBackwardSm80
 
 
@@ -190,8 +189,7 @@ def _check_main(config: BwdConfig) -> None:
     assert counts["HGMMA"] == 0
     assert info["regs"] <= 255
     budget = SPILL_BUDGET[config.head_dim]
-    if budget is not None:
-        assert spills <= budget, f"{spills} LDL/STL (stack {info['stack']} B), budget {budget}"
+    assert spills <= budget, f"{spills} LDL/STL (stack {info['stack']} B), budget {budget}"
 
 
 @pytest.mark.parametrize("d,flags", MAIN_CASES, ids=[f"d{d}-{f}" for d, f in MAIN_CASES])
@@ -204,7 +202,6 @@ def test_main_kernel_compiles_for_sm80_fp16() -> None:
 
 
 def test_bwd_config_uses_the_tile_table() -> None:
-    _main_kernel_class()
     from cute_fa.backward import bwd_config
 
     for d in HEAD_DIMS:
