@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 
 from .ampere import support as sm80_support
 from .config import TARGETS, FwdConfig, sm80_fwd_tile, target_for_capability
+from .hopper import support as sm90_support
 
 MIN_CAPABILITY = (8, 0)
 
@@ -86,11 +87,17 @@ class KernelSpec:
 SM80_FWD = KernelSpec(
     "FlashAttentionForwardSm80", 80, "cute_fa.ampere.flash_fwd", sm80_support.fwd_can_implement
 )
-_FWD_SPECS = {80: SM80_FWD}
+# The sm90 (FA3-design) forward is compile-checked only: it has never run on a GPU, so it is
+# reachable by name (``fwd_kernel_class(90)``, for compiling and reading its SASS) and never
+# listed by ``fwd_kernel_classes``, which is what dispatch routes through.
+SM90_FWD = KernelSpec(
+    "FlashAttentionForwardSm90", 90, "cute_fa.hopper.flash_fwd", sm90_support.fwd_can_implement
+)
+_FWD_SPECS = {80: SM80_FWD, 90: SM90_FWD}
 
 
 def fwd_kernel_classes(capability: tuple[int, int]) -> list[KernelSpec]:
-    """Forward kernels that may serve a device, best first."""
+    """Forward kernels that may serve a device, best first (SM90_FWD is not routed to yet)."""
     if tuple(capability) < MIN_CAPABILITY:
         raise NotImplementedError(
             f"cute_fa needs an NVIDIA GPU of compute capability 8.0 (Ampere) or newer; "

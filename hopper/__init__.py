@@ -1,4 +1,25 @@
 """sm90 kernels (FA3 design): TMA, WGMMA, warp-specialized producer/consumer warpgroups.
 
-No kernel here yet: on sm90 the dispatcher uses the sm80 kernels, which run on Hopper.
+``FlashAttentionForwardSm90`` is compile-checked only (it cross-compiles for sm_90a and its SASS
+is inspected on the CPU) and has never run on a GPU, so dispatch does not route to it: on sm90
+the dispatcher uses the sm80 kernels, which run on Hopper. The kernel class imports the CuTe DSL
+and loads on first use; ``cute_fa.hopper.support`` answers what it can do without that import.
 """
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "FlashAttentionForwardSm90": ".flash_fwd",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

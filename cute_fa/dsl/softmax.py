@@ -14,7 +14,9 @@ saw no key and gets ``O = 0`` and ``lse = -inf``.
 Accumulator views: an mma accumulator fragment has layout ((vals), MMA_M, MMA_N); ``mn_view``
 regroups it as (rows, cols) of the thread's own elements so row loops are plain indexing. Each
 row of an sm80 m16n8 accumulator lives in the 4 threads of a quad, so row reductions finish with
-two butterfly shuffles (``quad_allreduce``).
+two butterfly shuffles (``quad_allreduce``). A WGMMA accumulator (sm90) stacks the same quad
+pattern along N, so ``mn_view_wgmma`` gives the (rows, cols) view there and the same quad
+reduction holds.
 """
 
 from __future__ import annotations
@@ -44,6 +46,22 @@ def mn_view(acc: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(acc.iterator, layout)
 
 
+def mn_view_wgmma(acc: cute.Tensor) -> cute.Tensor:
+    """((2, 2, N/8), MMA_M, MMA_N) accumulator (sm90 WGMMA C layout) -> ((2, MMA_M), ((2, N/8),
+    MMA_N)).
+
+    Mode 0 of a WGMMA C fragment is (column pair, row pair, group of 8 columns); each thread
+    holds 2 rows of a 64-row atom (8 apart) and 2 adjacent columns of every 8.
+    """
+    shape = acc.layout.shape
+    stride = acc.layout.stride
+    layout = cute.make_layout(
+        ((shape[0][1], shape[1]), ((shape[0][0], shape[0][2]), shape[2])),
+        stride=((stride[0][1], stride[1]), ((stride[0][0], stride[0][2]), stride[2])),
+    )
+    return cute.make_tensor(acc.iterator, layout)
+
+
 @cute.jit
 def quad_allreduce(val: Float32, op: cutlass.Constexpr) -> Float32:
     """Reduce over the 4 threads of a quad (lanes 4i..4i+3) that share an accumulator row."""
@@ -61,11 +79,16 @@ def _add(a, b):
 
 
 class OnlineSoftmax:
-    """Running max and sum of the rows a thread holds (Note [base-2 online softmax])."""
+    """Running max and sum of the rows a thread holds (Note [base-2 online softmax]).
 
-    def __init__(self, scale_log2: Float32, num_rows: int):
+    ``view`` maps an accumulator fragment to its (rows, cols) view: ``mn_view`` (sm80 mma.sync,
+    the default) or ``mn_view_wgmma`` (sm90 WGMMA).
+    """
+
+    def __init__(self, scale_log2: Float32, num_rows: int, view=mn_view):
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
+        self.view = view
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
 
@@ -78,16 +101,21 @@ class OnlineSoftmax:
     def step(
         self,
         acc_S: cute.Tensor,
-        acc_O: cute.Tensor,
+        acc_O: cute.Tensor | None,
         is_first: cutlass.Constexpr[bool],
         check_inf: cutlass.Constexpr[bool],
+        corr: cute.Tensor | None = None,
     ):
         """Turn scores ``acc_S`` into probabilities in place and rescale ``acc_O``.
 
         ``check_inf``: rows may still be fully masked (-inf max); needed on masked blocks.
+        With ``corr`` (num_rows fp32), ``acc_O`` is not touched (it may be None): each row's
+        rescale factor goes to ``corr`` instead (1 on the first block), for ``rescale`` once an
+        O GEMM still in flight has completed.
         """
-        S = mn_view(acc_S)
-        o_mn = mn_view(acc_O)
+        S = self.view(acc_S)
+        if cutlass.const_expr(corr is None):
+            o_mn = self.view(acc_O)
         for r in cutlass.range_constexpr(self.num_rows):
             row = S[r, None].load()
             m_cur = quad_allreduce(row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0), _fmax)
@@ -102,16 +130,28 @@ class OnlineSoftmax:
             S[r, None].store(p)
             row_sum = p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
             if cutlass.const_expr(not is_first):
-                corr = cute.math.exp2(m_prev * self.scale_log2 - m_scaled, fastmath=True)
-                row_sum = row_sum + self.row_sum[r] * corr
-                o_mn[r, None].store(o_mn[r, None].load() * corr)
+                corr_r = cute.math.exp2(m_prev * self.scale_log2 - m_scaled, fastmath=True)
+                row_sum = row_sum + self.row_sum[r] * corr_r
+                if cutlass.const_expr(corr is None):
+                    o_mn[r, None].store(o_mn[r, None].load() * corr_r)
+                else:
+                    corr[r] = corr_r
+            elif cutlass.const_expr(corr is not None):
+                corr[r] = Float32(1.0)
             self.row_max[r] = m_new
             self.row_sum[r] = row_sum
 
     @cute.jit
+    def rescale(self, acc_O: cute.Tensor, corr: cute.Tensor):
+        """Multiply each row of ``acc_O`` by its factor from ``step(..., corr=corr)``."""
+        o_mn = self.view(acc_O)
+        for r in cutlass.range_constexpr(self.num_rows):
+            o_mn[r, None].store(o_mn[r, None].load() * corr[r])
+
+    @cute.jit
     def finalize(self, acc_O: cute.Tensor, lse: cute.Tensor):
         """Normalise ``acc_O`` by the row sums; write each row's natural-log LSE to ``lse``."""
-        o_mn = mn_view(acc_O)
+        o_mn = self.view(acc_O)
         for r in cutlass.range_constexpr(self.num_rows):
             row_sum = quad_allreduce(self.row_sum[r], _add)
             empty = row_sum == 0.0

@@ -1,0 +1,588 @@
+"""sm90 forward kernel: FlashAttention-3 design on TMA, WGMMA and warp-specialized warpgroups."""
+
+from __future__ import annotations
+
+import enum
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils.layout import LayoutEnum
+
+from cute_fa.config import FwdConfig
+from cute_fa.dsl.fake import DTYPE
+from cute_fa.dsl.mask import apply_mask, block_range
+from cute_fa.dsl.seqlen import seqlen_info
+from cute_fa.dsl.softmax import LOG2_E, OnlineSoftmax, mn_view_wgmma
+
+from .support import SM90_FWD_KV_STAGES, fwd_can_implement
+
+WARPGROUP = 128  # threads
+
+
+class Barrier(enum.IntEnum):
+    """Named barrier ids (0 is __syncthreads)."""
+
+    EPILOGUE_WG1 = 1  # 128 threads: consumer 0 staged its O tile in smem
+    EPILOGUE_WG2 = 2  # 128 threads: consumer 1 staged its O tile in smem
+    SCHEDULER_WG1 = 3  # 256 threads: consumer 0 may issue its GEMMs (pingpong)
+    SCHEDULER_WG2 = 4  # 256 threads: consumer 1 may issue its GEMMs
+
+
+def acc_as_rs_operand(rP: cute.Tensor) -> cute.Tensor:
+    """View a 16-bit copy of a WGMMA accumulator as the register A operand of the next WGMMA.
+
+    ((2, 2, N/8), MMA_M, MMA_N) (C layout: column pair, row pair, 8-column group) ->
+    ((2, 2, 2), MMA_M, (MMA_N, N/16)): the A fragment of one k=16 slice is two adjacent
+    8-column groups of the C fragment, so no data moves.
+    """
+    shape = rP.layout.shape
+    stride = rP.layout.stride
+    layout = cute.make_layout(
+        ((shape[0][0], shape[0][1], 2), shape[1], (shape[2], shape[0][2] // 2)),
+        stride=(
+            (stride[0][0], stride[0][1], stride[0][2]),
+            stride[1],
+            (stride[2], stride[0][2] * 2),
+        ),
+    )
+    return cute.make_tensor(rP.iterator, layout)
+
+
+class FlashAttentionForwardSm90:
+    """Exact attention forward, FA3 design (sm90a only).
+
+    COMPILE-CHECKED ONLY: this kernel cross-compiles for sm_90a and its SASS is inspected on the
+    CPU (tests/test_compile_sm90.py), but it has never run on a GPU; its results are unverified.
+    Dispatch does not route to it (``cute_fa.dispatch.fwd_kernel_class(90)`` reaches it by
+    name only); Hopper runs the sm80 kernel.
+
+    Scope so far: bf16 or fp16, head_dim = head_dim_v in {64, 128}, tile 128 x 128 (not tuned),
+    dense (non-varlen), causal or not, GQA/MQA (K/V head = head // (heads / kv heads));
+    ``hopper/support.py`` rejects everything else with its reason.
+
+    Grid and work split
+      grid = (ceil(max_seqlen_q / tile_m), num_heads, batch); one CTA owns tile_m = 128 query
+      rows of one (head, batch) and visits its key blocks from the last to the first (the one
+      that cuts the seqlen tail or the causal diagonal comes first). Causal grids run query
+      blocks in reverse (longest rows first).
+    Warp roles (3 warpgroups, 384 threads; launched at <= 168 registers a thread)
+      warpgroup 0: producer. Warp 0 issues every TMA load (Q once, then K[n] and V[n] of each
+        key block); warps 1-3 idle. setmaxnreg.dec to 24 registers.
+      warpgroups 1, 2: consumers 0, 1. Consumer c owns query rows [64 c, 64 c + 64) of the
+        tile. setmaxnreg.inc to 240 registers (24 * 128 + 240 * 256 <= 65536).
+    Consumer main loop (software-pipelined by one block, P kept in registers)
+      step for the first block n_max - 1:  [turn] S = Q K^T [/turn]; wait; mask; softmax;
+        P -> bf16/fp16 registers
+      step for block n < n_max - 1:  [turn] S = Q K[n]^T, O += P V[n + 1] (two wgmma commit
+        groups) [/turn]; wait_group 1 (S done); mask (only in the loop over the blocks that may
+        cut the seqlen tail or the causal diagonal; a second loop runs the unmasked blocks
+        without a branch); online softmax (cute_fa/dsl, base 2, scale folded in) with the O
+        rescale factors held back; wait_group 0 (P V done); rescale O; P -> registers
+      after the last block:  [turn] O += P V[n_min] [/turn]
+      S = Q K^T is WGMMA SS (both operands in smem); O += P V is WGMMA RS (P from registers,
+      the C fragment reinterpreted as the A fragment, no data movement).
+    Pingpong ([turn] ... [/turn]): consumer c waits on named barrier SCHEDULER_WG1 + c (256
+      threads) before issuing its GEMMs and arrives on the other consumer's barrier once they
+      are issued, so one consumer's softmax overlaps the other's GEMMs. Consumer 1 arrives on
+      SCHEDULER_WG1 at the start: consumer 0 takes the first turn.
+    Shared memory (128-byte swizzled WGMMA layouts, written by TMA)
+      sQ  (64, d, 2): one 64-row half per consumer; reused by that consumer for its O tile.
+      sK  (tile_n, d, kv_stages)      K-major B operand of S = Q K^T.
+      sV  (dv, tile_n, kv_stages)     V^T viewed MN-major: the B operand of O = P V.
+    Pipelines (mbarriers, cutlass.pipeline.PipelineTmaAsync; producer = 1 warp whose TMA
+    transaction bytes complete "full"; consumers arrive on "empty" with one thread per warp)
+      pipeline_q:  producer -> both consumers, 1 stage, 8 consumer-warp arrivals; loaded once
+                   (two TMA boxes of 64 x d on one barrier), never released.
+      pipeline_k:  producer -> both consumers, kv_stages = 2, 8 consumer-warp arrivals;
+                   K[n] is released once S = Q K[n]^T has completed.
+      pipeline_v:  producer -> both consumers, kv_stages = 2, 8 consumer-warp arrivals;
+                   V[n] is released one step later, once O += P V[n] has completed.
+    Epilogue (per consumer): O / l once, O -> 16-bit -> its half of sQ, named barrier
+      EPILOGUE_WG1 + c (128 threads), 16-byte stores of rows < seqlen_q; LSE from the quad
+      leaders. Rows that see no key: O = 0, LSE = -inf.
+    Out-of-range rows: TMA zero-fills rows past the tensor's sequence extent (Q, K and V);
+      scores of keys past seqlen_k are masked to -inf; Q rows past seqlen_q are computed and
+      never stored.
+    Intra-warpgroup overlap in the SASS (DSL's ptxas): between wgmma wait_group 1 and 0 sit
+      the row max reductions, the scaling FFMAs and a few of the EX2 (unmasked loop: 4 of 64,
+      masked loop: 13 of 64); the other EX2 run after the P V GEMM has completed.
+    Not yet: TMA-store epilogue, varlen, local, softcap, head dims 96, 192, 256,
+      head_dim_v != head_dim, tuned tile shapes and stage counts, persistent scheduling.
+    """
+
+    arch = 90
+
+    def __init__(self, config: FwdConfig):
+        ok, reason = self.can_implement(config)
+        if not ok:
+            raise NotImplementedError(f"FlashAttentionForwardSm90: {reason}")
+        self.config = config
+        self.dtype = DTYPE[config.dtype]
+        self.tile_m = config.tile_m
+        self.tile_n = config.tile_n
+        self.tile_hdim = config.head_dim
+        self.tile_hdimv = config.head_dim_v
+        self.num_consumers = 2
+        self.wg_m = config.tile_m // self.num_consumers  # query rows of one consumer warpgroup
+        self.num_threads = WARPGROUP * (1 + self.num_consumers)
+        self.kv_stages = SM90_FWD_KV_STAGES
+        self.regs_producer = 24
+        self.regs_consumer = 240
+        self.causal = config.causal
+        self.local = config.local
+
+    can_implement = staticmethod(fwd_can_implement)
+
+    def make_tiled_mmas(self) -> tuple[cute.TiledMma, cute.TiledMma]:
+        """(S = Q K^T: both operands in smem, O = P V: P from registers), one warpgroup each.
+
+        The device code builds fresh ones in every step: a TiledMma whose ACCUMULATE field was
+        set inside one staged region cannot be reused in another.
+        """
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+            Float32, (1, 1, 1), (self.wg_m, self.tile_n),
+        )  # fmt: skip
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+            Float32, (1, 1, 1), (self.wg_m, self.tile_hdimv), warpgroup.OperandSource.RMEM,
+        )  # fmt: skip
+        return tiled_mma_qk, tiled_mma_pv
+
+    # ------------------------------------------------------------------------------------------
+    # Host side
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        softmax_scale: Float32,
+        softcap: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        max_seqlen_q: Int32,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedQ: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
+        stream: cuda.CUstream,
+    ):
+        d, dv, tile_n, wg_m = self.tile_hdim, self.tile_hdimv, self.tile_n, self.wg_m
+        # TMA views: (seqlen, d, heads, batch) for Q and K, V^T as (dv, seqlen, heads, batch).
+        mQ_t = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
+        mK_t = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
+        mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+
+        tiled_mma_qk, tiled_mma_pv = self.make_tiled_mmas()
+
+        sQ_layout = sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, (wg_m, tile_n, d), self.dtype, self.num_consumers
+        )
+        sK_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, (wg_m, tile_n, d), self.dtype, self.kv_stages
+        )
+        sV_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.COL_MAJOR, (wg_m, dv, tile_n), self.dtype, self.kv_stages
+        )
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, mQ_tma = cpasync.make_tiled_tma_atom(
+            load, mQ_t, cute.slice_(sQ_layout, (None, None, 0)), (wg_m, d)
+        )
+        tma_k, mK_tma = cpasync.make_tiled_tma_atom(
+            load, mK_t, cute.slice_(sK_layout, (None, None, 0)), (tile_n, d)
+        )
+        tma_v, mV_tma = cpasync.make_tiled_tma_atom(
+            load, mVt, cute.slice_(sV_layout, (None, None, 0)), (dv, tile_n)
+        )
+        self.tx_q = cute.size_in_bytes(self.dtype, sQ_layout)
+        self.tx_k = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
+        self.tx_v = cute.size_in_bytes(self.dtype, cute.slice_(sV_layout, (None, None, 0)))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        # Global stores of O: 16 bytes a thread, one warpgroup over a (wg_m, dv) tile.
+        elems = 128 // self.dtype.width
+        threads_per_row = dv // elems
+        copy_r2g = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
+            cute.make_layout(
+                (WARPGROUP // threads_per_row, threads_per_row), stride=(threads_per_row, 1)
+            ),
+            cute.make_layout((1, elems)),
+        )
+        scale_log2 = softmax_scale * LOG2_E
+        grid = (cute.ceil_div(max_seqlen_q, self.tile_m), cute.size(mQ.shape[2]),
+                cute.size(mQ.shape[0]))  # fmt: skip
+        self.kernel(
+            mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE, tma_q, tma_k, tma_v,
+            scale_log2, window_left, window_right,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+            sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv, copy_r2g, SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
+                 min_blocks_per_mp=1)  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ_tma: cute.Tensor,
+        mK_tma: cute.Tensor,
+        mV_tma: cute.Tensor,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        tma_q: cute.CopyAtom,
+        tma_k: cute.CopyAtom,
+        tma_v: cute.CopyAtom,
+        scale_log2: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedQ: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        copy_r2g: cute.TiledCopy,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // WARPGROUP)
+        m_block, head, batch = cute.arch.block_idx()
+        if cutlass.const_expr(self.causal):
+            m_block = cute.arch.grid_dim()[0] - 1 - m_block
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(
+            pipeline.Agent.Thread, self.num_consumers * WARPGROUP // 32
+        )
+        pipeline_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
+            consumer_group=consumers, tx_count=self.tx_q, defer_sync=True,
+        )  # fmt: skip
+        pipeline_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.kv_stages,
+            producer_group=producer, consumer_group=consumers, tx_count=self.tx_k,
+            defer_sync=True,
+        )  # fmt: skip
+        pipeline_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.kv_stages,
+            producer_group=producer, consumer_group=consumers, tx_count=self.tx_v,
+            defer_sync=True,
+        )  # fmt: skip
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        offset_q, seqlen_q, offset_k, seqlen_k = seqlen_info(
+            batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK
+        )
+        n_block_min, n_block_max, n_block_no_right, _ = block_range(
+            m_block, seqlen_q, seqlen_k, window_left, window_right,
+            self.tile_m, self.tile_n, self.causal, self.local,
+        )  # fmt: skip
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.regs_producer)
+            if warp_idx == 0:
+                self.load(
+                    mQ_tma, mK_tma, mV_tma, tma_q, tma_k, tma_v, sQ, sK, sV,
+                    pipeline_q, pipeline_k, pipeline_v,
+                    m_block, head, head_kv, batch, n_block_min, n_block_max,
+                )  # fmt: skip
+        else:
+            cute.arch.setmaxregister_increase(self.regs_consumer)
+            consumer = wg_idx - 1
+            row_start = m_block * self.tile_m + consumer * self.wg_m
+            self.consume(
+                mO[batch, None, head, None], mLSE[batch, head, None], sQ, sK, sV,
+                pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv, copy_r2g,
+                consumer, tidx % WARPGROUP, row_start, seqlen_q, seqlen_k,
+                n_block_min, n_block_max, n_block_no_right, scale_log2,
+                window_left, window_right,
+            )  # fmt: skip
+
+    @cute.jit
+    def load(
+        self,
+        mQ_tma: cute.Tensor,
+        mK_tma: cute.Tensor,
+        mV_tma: cute.Tensor,
+        tma_q: cute.CopyAtom,
+        tma_k: cute.CopyAtom,
+        tma_v: cute.CopyAtom,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        pipeline_q: pipeline.PipelineTmaAsync,
+        pipeline_k: pipeline.PipelineTmaAsync,
+        pipeline_v: pipeline.PipelineTmaAsync,
+        m_block: Int32,
+        head: Int32,
+        head_kv: Int32,
+        batch: Int32,
+        n_block_min: Int32,
+        n_block_max: Int32,
+    ):
+        """Producer warp: Q once, then K[n] and V[n] for n from n_block_max - 1 down."""
+        d, dv, tile_n, wg_m = self.tile_hdim, self.tile_hdimv, self.tile_n, self.wg_m
+        gQ = cute.local_tile(mQ_tma[None, None, head, batch], (wg_m, d), (None, 0))
+        gK = cute.local_tile(mK_tma[None, None, head_kv, batch], (tile_n, d), (None, 0))
+        gV = cute.local_tile(mV_tma[None, None, head_kv, batch], (dv, tile_n), (0, None))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+        for atom in (tma_q, tma_k, tma_v):
+            cpasync.prefetch_descriptor(atom)
+        if n_block_max > n_block_min:
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            pipeline_q.producer_acquire(q_state)
+            for c in cutlass.range_constexpr(self.num_consumers):
+                cute.copy(tma_q, tQgQ[None, m_block * self.num_consumers + c], tQsQ[None, c],
+                          tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))  # fmt: skip
+            kv_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Producer, self.kv_stages
+            )
+            for i in cutlass.range(n_block_max - n_block_min, unroll=1):
+                n_block = n_block_max - 1 - i
+                pipeline_k.producer_acquire(kv_state)
+                cute.copy(tma_k, tKgK[None, n_block], tKsK[None, kv_state.index],
+                          tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))  # fmt: skip
+                pipeline_v.producer_acquire(kv_state)
+                cute.copy(tma_v, tVgV[None, n_block], tVsV[None, kv_state.index],
+                          tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))  # fmt: skip
+                kv_state.advance()
+
+    @cute.jit
+    def consume(
+        self,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        pipeline_q: pipeline.PipelineTmaAsync,
+        pipeline_k: pipeline.PipelineTmaAsync,
+        pipeline_v: pipeline.PipelineTmaAsync,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        copy_r2g: cute.TiledCopy,
+        consumer: Int32,
+        tidx: Int32,
+        row_start: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        n_block_min: Int32,
+        n_block_max: Int32,
+        n_block_no_right: Int32,
+        scale_log2: Float32,
+        window_left: Int32,
+        window_right: Int32,
+    ):
+        """Consumer warpgroup: its 64 query rows against every visited key block, then store."""
+        wg_m, tile_n, dv = self.wg_m, self.tile_n, self.tile_hdimv
+        sQ_c = sQ[None, None, consumer]
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ_c))
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
+        acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((wg_m, dv)))
+        acc_O.fill(0.0)
+        tScS = mn_view_wgmma(thr_qk.partition_C(cute.make_identity_tensor((wg_m, tile_n))))
+        softmax = OnlineSoftmax(scale_log2, cute.size(tScS.shape[0]), view=mn_view_wgmma)
+        softmax.reset()
+        rows_left = seqlen_q - row_start
+
+        # Key blocks from n_block_max - 1 down. Step j issues, in this consumer's turn,
+        # S_j = Q K_j^T and O += P_{j-1} V_{j-1}, then runs the softmax of S_j while the other
+        # consumer issues its GEMMs; one last turn issues O += P V of the final block.
+        n_blocks = n_block_max - n_block_min
+        rP = cute.make_rmem_tensor(thr_qk.partition_shape_C((wg_m, tile_n)), self.dtype)
+        mma = (thr_qk, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_O, rP, tScS)
+        pipes = (pipeline_k, pipeline_v)
+        mask_args = (row_start, seqlen_q, seqlen_k, window_left, window_right)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        if consumer == 1:
+            self.end_turn(consumer)  # consumer 0 takes the first turn
+        # Blocks [start_unmasked, n_block_max) may cut the seqlen tail or the causal diagonal
+        # (the first visited block always counts as such); the ones below need no mask.
+        start_unmasked = cutlass.max(cutlass.min(n_block_no_right, n_block_max - 1), n_block_min)
+        if n_blocks > 0:
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipeline_q.consumer_wait(q_state)
+            self.step(n_block_max - 1, k_state, v_state, softmax, consumer, mma, pipes, mask_args,
+                      True, True)  # fmt: skip
+            k_state.advance()
+        for i in cutlass.range(n_block_max - 1 - start_unmasked, unroll=1):
+            self.step(n_block_max - 2 - i, k_state, v_state, softmax, consumer, mma, pipes,
+                      mask_args, False, True)  # fmt: skip
+            k_state.advance()
+            v_state.advance()
+        for i in cutlass.range(start_unmasked - n_block_min, unroll=1):
+            self.step(start_unmasked - 1 - i, k_state, v_state, softmax, consumer, mma, pipes,
+                      mask_args, False, False)  # fmt: skip
+            k_state.advance()
+            v_state.advance()
+        if n_blocks > 0:
+            self.last_pv(v_state, consumer, mma, pipes)
+
+        # Epilogue: O / l once (rows that saw no key: O = 0, LSE = -inf), O -> this consumer's
+        # half of sQ (its WGMMAs have all completed) -> 16-byte global stores.
+        lse = cute.make_rmem_tensor(cute.size(tScS.shape[0]), Float32)
+        softmax.finalize(acc_O, lse)
+        rO = cute.make_fragment_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        r2s_O = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), tiled_mma_pv
+        )
+        thr_r2s_O = r2s_O.get_slice(tidx)
+        cute.copy(r2s_O, thr_r2s_O.retile(rO), thr_r2s_O.partition_D(sQ_c))
+        if tidx % 4 == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = tScS[r, 0][0]
+                if row < rows_left:
+                    mLSE[row_start + row] = lse[r]
+        pipeline.NamedBarrier(
+            barrier_id=int(Barrier.EPILOGUE_WG1) + consumer, num_threads=WARPGROUP
+        ).arrive_and_wait()
+        gO = cute.local_tile(cute.domain_offset((row_start, 0), mO), (wg_m, dv), (0, 0))
+        thr_r2g = copy_r2g.get_slice(tidx)
+        tOsO = thr_r2g.partition_S(sQ_c)
+        tOgO = thr_r2g.partition_D(gO)
+        tOcO = thr_r2g.partition_D(cute.make_identity_tensor((wg_m, dv)))
+        tOrO = cute.make_fragment_like(tOgO, self.dtype)
+        cute.autovec_copy(tOsO, tOrO)
+        for m in cutlass.range_constexpr(cute.size(tOgO.shape[1])):
+            if tOcO[0, m, 0][0] < rows_left:
+                cute.copy(copy_r2g, tOrO[None, m, None], tOgO[None, m, None])
+
+    @cute.jit
+    def start_turn(self, consumer: Int32):
+        """Wait until the other consumer has issued its GEMMs (pingpong)."""
+        pipeline.NamedBarrier(
+            barrier_id=int(Barrier.SCHEDULER_WG1) + consumer, num_threads=2 * WARPGROUP
+        ).arrive_and_wait()
+
+    @cute.jit
+    def end_turn(self, consumer: Int32):
+        """Hand the tensor cores to the other consumer."""
+        pipeline.NamedBarrier(
+            barrier_id=int(Barrier.SCHEDULER_WG1) + 1 - consumer, num_threads=2 * WARPGROUP
+        ).arrive()
+
+    @cute.jit
+    def gemm_pv(self, mma: tuple, v_stage: Int32):
+        """O += P V with P from registers (issue only)."""
+        tOrV, acc_O, rP = mma[5], mma[6], mma[7]
+        _, tiled_mma_pv = self.make_tiled_mmas()
+        tOrP = acc_as_rs_operand(rP)
+        tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+        for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
+            cute.gemm(tiled_mma_pv, acc_O, tOrP[None, None, k], tOrV[None, None, k, v_stage],
+                      acc_O)  # fmt: skip
+
+    @cute.jit
+    def step(
+        self,
+        n_block: Int32,
+        k_state: pipeline.PipelineState,
+        v_state: pipeline.PipelineState,
+        softmax: OnlineSoftmax,
+        consumer: Int32,
+        mma: tuple,
+        pipes: tuple,
+        mask_args: tuple,
+        is_first: cutlass.Constexpr[bool],
+        masked: cutlass.Constexpr[bool],
+    ):
+        """Key block n_block of one consumer: S = Q K^T (with O += P V of the previous block
+        unless ``is_first``), mask (``masked``: the block may cut the seqlen tail or the causal
+        diagonal), online softmax, P -> registers (16-bit) for the next step."""
+        thr_qk, _, _, tSrQ, tSrK, _, acc_O, rP, tScS = mma
+        tiled_mma_qk, _ = self.make_tiled_mmas()
+        pipeline_k, pipeline_v = pipes
+        row_start, seqlen_q, seqlen_k, window_left, window_right = mask_args
+        acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.wg_m, self.tile_n)))
+        pipeline_k.consumer_wait(k_state)
+        if cutlass.const_expr(not is_first):
+            pipeline_v.consumer_wait(v_state)
+        self.start_turn(consumer)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
+            tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(tiled_mma_qk, acc_S, tSrQ[None, None, k], tSrK[None, None, k, k_state.index],
+                      acc_S)  # fmt: skip
+        warpgroup.commit_group()
+        if cutlass.const_expr(not is_first):
+            self.gemm_pv(mma, v_state.index)
+            warpgroup.commit_group()
+        self.end_turn(consumer)
+        # S is complete after this wait; O += P V (when issued) may still run during the
+        # softmax below, which leaves acc_O alone until it has completed.
+        warpgroup.wait_group(0 if is_first else 1)
+        pipeline_k.consumer_release(k_state)
+
+        if cutlass.const_expr(masked):
+            apply_mask(
+                mn_view_wgmma(acc_S), tScS, row_start, n_block * self.tile_n,
+                seqlen_q, seqlen_k, window_left, window_right, self.causal, self.local,
+            )  # fmt: skip
+        check_inf = masked and (self.causal or self.local)
+        if cutlass.const_expr(is_first):
+            softmax.step(acc_S, acc_O, True, check_inf)
+        else:
+            corr = cute.make_rmem_tensor(softmax.num_rows, Float32)
+            softmax.step(acc_S, None, False, check_inf, corr)
+            warpgroup.wait_group(0)
+            pipeline_v.consumer_release(v_state)
+            softmax.rescale(acc_O, corr)
+        rP.store(acc_S.load().to(self.dtype))
+
+    @cute.jit
+    def last_pv(self, v_state: pipeline.PipelineState, consumer: Int32, mma: tuple, pipes: tuple):
+        """O += P V of the last visited key block, in this consumer's turn."""
+        pipeline_v = pipes[1]
+        pipeline_v.consumer_wait(v_state)
+        self.start_turn(consumer)
+        warpgroup.fence()
+        self.gemm_pv(mma, v_state.index)
+        warpgroup.commit_group()
+        self.end_turn(consumer)
+        warpgroup.wait_group(0)
+        pipeline_v.consumer_release(v_state)
