@@ -13,7 +13,7 @@ from cute_fa.config import BwdConfig
 from cute_fa.dsl.fake import DTYPE
 from cute_fa.dsl.mask import apply_mask
 from cute_fa.dsl.seqlen import seqlen_info
-from cute_fa.dsl.softmax import LOG2_E, mn_view
+from cute_fa.dsl.softmax import LOG2_E, mn_view, score_scales
 
 from .copy import gmem_tiled_copies, load_rows, smem_layout, store_acc, store_zeros, transposed
 from .mma import gemm
@@ -124,13 +124,7 @@ class FlashAttentionBackwardSm80:
         mma_dkv = cute.make_tiled_mma(atom, (4, w // 4, 1), permutation_mnk=(64, 16 * w // 4, 16))
         mma_dq = cute.make_tiled_mma(atom, (4, w // 4, 1), permutation_mnk=(64, 16 * w // 4, 16))
 
-        # Softcap: the forward's scores are softcap * tanh(s * scale / softcap); P needs only
-        # softcap * log2(e) after the tanh, and dS picks up the tanh's derivative.
-        score_scale = Float32(1.0)
-        scale_log2 = softmax_scale * LOG2_E
-        if cutlass.const_expr(self.has_softcap):
-            score_scale = softmax_scale / softcap
-            scale_log2 = softcap * LOG2_E
+        score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
 
         batch = mQ.shape[0]
         if cutlass.const_expr(mCuSeqlensQ is not None):

@@ -13,7 +13,7 @@ from cute_fa.config import FwdConfig
 from cute_fa.dsl.fake import DTYPE
 from cute_fa.dsl.mask import apply_mask, block_range
 from cute_fa.dsl.seqlen import seqlen_info
-from cute_fa.dsl.softmax import LOG2_E, OnlineSoftmax, mn_view
+from cute_fa.dsl.softmax import OnlineSoftmax, mn_view, score_scales
 
 from .mma import acc_as_A_operand, gemm
 from .support import fwd_can_implement
@@ -131,13 +131,7 @@ class FlashAttentionForwardSm80:
             permutation_mnk=(self.num_threads // 32 * 16, 16, 16),
         )
 
-        # Softcap folds the scale into tanh's argument: s' = softcap * tanh(s * scale / softcap),
-        # and the exponent then only needs softcap * log2(e).
-        score_scale = Float32(1.0)
-        scale_log2 = softmax_scale * LOG2_E
-        if cutlass.const_expr(self.has_softcap):
-            score_scale = softmax_scale / softcap
-            scale_log2 = softcap * LOG2_E
+        score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
 
         batch = mQ.shape[0]
         if cutlass.const_expr(mCuSeqlensQ is not None):

@@ -31,6 +31,18 @@ LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
 
+def score_scales(softmax_scale: Float32, softcap: Float32, has_softcap: bool):
+    """(score_scale, scale_log2) of Note [base-2 online softmax], softcap folded in.
+
+    Without softcap the scores stay unscaled (score_scale = 1) and the exponent applies
+    softmax_scale * log2(e). With softcap the scores become tanh(s * softmax_scale / softcap)
+    (score_scale = softmax_scale / softcap), and the exponent needs only softcap * log2(e).
+    """
+    if has_softcap:
+        return softmax_scale / softcap, softcap * LOG2_E
+    return Float32(1.0), softmax_scale * LOG2_E
+
+
 def mn_view(acc: cute.Tensor) -> cute.Tensor:
     """((2, 2), MMA_M, MMA_N) accumulator (sm80 m16n8 C layout) -> ((2, MMA_M), (2, MMA_N)).
 
