@@ -9,8 +9,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warp
 
-from cute_fa.config import BwdConfig
-from cute_fa.dsl.fake import DTYPE
+from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask
 from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import LOG2_E, mn_view, score_scales
@@ -25,7 +24,7 @@ def _elem_ptr(t: cute.Tensor, i: int):
     return t.iterator + cute.crd2idx(cute.idx2crd(i, t.shape), t.layout)
 
 
-class FlashAttentionBackwardSm80:
+class FlashAttentionBackwardSm80(AttentionKernel):
     """Exact attention backward (dQ, dK, dV), FA2 design, for every GPU from sm80 up.
 
     Grid and work split
@@ -59,21 +58,6 @@ class FlashAttentionBackwardSm80:
     """
 
     arch = 80
-
-    def __init__(self, config: BwdConfig):
-        ok, reason = self.can_implement(config)
-        if not ok:
-            raise NotImplementedError(f"FlashAttentionBackwardSm80: {reason}")
-        self.config = config
-        self.dtype = DTYPE[config.dtype]
-        self.tile_m = config.tile_m
-        self.tile_n = config.tile_n
-        self.tile_hdim = config.head_dim
-        self.num_warps = config.num_warps
-        self.num_threads = config.num_warps * 32
-        self.causal = config.causal
-        self.local = config.local
-        self.has_softcap = config.has_softcap
 
     can_implement = staticmethod(bwd_can_implement)
 

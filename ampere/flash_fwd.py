@@ -9,8 +9,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
-from cute_fa.config import FwdConfig
-from cute_fa.dsl.fake import DTYPE
+from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask, block_range
 from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import OnlineSoftmax, mn_view, score_scales
@@ -19,7 +18,7 @@ from .mma import acc_as_A_operand, gemm
 from .support import fwd_can_implement
 
 
-class FlashAttentionForwardSm80:
+class FlashAttentionForwardSm80(AttentionKernel):
     """Exact attention forward, FA2 design, for every GPU from sm80 up.
 
     Grid and work split
@@ -48,20 +47,6 @@ class FlashAttentionForwardSm80:
     """
 
     arch = 80
-
-    def __init__(self, config: FwdConfig):
-        ok, reason = self.can_implement(config)
-        if not ok:
-            raise NotImplementedError(f"FlashAttentionForwardSm80: {reason}")
-        self.config = config
-        self.dtype = DTYPE[config.dtype]
-        self.tile_m = config.tile_m
-        self.tile_n = config.tile_n
-        self.tile_hdim = config.head_dim
-        self.num_threads = config.num_warps * 32
-        self.causal = config.causal
-        self.local = config.local
-        self.has_softcap = config.has_softcap
 
     can_implement = staticmethod(fwd_can_implement)
 

@@ -14,7 +14,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from cute_fa.config import FwdConfig
-from cute_fa.dsl.fake import DTYPE
+from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask, block_range
 from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import LOG2_E, OnlineSoftmax, mn_view_wgmma
@@ -53,7 +53,7 @@ def acc_as_rs_operand(rP: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(rP.iterator, layout)
 
 
-class FlashAttentionForwardSm90:
+class FlashAttentionForwardSm90(AttentionKernel):
     """Exact attention forward, FA3 design (sm90a only).
 
     COMPILE-CHECKED ONLY: this kernel cross-compiles for sm_90a and its SASS is inspected on the
@@ -118,23 +118,13 @@ class FlashAttentionForwardSm90:
     arch = 90
 
     def __init__(self, config: FwdConfig):
-        ok, reason = self.can_implement(config)
-        if not ok:
-            raise NotImplementedError(f"FlashAttentionForwardSm90: {reason}")
-        self.config = config
-        self.dtype = DTYPE[config.dtype]
-        self.tile_m = config.tile_m
-        self.tile_n = config.tile_n
-        self.tile_hdim = config.head_dim
-        self.tile_hdimv = config.head_dim_v
+        super().__init__(config)
         self.num_consumers = 2
         self.wg_m = config.tile_m // self.num_consumers  # query rows of one consumer warpgroup
         self.num_threads = WARPGROUP * (1 + self.num_consumers)
         self.kv_stages = SM90_FWD_KV_STAGES
         self.regs_producer = 24
         self.regs_consumer = 240
-        self.causal = config.causal
-        self.local = config.local
 
     can_implement = staticmethod(fwd_can_implement)
 
