@@ -1,9 +1,11 @@
 """Device architecture -> forward kernel class and compile key; the generated feature matrix.
 
-Every GPU from sm80 up runs the sm80 kernel family (``cute_fa.ampere``), compiled for the
-device's own target (``config.target_for_capability``). A request the chosen kernel cannot
-implement (its ``can_implement`` says no) raises ``NotImplementedError`` naming the feature and
-the architecture: there is never a silent fallback to another implementation.
+Every GPU from sm80 up can run the sm80 kernel family (``cute_fa.ampere``), compiled for the
+device's own target (``config.target_for_capability``); an sm90 device first asks the sm90
+family (``cute_fa.hopper``), whose ``can_implement`` takes what it does and leaves the rest to
+sm80. ``CUTE_FA_FWD_ARCH=80`` or ``90`` restricts dispatch to one family. A request no listed
+kernel implements raises ``NotImplementedError`` naming the feature, the architecture and each
+kernel's reason; nothing falls back silently to another library.
 
 This module imports neither torch nor the CuTe DSL: kernels are known by ``KernelSpec`` (name,
 family, a DSL-free ``can_implement``) and their classes are imported only to compile.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -87,23 +90,35 @@ class KernelSpec:
 SM80_FWD = KernelSpec(
     "FlashAttentionForwardSm80", 80, "cute_fa.ampere.flash_fwd", sm80_support.fwd_can_implement
 )
-# The sm90 (FA3-design) forward is compile-checked only: it has never run on a GPU, so it is
-# reachable by name (``fwd_kernel_class(90)``, for compiling and reading its SASS) and never
-# listed by ``fwd_kernel_classes``, which is what dispatch routes through.
 SM90_FWD = KernelSpec(
     "FlashAttentionForwardSm90", 90, "cute_fa.hopper.flash_fwd", sm90_support.fwd_can_implement
 )
 _FWD_SPECS = {80: SM80_FWD, 90: SM90_FWD}
 
 
+# ``CUTE_FA_FWD_ARCH=80`` (or 90) restricts forward dispatch to that kernel family, e.g. to
+# compare the families on one GPU. Read when a launch plan is made (once per input signature).
+FWD_ARCH_ENV = "CUTE_FA_FWD_ARCH"
+# Whether an sm90 device routes to the sm90 family without ``CUTE_FA_FWD_ARCH=90``.
+SM90_FWD_BY_DEFAULT = True
+
+
 def fwd_kernel_classes(capability: tuple[int, int]) -> list[KernelSpec]:
-    """Forward kernels that may serve a device, best first (SM90_FWD is not routed to yet)."""
+    """Forward kernels that may serve a device, best first."""
     if tuple(capability) < MIN_CAPABILITY:
         raise NotImplementedError(
             f"cute_fa needs an NVIDIA GPU of compute capability 8.0 (Ampere) or newer; "
             f"this one has {capability_name(capability)}"
         )
-    return [SM80_FWD]
+    forced = os.environ.get(FWD_ARCH_ENV, "").strip()
+    specs = [SM80_FWD]
+    if tuple(capability)[0] == 9 and (SM90_FWD_BY_DEFAULT or forced == "90"):
+        specs.insert(0, SM90_FWD)
+    if forced:
+        if forced not in ("80", "90"):
+            raise ValueError(f"{FWD_ARCH_ENV}={forced!r}: expected 80 or 90")
+        specs = [s for s in specs if str(s.arch) == forced]
+    return specs
 
 
 def fwd_kernel_class(arch: int) -> type:
@@ -122,7 +137,15 @@ def _sm80_config(target: str, request: FwdRequest) -> FwdConfig:
     )
 
 
-_CONFIG_BUILDERS = {80: _sm80_config}
+def _sm90_config(target: str, request: FwdRequest) -> FwdConfig:
+    tile_m, tile_n, num_warps = sm90_support.fwd_tile(request.head_dim, request.causal)
+    flags = {f.name: getattr(request, f.name) for f in fields(request)}
+    return FwdConfig(
+        arch=90, target=target, tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, **flags
+    )
+
+
+_CONFIG_BUILDERS = {80: _sm80_config, 90: _sm90_config}
 
 
 def fwd_config_for_target(
@@ -144,7 +167,7 @@ def _try_plan(
     reasons)."""
     classes = fwd_kernel_classes(capability)
     target = target_for_capability(*capability)
-    reasons = []
+    reasons = [] if classes else [f"{FWD_ARCH_ENV}={os.environ.get(FWD_ARCH_ENV)} leaves no family"]
     for cls in classes:
         config, reason = fwd_config_for_target(cls, target, request)
         if config is not None:

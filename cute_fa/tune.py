@@ -151,5 +151,3 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m cute_fa tune"
         return 1
     run(args.d, args.seqlen, [bool(c) for c in args.causal], args.warmup, args.rep)
     return 0
-
-

@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0 if args.allow_cpu_skip else 1
     device = torch.device(args.device)
-    torch.cuda.set_device(device)
+    if device.index is not None:
+        torch.cuda.set_device(device)
     if args.steps < 3:
         p.error("--steps must be at least 3")
 

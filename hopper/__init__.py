@@ -1,8 +1,8 @@
 """sm90 kernels (FA3 design): TMA, WGMMA, warp-specialized producer/consumer warpgroups.
 
-``FlashAttentionForwardSm90`` is compile-checked only (it cross-compiles for sm_90a and its SASS
-is inspected on the CPU) and has never run on a GPU, so dispatch does not route to it: on sm90
-the dispatcher uses the sm80 kernels, which run on Hopper. The kernel class imports the CuTe DSL
+``FlashAttentionForwardSm90`` is the forward on sm90 for what its ``can_implement`` accepts
+(``cute_fa.hopper.support``); the rest of the forward and the backward run the sm80 kernels,
+which run on Hopper too. The kernel class imports the CuTe DSL
 and loads on first use; ``cute_fa.hopper.support`` answers what it can do without that import.
 """
 

@@ -56,10 +56,10 @@ def acc_as_rs_operand(rP: cute.Tensor) -> cute.Tensor:
 class FlashAttentionForwardSm90(AttentionKernel):
     """Exact attention forward, FA3 design (sm90a only).
 
-    COMPILE-CHECKED ONLY: this kernel cross-compiles for sm_90a and its SASS is inspected on the
-    CPU (tests/test_compile_sm90.py), but it has never run on a GPU; its results are unverified.
-    Dispatch does not route to it (``cute_fa.dispatch.fwd_kernel_class(90)`` reaches it by
-    name only); Hopper runs the sm80 kernel.
+    Dispatch routes an sm90 device here for what ``can_implement`` accepts (the rest runs the
+    sm80 kernel; ``CUTE_FA_FWD_ARCH=80`` forces that family). Checked on an H200 by
+    tests/test_fwd_gpu.py and compute-sanitizer memcheck/racecheck; SASS facts on the CPU by
+    tests/test_compile_sm90.py.
 
     Scope so far: bf16 or fp16, head_dim = head_dim_v in {64, 128}, tile 128 x 128 (not tuned),
     dense (non-varlen), causal or not, GQA/MQA (K/V head = head // (heads / kv heads));

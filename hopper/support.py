@@ -9,11 +9,16 @@ from __future__ import annotations
 from cute_fa.config import SMEM_CAPACITY, FwdConfig
 
 # The one shape FlashAttentionForwardSm90 implements so far: 128 query rows (two consumer
-# warpgroups of 64), 128 keys a block, 3 warpgroups (one producer, two consumers). Not tuned:
-# the kernel has never run on a GPU.
+# warpgroups of 64), 128 keys a block, 3 warpgroups (one producer, two consumers). Not tuned
+# yet (docs/performance.md has its first measurements).
 SM90_FWD_TILE = (128, 128, 12)
 SM90_FWD_HEAD_DIMS = (64, 128)
 SM90_FWD_KV_STAGES = 2
+
+
+def fwd_tile(head_dim: int, causal: bool) -> tuple[int, int, int]:
+    """(tile_m, tile_n, num_warps) of the sm90 forward for a head dim (dispatch asks this)."""
+    return SM90_FWD_TILE
 
 
 def fwd_smem_bytes(config: FwdConfig, kv_stages: int = SM90_FWD_KV_STAGES) -> int:

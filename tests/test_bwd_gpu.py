@@ -415,7 +415,11 @@ def test_bwd_varlen_max_seqlen_k_too_small():
     q = _randn(300, NHEADS, 128).requires_grad_()
     k = _randn(300, 2, 128)
     out, _ = cute_fa.flash_attn_varlen_func(
-        q, k, k.clone(), cu_seqlens_q=cu_seqlens(lens), cu_seqlens_k=cu_seqlens(lens),
+        q,
+        k,
+        k.clone(),
+        cu_seqlens_q=cu_seqlens(lens),
+        cu_seqlens_k=cu_seqlens(lens),
         max_seqlen_k=150,
     )
     with pytest.raises(ValueError, match="max_seqlen_k"):

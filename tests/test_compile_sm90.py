@@ -1,7 +1,7 @@
 """Compile-only checks of the sm90 forward kernel (FA3 design) on the CPU, with a SASS read.
 
-``FlashAttentionForwardSm90`` has never run on a GPU, so dispatch does not route to it; these
-tests hold what can be checked without one: it cross-compiles for sm_90a, the cubin holds WGMMA
+What can be checked of ``FlashAttentionForwardSm90`` without a GPU (tests/test_fwd_gpu.py
+checks its results on one): it cross-compiles for sm_90a, the cubin holds WGMMA
 (``HGMMA``) and TMA loads (``UTMALDG``) and no mma.sync, nothing spills (no ``LDL``/``STL``, no
 stack), the register reallocation took effect (``USETMAXREG`` down to the producer budget and up
 to the consumer budget, no ptxas warning about it), and ``can_implement`` rejects what the

@@ -24,7 +24,8 @@ def req(**kw) -> FwdRequest:
 
 @pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)])
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
-def test_every_arch_from_sm80_uses_the_sm80_kernel_for_its_own_target(capability, d):
+def test_every_arch_from_sm80_uses_the_sm80_kernel_for_its_own_target(capability, d, monkeypatch):
+    monkeypatch.setenv(dispatch.FWD_ARCH_ENV, "80")  # on sm90 the sm90 family comes first
     cls, config = dispatch.fwd_plan(capability, req(head_dim=d, head_dim_v=d, causal=True))
     assert cls.load() is FlashAttentionForwardSm80
     assert config.arch == 80 and config.target == TARGETS[capability]
@@ -34,6 +35,35 @@ def test_every_arch_from_sm80_uses_the_sm80_kernel_for_its_own_target(capability
     small = capability in ((8, 6), (8, 9), (12, 0))
     table = SM80_FWD_TILES_SMALL_SMEM if small else SM80_FWD_TILES
     assert (plain.tile_m, plain.tile_n, plain.num_warps) == table[d]
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_takes_what_it_implements_and_sm80_the_rest(d, causal, monkeypatch):
+    monkeypatch.delenv(dispatch.FWD_ARCH_ENV, raising=False)
+    request = req(head_dim=d, head_dim_v=d, causal=causal)
+    cls, config = dispatch.fwd_plan((9, 0), request)
+    sm90_config, why = dispatch.fwd_config_for_target(dispatch.SM90_FWD, "sm_90a", request)
+    if sm90_config is not None:
+        assert cls is dispatch.SM90_FWD and config == sm90_config and config.arch == 90
+    else:
+        assert why and cls is dispatch.SM80_FWD and config.arch == 80
+    assert dispatch.fwd_plan((9, 0), req(local=True))[0] is dispatch.SM80_FWD
+    assert dispatch.fwd_plan((8, 0), request)[0] is dispatch.SM80_FWD
+
+
+def test_fwd_arch_env_restricts_the_family(monkeypatch):
+    monkeypatch.setenv(dispatch.FWD_ARCH_ENV, "90")
+    assert dispatch.fwd_plan((9, 0), req())[0] is dispatch.SM90_FWD
+    with pytest.raises(NotImplementedError, match="CUTE_FA_FWD_ARCH=90 leaves no family"):
+        dispatch.fwd_plan((8, 0), req())
+    with pytest.raises(NotImplementedError, match="FlashAttentionForwardSm90"):
+        dispatch.fwd_plan((9, 0), req(head_dim=80, head_dim_v=80))
+    monkeypatch.setenv(dispatch.FWD_ARCH_ENV, "80")
+    assert dispatch.fwd_plan((9, 0), req())[0] is dispatch.SM80_FWD
+    monkeypatch.setenv(dispatch.FWD_ARCH_ENV, "70")
+    with pytest.raises(ValueError, match="CUTE_FA_FWD_ARCH"):
+        dispatch.fwd_plan((9, 0), req())
 
 
 def test_config_carries_the_call_flags():
@@ -87,12 +117,14 @@ def test_new_shapes_give_the_same_compile_key():
 # Feature matrix and CLI
 
 
-def test_feature_matrix_is_generated_from_can_implement():
+def test_feature_matrix_is_generated_from_can_implement(monkeypatch):
+    monkeypatch.delenv(dispatch.FWD_ARCH_ENV, raising=False)
     columns, table, notes = dispatch.feature_matrix()
     assert columns == [TARGETS[c] for c in sorted(TARGETS) if c >= (8, 0)]
     rows = dict(table)
-    assert rows["bf16, head_dim 128"] == ["sm80"] * len(columns)
-    assert rows["causal"] == ["sm80"] * len(columns)
+    expect = ["sm90" if c == "sm_90a" else "sm80" for c in columns]
+    assert rows["bf16, head_dim 128"] == expect
+    assert rows["causal"] == expect
     assert all(cell.startswith("-(") for cell in rows["bf16, head_dim 80"])
     # The backward tiles need more than the 99 KiB of shared memory of sm86/sm89/sm120.
     for target in ("sm_80", "sm_90a", "sm_100a"):

@@ -15,6 +15,10 @@ poisoned memory, so a change in the allocator cannot silently switch this guard 
 Inputs are fresh random tensors every run. Each test prints its seed (pytest shows it on
 failure); ``CUTE_FA_TEST_SEED=<seed>`` replays a run.
 
+Kernel families: on an sm90 GPU dispatch picks the sm90 forward for what it implements and the
+sm80 forward for the rest; run the module a second time with ``CUTE_FA_FWD_ARCH=80`` to cover
+the sm80 kernel on every case (``CUTE_FA_FWD_ARCH=90`` with ``-k`` restricts it to the sm90 one).
+
 Compile configs this module touches (a new one costs a compile of a few seconds; the rest of
 the cases reuse compiled kernels, since sequence lengths, batch and head counts are dynamic):
 bf16 batched: d in {64, 96, 128, 192, 256} x {no mask, causal, local} x softcap {off, on} = 30;
@@ -86,8 +90,6 @@ SEQLENS = [
 
 # ------------------------------------------------------------------------------------------
 # Fixtures and helpers
-
-
 
 
 def _bytes(shape, dtype) -> int:
