@@ -7,7 +7,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import warp
+from cutlass.cute.nvgpu import cpasync, warp
 
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask
@@ -16,7 +16,7 @@ from cute_fa.dsl.softmax import LOG2_E, mn_view, score_scales
 
 from .copy import gmem_tiled_copies, load_rows, smem_layout, store_acc, store_zeros, transposed
 from .mma import gemm
-from .support import bwd_can_implement
+from .support import bwd_can_implement, bwd_q_stages
 
 
 def _elem_ptr(t: cute.Tensor, i: int):
@@ -38,19 +38,23 @@ class FlashAttentionBackwardSm80(AttentionKernel):
     Warps (num_warps, all identical)
       Three tiled MMAs over the same threads: S and dP (tile_m x tile_n, warps 2 x w/2),
       dK and dV (tile_n x d, warps 4 x w/4), dQ (tile_m x d, warps 4 x w/4).
-    Shared memory: sK, sV (tile_n x d, loaded once); sQ, sdO (tile_m x d, one query block);
-      sP, sdS (tile_m x tile_n, 16-bit), the operands that other warps read transposed.
-      At the end sK / sV stage dK / dV for 128-bit stores.
-    Per query block (cp.async groups; every wait is followed by a CTA barrier):
-      issue Q, dO (rows past seqlen_q zero-filled); read LSE and delta of this thread's rows
-      wait; barrier
+    Shared memory: sK, sV (tile_n x d, loaded once); q_stages (2 where shared memory holds
+      them, else 1; ``support.bwd_q_stages``) of sQ, sdO (tile_m x d) and sLSE, sdPsum (tile_m
+      fp32) for one query block each; sP, sdS (tile_m x tile_n, 16-bit), the operands that
+      other warps read transposed. At the end sK / sV stage dK / dV for 128-bit stores.
+    Per query block m (cp.async groups, one per block; every wait is followed by a barrier):
+      2 stages: issue Q, dO, LSE, delta of block m + 1 into the other stage (an empty group
+        after the last block); wait for all groups but that one
+      1 stage:  issue Q, dO, LSE, delta of block m; wait for it
+      (rows past seqlen_q are zero-filled in sQ / sdO and never read from sLSE / sdPsum)
+      barrier; LSE (log2 units) and delta of this thread's rows from sLSE / sdPsum
       S = Q K^T, dP = dO V^T                          (ldmatrix A and B)
       P = exp2(S * scale * log2 e - LSE * log2 e)     (mask first; softcap: S = tanh(.), kept)
       dS = P (dP - delta)  (softcap: times 1 - tanh^2)
       P, dS -> sP, sdS; barrier
       dV += P^T dO, dK += dS^T Q                      (ldmatrix.trans A and B)
       dQ = dS K; atomically added to dQaccum          (ldmatrix.trans B)
-      barrier (sQ, sdO, sP, sdS free for the next block)
+      barrier (this stage and sP, sdS free: block m + 2 may load into the stage)
     Epilogue: dK *= softmax_scale; dK, dV through sK, sV to global memory.
     Out-of-range rows: Q and dO rows past seqlen_q are zero and their LSE is +inf (P = 0, dS = 0);
       K and V rows past seqlen_k are zero and their scores masked; rows whose forward LSE is -inf
@@ -60,6 +64,10 @@ class FlashAttentionBackwardSm80(AttentionKernel):
     arch = 80
 
     can_implement = staticmethod(bwd_can_implement)
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.q_stages = bwd_q_stages(config)
 
     # ------------------------------------------------------------------------------------------
     # Host side
@@ -88,9 +96,11 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         stream: cuda.CUstream,
     ):
         tm, tn, d = self.tile_m, self.tile_n, self.tile_hdim
-        sQ_layout = smem_layout(self.dtype, tm, d)
+        stages = self.q_stages
+        sQ_layout = smem_layout(self.dtype, tm, d, stages)
         sK_layout = smem_layout(self.dtype, tn, d)
         sP_layout = smem_layout(self.dtype, tm, tn)
+        sLSE_layout = cute.make_layout((tm, stages))
 
         @cute.struct
         class SharedStorage:
@@ -100,6 +110,8 @@ class FlashAttentionBackwardSm80(AttentionKernel):
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * stages], 128]
+            sdPsum: cute.struct.Align[cute.struct.MemRange[Float32, tm * stages], 128]
 
         copy_g2s, copy_r2g = gmem_tiled_copies(self.dtype, self.num_threads, d)
         atom = warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16))
@@ -118,8 +130,8 @@ class FlashAttentionBackwardSm80(AttentionKernel):
             mQ, mK, mV, mdO, mLSE, mdPsum, mdQaccum, mdK, mdV,
             softmax_scale, score_scale, scale_log2, window_left, window_right,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-            sQ_layout, sK_layout, sP_layout, copy_g2s, copy_r2g, mma_sdp, mma_dkv, mma_dq,
-            SharedStorage,
+            sQ_layout, sK_layout, sP_layout, sLSE_layout, copy_g2s, copy_r2g, mma_sdp, mma_dkv,
+            mma_dq, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------
@@ -149,6 +161,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,
+        sLSE_layout: cute.Layout,
         copy_g2s: cute.TiledCopy,
         copy_r2g: cute.TiledCopy,
         mma_sdp: cute.TiledMma,
@@ -209,6 +222,8 @@ class FlashAttentionBackwardSm80(AttentionKernel):
                     storage.sdO.get_tensor(sQ_layout),
                     storage.sP.get_tensor(sP_layout),
                     storage.sdS.get_tensor(sP_layout),
+                    storage.sLSE.get_tensor(sLSE_layout),
+                    storage.sdPsum.get_tensor(sLSE_layout),
                 )
                 self.attend_bwd(
                     q_rows, mK_cur, mV_cur, gdK, gdV, smem_tiles, n_block, keys_left,
@@ -262,9 +277,13 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
 
+        if cutlass.const_expr(self.q_stages == 2):
+            self.load_q_do(q_rows, smem_tiles, m_block_min, 0, seqlen_q, copy_g2s, tidx)
+            cute.arch.cp_async_commit_group()
         for i in cutlass.range(m_block_max - m_block_min, unroll=1):
             args = (
-                q_rows, smem_tiles, m_block_min + i, n_block, seqlen_q, seqlen_k,
+                q_rows, smem_tiles, m_block_min + i, m_block_max, i % self.q_stages, n_block,
+                seqlen_q, seqlen_k,
                 score_scale, scale_log2, window_left, window_right, copy_g2s,
                 mma_sdp, mma_dkv, mma_dq, acc_dK, acc_dV, barrier, tidx,
             )  # fmt: skip
@@ -289,6 +308,8 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         q_rows: tuple,
         smem_tiles: tuple,
         m_block: Int32,
+        m_block_max: Int32,
+        stage: Int32,
         n_block: Int32,
         seqlen_q: Int32,
         seqlen_k: Int32,
@@ -308,18 +329,24 @@ class FlashAttentionBackwardSm80(AttentionKernel):
     ):
         """One query block against this CTA's keys."""
         tm, tn, d = self.tile_m, self.tile_n, self.tile_hdim
-        mQ, mdO, mLSE, mdPsum, mdQaccum = q_rows
-        sK, sV, sQ, sdO, sP, sdS = smem_tiles
+        mdQaccum = q_rows[4]
+        sK, sV = smem_tiles[0], smem_tiles[1]
+        sQ, sdO = smem_tiles[2][None, None, stage], smem_tiles[3][None, None, stage]
+        sP, sdS = smem_tiles[4], smem_tiles[5]
+        sLSE, sdPsum = smem_tiles[6][None, stage], smem_tiles[7][None, stage]
         rows_left = seqlen_q - m_block * tm
 
-        # Q and dO of this block; rows past seqlen_q are zero so they contribute nothing.
-        thr_g2s = copy_g2s.get_slice(tidx)
-        tQcQ = thr_g2s.partition_S(cute.make_identity_tensor((tm, d)))
-        load_rows(copy_g2s, thr_g2s.partition_S(cute.local_tile(mQ, (tm, d), (m_block, 0))),
-                  thr_g2s.partition_D(sQ), tQcQ, rows_left, True)  # fmt: skip
-        load_rows(copy_g2s, thr_g2s.partition_S(cute.local_tile(mdO, (tm, d), (m_block, 0))),
-                  thr_g2s.partition_D(sdO), tQcQ, rows_left, True)  # fmt: skip
-        cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(self.q_stages == 2):
+            if m_block + 1 < m_block_max:
+                self.load_q_do(q_rows, smem_tiles, m_block + 1, 1 - stage, seqlen_q, copy_g2s,
+                               tidx)  # fmt: skip
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(1)
+        else:
+            self.load_q_do(q_rows, smem_tiles, m_block, 0, seqlen_q, copy_g2s, tidx)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+        barrier.arrive_and_wait()
 
         # LSE (in log2 units) and delta of this thread's rows of S.
         thr_sdp = mma_sdp.get_slice(tidx)
@@ -332,13 +359,10 @@ class FlashAttentionBackwardSm80(AttentionKernel):
             lse_log2[r] = Float32.inf  # rows past seqlen_q: P = 0
             dpsum[r] = 0.0
             if row < rows_left:
-                lse = mLSE[m_block * tm + row]
+                lse = sLSE[row]
                 # A row that saw no key in the forward (LSE = -inf) has P = 0 here too.
                 lse_log2[r] = Float32.inf if lse == -Float32.inf else lse * LOG2_E
-                dpsum[r] = mdPsum[m_block * tm + row]
-
-        cute.arch.cp_async_wait_group(0)
-        barrier.arrive_and_wait()
+                dpsum[r] = sdPsum[row]
 
         # S = Q K^T and dP = dO V^T.
         ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), self.dtype)
@@ -398,6 +422,40 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         barrier.arrive_and_wait()
 
     @cute.jit
+    def load_q_do(
+        self,
+        q_rows: tuple,
+        smem_tiles: tuple,
+        m_block: Int32,
+        stage: Int32,
+        seqlen_q: Int32,
+        copy_g2s: cute.TiledCopy,
+        tidx: Int32,
+    ):
+        """Issue cp.async of Q, dO (rows past seqlen_q zero-filled, so they contribute nothing),
+        LSE and delta (rows past seqlen_q not loaded) of query block ``m_block`` into ``stage``.
+        The caller commits the group."""
+        tm, d = self.tile_m, self.tile_hdim
+        mQ, mdO, mLSE, mdPsum = q_rows[0], q_rows[1], q_rows[2], q_rows[3]
+        rows_left = seqlen_q - m_block * tm
+        thr_g2s = copy_g2s.get_slice(tidx)
+        tQcQ = thr_g2s.partition_S(cute.make_identity_tensor((tm, d)))
+        for src, dst in ((mQ, smem_tiles[2]), (mdO, smem_tiles[3])):
+            gX = cute.local_tile(src, (tm, d), (m_block, 0))
+            sX = dst[None, None, stage]
+            load_rows(copy_g2s, thr_g2s.partition_S(gX), thr_g2s.partition_D(sX), tQcQ, rows_left,
+                      True)  # fmt: skip
+        if tidx < cutlass.min(tm, rows_left):
+            atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+            one = cute.make_layout(1)
+            for src, dst in ((mLSE, smem_tiles[6]), (mdPsum, smem_tiles[7])):
+                cute.copy(
+                    atom,
+                    cute.make_tensor(_elem_ptr(src, m_block * tm + tidx), one),
+                    cute.make_tensor(dst.iterator + cute.crd2idx((tidx, stage), dst.layout), one),
+                )
+
+    @cute.jit
     def mma_ss(
         self,
         tiled_mma: cute.TiledMma,
@@ -419,5 +477,3 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         thr_B = s2r_B.get_slice(tidx)
         gemm(tiled_mma, acc, tCrA, tCrB, thr_A.partition_S(sA), thr_A.retile(tCrA),
              thr_B.partition_S(sB), thr_B.retile(tCrB), s2r_A, s2r_B)  # fmt: skip
-
-

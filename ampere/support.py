@@ -30,6 +30,19 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
     return True, ""
 
 
+def bwd_smem_bytes(config: BwdConfig, q_stages: int) -> int:
+    """Shared memory of the sm80 backward: sK, sV; ``q_stages`` of (sQ, sdO, LSE, delta); sP,
+    sdS (16-bit tiles, fp32 rows)."""
+    tm, tn, d = config.tile_m, config.tile_n, config.head_dim
+    return (2 * tn * d + q_stages * 2 * tm * d + 2 * tm * tn) * 2 + q_stages * 2 * tm * 4
+
+
+def bwd_q_stages(config: BwdConfig) -> int:
+    """2 (the next query block's Q, dO, LSE and delta load while this one computes) when shared
+    memory holds two, else 1."""
+    return 2 if bwd_smem_bytes(config, 2) + 1024 <= SMEM_CAPACITY.get(config.target, 0) else 1
+
+
 def bwd_can_implement(config: BwdConfig) -> tuple[bool, str]:
     """(True, "") when FlashAttentionBackwardSm80 implements ``config``, else (False, why)."""
     if config.arch != 80:
@@ -47,8 +60,7 @@ def bwd_can_implement(config: BwdConfig) -> tuple[bool, str]:
         return False, "tile_n must be a multiple of 64"
     if config.head_dim % (16 * w // 4) != 0:
         return False, f"head_dim {config.head_dim} does not split over {w // 4} warps"
-    smem = (2 * config.tile_n * config.head_dim + 2 * config.tile_m * config.head_dim
-            + 2 * config.tile_m * config.tile_n) * 2  # fmt: skip
+    smem = bwd_smem_bytes(config, q_stages=1)
     if smem > SMEM_CAPACITY.get(config.target, 0):
         return False, f"tiles need {smem} B of shared memory, more than {config.target} has"
     return True, ""
