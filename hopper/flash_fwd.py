@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -33,6 +34,23 @@ class Barrier(enum.IntEnum):
     SCHEDULER_WG2 = 4  # 256 threads: consumer 1 may issue its GEMMs
 
 
+@cute.jit
+def convert_in_chunks(dst: cute.Tensor, src: cute.Tensor):
+    """dst = src in dst's element type, 8 elements (one k = 16 slice of the A operand) at a time.
+
+    Both are compact register fragments of the same shape. A whole-fragment conversion of a
+    size that is not a power of two (P of 112 or 80 keys: 56 or 40 values a thread) comes out of
+    the compiler partly as scalar conversions packed into 32-bit registers right before the
+    WGMMA that reads them, and ptxas then serializes the P V WGMMAs (warning C7519). Chunks of 8
+    always lower to packed pair conversions (cvt.rn.bf16x2.f32 / f16x2).
+    """
+    n = cute.size(src)
+    src_v = cute.make_tensor(src.iterator, cute.make_layout((8, n // 8)))
+    dst_v = cute.make_tensor(dst.iterator, cute.make_layout((8, n // 8)))
+    for j in cutlass.range_constexpr(n // 8):
+        dst_v[None, j].store(src_v[None, j].load().to(dst.element_type))
+
+
 def acc_as_rs_operand(rP: cute.Tensor) -> cute.Tensor:
     """View a 16-bit copy of a WGMMA accumulator as the register A operand of the next WGMMA.
 
@@ -61,9 +79,11 @@ class FlashAttentionForwardSm90(AttentionKernel):
     tests/test_fwd_gpu.py and compute-sanitizer memcheck/racecheck; SASS facts on the CPU by
     tests/test_compile_sm90.py.
 
-    Scope so far: bf16 or fp16, head_dim = head_dim_v in {64, 128}, tile 128 x 128 (not tuned),
-    dense (non-varlen), causal or not, GQA/MQA (K/V head = head // (heads / kv heads));
-    ``hopper/support.py`` rejects everything else with its reason.
+    Scope so far: bf16 or fp16; (head_dim, head_dim_v) in (64, 64), (96, 96), (128, 128),
+    (192, 192), (192, 128), (256, 256); dense (non-varlen), causal or not, GQA/MQA (K/V head =
+    head // (heads / kv heads)); ``hopper/support.py`` rejects everything else with its reason.
+    Tile: tile_m = 128 always; tile_n from ``support.fwd_tile`` (128 for d <= 128, 112 for
+    d 192, 80 for d 256: what fits Q plus two K/V stages in 227 KiB; the reasons are there).
 
     Grid and work split
       grid = (ceil(max_seqlen_q / tile_m), num_heads, batch); one CTA owns tile_m = 128 query
@@ -90,8 +110,10 @@ class FlashAttentionForwardSm90(AttentionKernel):
       threads) before issuing its GEMMs and arrives on the other consumer's barrier once they
       are issued, so one consumer's softmax overlaps the other's GEMMs. Consumer 1 arrives on
       SCHEDULER_WG1 at the start: consumer 0 takes the first turn.
-    Shared memory (128-byte swizzled WGMMA layouts, written by TMA)
-      sQ  (64, d, 2): one 64-row half per consumer; reused by that consumer for its O tile.
+    Shared memory (swizzled WGMMA layouts written by TMA: 128-byte swizzle, 64-byte where the
+    contiguous extent is 96 elements)
+      sQ  (64, d, 2): one 64-row half per consumer; reused by that consumer for its O tile
+                      (the first dv columns of it; dv <= d).
       sK  (tile_n, d, kv_stages)      K-major B operand of S = Q K^T.
       sV  (dv, tile_n, kv_stages)     V^T viewed MN-major: the B operand of O = P V.
     Pipelines (mbarriers, cutlass.pipeline.PipelineTmaAsync; producer = 1 warp whose TMA
@@ -102,17 +124,21 @@ class FlashAttentionForwardSm90(AttentionKernel):
                    K[n] is released once S = Q K[n]^T has completed.
       pipeline_v:  producer -> both consumers, kv_stages = 2, 8 consumer-warp arrivals;
                    V[n] is released one step later, once O += P V[n] has completed.
+    P -> 16-bit registers: converted 8 values at a time (``convert_in_chunks``), so the
+      compiler emits packed pair conversions for every tile_n and ptxas keeps the P V WGMMAs
+      in one batch (no C7519 serialization; tests/test_compile_sm90.py counts the fences).
     Epilogue (per consumer): O / l once, O -> 16-bit -> its half of sQ, named barrier
-      EPILOGUE_WG1 + c (128 threads), 16-byte stores of rows < seqlen_q; LSE from the quad
-      leaders. Rows that see no key: O = 0, LSE = -inf.
+      EPILOGUE_WG1 + c (128 threads), 16-byte stores of rows < seqlen_q (gcd(dv / 8, 128)
+      threads a row; dv 96: 4 threads of 3 vectors); LSE from the quad leaders. Rows that see
+      no key: O = 0, LSE = -inf.
     Out-of-range rows: TMA zero-fills rows past the tensor's sequence extent (Q, K and V);
       scores of keys past seqlen_k are masked to -inf; Q rows past seqlen_q are computed and
       never stored.
-    Intra-warpgroup overlap in the SASS (DSL's ptxas): between wgmma wait_group 1 and 0 sit
-      the row max reductions, the scaling FFMAs and a few of the EX2 (unmasked loop: 4 of 64,
-      masked loop: 13 of 64); the other EX2 run after the P V GEMM has completed.
-    Not yet: TMA-store epilogue, varlen, local, softcap, head dims 96, 192, 256,
-      head_dim_v != head_dim, tuned tile shapes and stage counts, persistent scheduling.
+    Intra-warpgroup overlap in the SASS of d 128 (DSL's ptxas): between wgmma wait_group 1 and
+      0 sit the row max reductions, the scaling FFMAs and a few of the EX2 (unmasked loop: 4 of
+      64, masked loop: 13 of 64); the other EX2 run after the P V GEMM has completed.
+    Not yet: TMA-store epilogue, varlen, local, softcap, head_dim_v != head_dim other than
+      192 x 128, tuned tile shapes and stage counts, persistent scheduling.
     """
 
     arch = 90
@@ -206,9 +232,11 @@ class FlashAttentionForwardSm90(AttentionKernel):
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
-        # Global stores of O: 16 bytes a thread, one warpgroup over a (wg_m, dv) tile.
+        # Global stores of O: 16 bytes a thread, one warpgroup over a (wg_m, dv) tile. A row
+        # takes the largest power of two of threads that divides its dv / 8 vectors (dv 96: 4
+        # threads, 3 vectors each).
         elems = 128 // self.dtype.width
-        threads_per_row = dv // elems
+        threads_per_row = math.gcd(dv // elems, WARPGROUP)
         copy_r2g = cute.make_tiled_copy_tv(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
             cute.make_layout(
@@ -461,8 +489,12 @@ class FlashAttentionForwardSm90(AttentionKernel):
         r2s_O = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), tiled_mma_pv
         )
+        # O (wg_m x dv) takes the first dv columns of the consumer's Q half (dv <= d).
+        sO = sQ_c
+        if cutlass.const_expr(dv != self.tile_hdim):
+            sO = cute.local_tile(sQ_c, (wg_m, dv), (0, 0))
         thr_r2s_O = r2s_O.get_slice(tidx)
-        cute.copy(r2s_O, thr_r2s_O.retile(rO), thr_r2s_O.partition_D(sQ_c))
+        cute.copy(r2s_O, thr_r2s_O.retile(rO), thr_r2s_O.partition_D(sO))
         if tidx % 4 == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = tScS[r, 0][0]
@@ -473,7 +505,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         ).arrive_and_wait()
         gO = cute.local_tile(cute.domain_offset((row_start, 0), mO), (wg_m, dv), (0, 0))
         thr_r2g = copy_r2g.get_slice(tidx)
-        tOsO = thr_r2g.partition_S(sQ_c)
+        tOsO = thr_r2g.partition_S(sO)
         tOgO = thr_r2g.partition_D(gO)
         tOcO = thr_r2g.partition_D(cute.make_identity_tensor((wg_m, dv)))
         tOrO = cute.make_fragment_like(tOgO, self.dtype)
@@ -562,7 +594,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
             warpgroup.wait_group(0)
             pipeline_v.consumer_release(v_state)
             softmax.rescale(acc_O, corr)
-        rP.store(acc_S.load().to(self.dtype))
+        convert_in_chunks(rP, acc_S)
 
     @cute.jit
     def last_pv(self, v_state: pipeline.PipelineState, consumer: Int32, mma: tuple, pipes: tuple):

@@ -8,23 +8,41 @@ from __future__ import annotations
 
 from cute_fa.config import SMEM_CAPACITY, FwdConfig
 
-# The one shape FlashAttentionForwardSm90 implements so far: 128 query rows (two consumer
-# warpgroups of 64), 128 keys a block, 3 warpgroups (one producer, two consumers). Not tuned
-# yet (docs/performance.md has its first measurements).
-SM90_FWD_TILE = (128, 128, 12)
-SM90_FWD_HEAD_DIMS = (64, 128)
+# FlashAttentionForwardSm90 always runs 128 query rows (two consumer warpgroups of 64 rows) and
+# 3 warpgroups (one producer, two consumers); the key block tile_n depends on the head dim:
+#   d 64, 96, 128: 128 keys. Q + 2 K/V stages are 48 / 72 / 96 KiB of smem; a consumer holds
+#     S (64 fp32 registers a thread), P (32) and O (d / 2) well inside 240 registers.
+#   d 192 (dv 192 or 128): 112 keys. 128 keys would need 48 + 192 = 240 KiB (dv 192), more than
+#     the 227 KiB of sm_90a; 112 keys need 216 KiB (dv 192), 184 KiB (dv 128). S 56 + P 28 +
+#     O 96 registers.
+#   d 256: 80 keys. Q is 64 KiB and each K/V stage 80 KiB: 224 KiB with 2 stages (96 keys
+#     would need 256 KiB). O alone is 128 registers a thread (64 x 256 fp32 over a warpgroup);
+#     S 40 + P 20 leave room for the softmax inside 240 registers without spills.
+# Not tuned beyond fitting (docs/performance.md has the measurements of d 64 and 128).
+SM90_FWD_TILE_M = 128
+SM90_FWD_WARPS = 12
+SM90_FWD_TILE_N = {64: 128, 96: 128, 128: 128, 192: 112, 256: 80}
+SM90_FWD_HEAD_DIMS = tuple(SM90_FWD_TILE_N)
+# (head_dim, head_dim_v) pairs: equal head dims, and 192 x 128 (DeepSeek's q/k 192, v 128).
+SM90_FWD_HEAD_DIM_PAIRS = tuple((d, d) for d in SM90_FWD_HEAD_DIMS) + ((192, 128),)
 SM90_FWD_KV_STAGES = 2
+# The tile of d 64 and 128, the first shape the kernel ran with (tests use it as the default).
+SM90_FWD_TILE = (SM90_FWD_TILE_M, SM90_FWD_TILE_N[128], SM90_FWD_WARPS)
+# mbarriers and the 1024-byte alignment of the smem tiles.
+SM90_FWD_SMEM_SLACK = 1024
 
 
 def fwd_tile(head_dim: int, causal: bool) -> tuple[int, int, int]:
     """(tile_m, tile_n, num_warps) of the sm90 forward for a head dim (dispatch asks this)."""
-    return SM90_FWD_TILE
+    return SM90_FWD_TILE_M, SM90_FWD_TILE_N.get(head_dim, SM90_FWD_TILE[1]), SM90_FWD_WARPS
 
 
 def fwd_smem_bytes(config: FwdConfig, kv_stages: int = SM90_FWD_KV_STAGES) -> int:
-    """Shared memory of the Q tile and the K and V rings (16-bit elements), barriers aside."""
+    """Shared memory of the Q tile and the K and V rings (16-bit elements), barriers and
+    alignment included."""
     return (config.tile_m * config.head_dim
-            + kv_stages * config.tile_n * (config.head_dim + config.head_dim_v)) * 2  # fmt: skip
+            + kv_stages * config.tile_n * (config.head_dim + config.head_dim_v)) * 2 \
+        + SM90_FWD_SMEM_SLACK  # fmt: skip
 
 
 def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
@@ -35,12 +53,16 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
         return False, f"target {config.target} is not sm_90a (TMA and WGMMA need sm_90a)"
     if config.head_dim not in SM90_FWD_HEAD_DIMS:
         return False, f"head_dim {config.head_dim} not in {SM90_FWD_HEAD_DIMS} (sm90 forward)"
-    if config.head_dim_v != config.head_dim:
-        return False, "head_dim_v != head_dim is not supported by the sm90 forward yet"
-    if (config.tile_m, config.tile_n, config.num_warps) != SM90_FWD_TILE:
+    if (config.head_dim, config.head_dim_v) not in SM90_FWD_HEAD_DIM_PAIRS:
+        return False, (
+            f"head_dim_v {config.head_dim_v} with head_dim {config.head_dim} is not supported "
+            f"by the sm90 forward (pairs {SM90_FWD_HEAD_DIM_PAIRS})"
+        )
+    tile = fwd_tile(config.head_dim, config.causal)
+    if (config.tile_m, config.tile_n, config.num_warps) != tile:
         return False, (
             f"tile {config.tile_m}x{config.tile_n}w{config.num_warps} is not the sm90 forward "
-            f"tile {SM90_FWD_TILE[0]}x{SM90_FWD_TILE[1]}w{SM90_FWD_TILE[2]}"
+            f"tile {tile[0]}x{tile[1]}w{tile[2]} of head_dim {config.head_dim}"
         )
     for flag in ("local", "has_softcap", "varlen_q", "varlen_k", "seqused_q", "seqused_k"):
         if getattr(config, flag):

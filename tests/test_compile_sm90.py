@@ -5,7 +5,8 @@ checks its results on one): it cross-compiles for sm_90a, the cubin holds WGMMA
 (``HGMMA``) and TMA loads (``UTMALDG``) and no mma.sync, nothing spills (no ``LDL``/``STL``, no
 stack), the register reallocation took effect (``USETMAXREG`` down to the producer budget and up
 to the consumer budget, no ptxas warning about it), and ``can_implement`` rejects what the
-kernel does not do yet, with its reason.
+kernel does not do yet, with its reason. Every head-dim pair and mask kind is compiled at least
+once.
 """
 
 from __future__ import annotations
@@ -13,10 +14,16 @@ from __future__ import annotations
 import re
 
 import pytest
-from cute_fa.hopper.support import SM90_FWD_TILE, fwd_can_implement
+from cute_fa.hopper.support import (
+    SM90_FWD_HEAD_DIM_PAIRS,
+    SM90_FWD_TILE,
+    fwd_can_implement,
+    fwd_smem_bytes,
+    fwd_tile,
+)
 
-from cute_fa.config import FwdConfig
-from cute_fa.dispatch import SM90_FWD, fwd_kernel_class, fwd_kernel_classes
+from cute_fa.config import SMEM_CAPACITY, FwdConfig
+from cute_fa.dispatch import FWD_ARCH_ENV, SM90_FWD, fwd_kernel_class, fwd_kernel_classes
 from cute_fa.sass import compile_and_inspect
 
 
@@ -30,10 +37,17 @@ def _config(**changes) -> FwdConfig:
     return FwdConfig(**values)
 
 
-def test_sm90_forward_is_reachable_by_name_but_not_dispatched() -> None:
-    assert SM90_FWD.arch == 90
-    assert SM90_FWD not in fwd_kernel_classes((9, 0))
-    assert all(spec.arch == 80 for spec in fwd_kernel_classes((9, 0)))
+def _tiled_config(d: int, dv: int, **flags) -> FwdConfig:
+    """The config dispatch builds for (d, dv) and the flags: the tile of ``fwd_tile``."""
+    tile_m, tile_n, num_warps = fwd_tile(d, flags.get("causal", False))
+    return _config(head_dim=d, head_dim_v=dv, tile_m=tile_m, tile_n=tile_n,
+                   num_warps=num_warps, **flags)  # fmt: skip
+
+
+def test_sm90_forward_is_dispatched_first_on_sm90(monkeypatch) -> None:
+    monkeypatch.delenv(FWD_ARCH_ENV, raising=False)
+    assert fwd_kernel_classes((9, 0))[0] is SM90_FWD
+    assert SM90_FWD not in fwd_kernel_classes((8, 0))
     assert fwd_kernel_class(90).__name__ == "FlashAttentionForwardSm90"
 
 
@@ -42,10 +56,13 @@ def test_sm90_forward_is_reachable_by_name_but_not_dispatched() -> None:
     [
         ({"arch": 80}, "sm80"),
         ({"target": "sm_100a"}, "sm_90a"),
-        ({"head_dim": 96, "head_dim_v": 96}, "head_dim 96"),
-        ({"head_dim": 256, "head_dim_v": 256}, "head_dim 256"),
+        ({"head_dim": 80, "head_dim_v": 80}, "head_dim 80"),
+        ({"head_dim": 512, "head_dim_v": 512}, "head_dim 512"),
         ({"head_dim_v": 64}, "head_dim_v"),
+        ({"head_dim": 256, "head_dim_v": 128}, "head_dim_v"),
         ({"tile_n": 64}, "tile"),
+        # d 256 needs its own tile: 128 keys would not fit in shared memory.
+        ({"head_dim": 256, "head_dim_v": 256}, "tile"),
         ({"local": True}, "local"),
         ({"has_softcap": True}, "has_softcap"),
         ({"varlen_q": True, "varlen_k": True}, "varlen_q"),
@@ -57,37 +74,60 @@ def test_sm90_can_implement_rejects_with_reason(changes: dict, needle: str) -> N
     assert not ok and needle in reason
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
+@pytest.mark.parametrize("flags", [{}, {"causal": True}], ids=["plain", "causal"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("d", [64, 128])
-def test_sm90_can_implement_accepts(d: int, dtype: str, causal: bool) -> None:
-    config = _config(head_dim=d, head_dim_v=d, dtype=dtype, causal=causal)
+@pytest.mark.parametrize("d, dv", SM90_FWD_HEAD_DIM_PAIRS)
+def test_sm90_can_implement_accepts(d: int, dv: int, dtype: str, flags: dict) -> None:
+    config = _tiled_config(d, dv, dtype=dtype, **flags)
     assert fwd_can_implement(config) == (True, "")
+    assert fwd_smem_bytes(config) <= SMEM_CAPACITY["sm_90a"]
+
+
+# (d, dv, dtype, flags): every head-dim pair, each mask kind and softcap at least once.
+COMPILE_CASES = [
+    pytest.param(128, 128, "bf16", {}, id="d128"),
+    pytest.param(128, 128, "bf16", {"causal": True}, id="d128-causal"),
+    pytest.param(128, 128, "fp16", {}, id="d128-fp16"),
+    pytest.param(64, 64, "bf16", {}, id="d64"),
+    pytest.param(64, 64, "fp16", {"causal": True}, id="d64-fp16-causal"),
+    pytest.param(96, 96, "bf16", {}, id="d96"),
+    pytest.param(96, 96, "bf16", {"causal": True}, id="d96-causal"),
+    pytest.param(192, 192, "bf16", {}, id="d192"),
+    pytest.param(192, 192, "bf16", {"causal": True}, id="d192-causal"),
+    pytest.param(192, 128, "bf16", {}, id="d192x128"),
+    pytest.param(192, 128, "bf16", {"causal": True}, id="d192x128-causal"),
+    pytest.param(256, 256, "bf16", {}, id="d256"),
+    pytest.param(256, 256, "bf16", {"causal": True}, id="d256-causal"),
+    pytest.param(256, 256, "fp16", {"causal": True}, id="d256-fp16-causal"),
+]
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize(
-    "d, dtype, causal",
-    [(128, "bf16", False), (128, "bf16", True), (64, "bf16", False), (64, "fp16", True),
-     (128, "fp16", False)],
-)  # fmt: skip
-def test_sm90_fwd_compiles_for_sm90a(d: int, dtype: str, causal: bool, capfd) -> None:
-    info = compile_and_inspect(_config(head_dim=d, head_dim_v=d, dtype=dtype, causal=causal))
+@pytest.mark.parametrize("d, dv, dtype, flags", COMPILE_CASES)
+def test_sm90_fwd_compiles_for_sm90a(d: int, dv: int, dtype: str, flags: dict, capfd) -> None:
+    config = _tiled_config(d, dv, dtype=dtype, **flags)
+    info = compile_and_inspect(config)
     out, err = capfd.readouterr()
     counts = info["sass_counts"]
+    sass = info["sass_text"]
     print(
-        f"regs {info['regs']} stack {info['stack']} HGMMA {counts['HGMMA']} "
-        f"UTMALDG {counts['UTMALDG']} spills {info['spills']}"
+        f"{config.name}: regs {info['regs']} stack {info['stack']} HGMMA {counts['HGMMA']} "
+        f"UTMALDG {counts['UTMALDG']} spills {info['spills']} smem {fwd_smem_bytes(config)}"
     )
-    # S = Q K^T: d / 16 WGMMAs (k = 16 each), O += P V: tile_n / 16; both in the masked and
-    # the unmasked loop, plus the peeled first (S only) and last (P V only) block.
-    assert counts["HGMMA"] == 3 * (d // 16 + 128 // 16), "WGMMA (HGMMA) count"
+    # S = Q K^T: d / 16 WGMMAs (k = 16 each), O += P V: tile_n / 16; in each key-block loop
+    # (masked and unmasked, plus the left-edge loop with a window), plus the peeled first
+    # (S only) and last (P V only) block.
+    loops = 3 if config.local else 2
+    assert counts["HGMMA"] == (loops + 1) * (d // 16 + config.tile_n // 16), "HGMMA count"
+    # One warpgroup.arrive (fence) per place that issues WGMMAs: more means ptxas serialized
+    # them (warning C7519, e.g. P built from scalar conversions right before its WGMMA).
+    assert sass.count("WARPGROUP.ARRIVE") == loops + 2, "WGMMAs serialized by ptxas"
     assert counts["UTMALDG"] > 0, "no TMA load (UTMALDG) in the SASS"
     assert counts["HMMA"] == 0 and counts["LDGSTS"] == 0
     assert info["spills"] == 0 and info["stack"] == 0 and info["local"] == 0
+    assert fwd_smem_bytes(config) <= SMEM_CAPACITY["sm_90a"]
     # 384 threads: at most 65536 / 384 registers at launch, then setmaxnreg moves them.
     assert info["regs"] <= 168
-    sass = info["sass_text"]
     assert re.search(r"USETMAXREG\.DEALLOC\S*\s+0x18\b", sass), "producer setmaxnreg.dec 24"
     assert re.search(r"USETMAXREG\.TRY_ALLOC\S*\s+\S+,\s*0xf0\b", sass), (
         "consumer setmaxnreg.inc 240"
