@@ -576,11 +576,19 @@ def _fwd_impl(
     q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
     softmax_scale, causal, window_left, window_right, softcap,
 ):  # fmt: skip
-    key = (
-        _tensor_key(q), _tensor_key(k), _tensor_key(v), _tensor_key(cu_seqlens_q),
-        _tensor_key(cu_seqlens_k), _tensor_key(seqused_q), _tensor_key(seqused_k),
-        causal, window_left, window_right, softcap > 0,
-    )  # fmt: skip
+    if cu_seqlens_q is None and cu_seqlens_k is None and seqused_q is None and seqused_k is None:
+        # The common batched call: a shorter key (device indices; a CPU tensor gives -1).
+        key = (
+            q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
+            v.dtype, q.get_device(), k.get_device(), v.get_device(),
+            causal, window_left, window_right, softcap > 0,
+        )  # fmt: skip
+    else:
+        key = (
+            _tensor_key(q), _tensor_key(k), _tensor_key(v), _tensor_key(cu_seqlens_q),
+            _tensor_key(cu_seqlens_k), _tensor_key(seqused_q), _tensor_key(seqused_k),
+            causal, window_left, window_right, softcap > 0,
+        )  # fmt: skip
     plan = _plans.get(key)
     if plan is None:
         plan, max_seqlen_q = _make_plan(
@@ -591,7 +599,8 @@ def _fwd_impl(
             _plans.clear()
         _plans[key] = plan
     else:
-        _check_alignment(q, k, v)
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % ALIGN_BYTES:
+            _check_alignment(q, k, v)
         if plan.has_int_metadata:
             max_seqlen_q = _check_values_and_max_seqlen_q(
                 plan.shapes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
@@ -842,9 +851,10 @@ def flash_attn_func(
             block_sparse_tensors=block_sparse_tensors,
             block_sparse_tensors_bwd=block_sparse_tensors_bwd,
         )
-    _check_tensor(q, "q")
-    _check_tensor(k, "k")
-    _check_tensor(v, "v")
+    if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor):
+        _check_tensor(q, "q")
+        _check_tensor(k, "k")
+        _check_tensor(v, "v")
     causal, window_left, window_right = _window_args(causal, window_size)
     scale = _resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
     requires_grad = _requires_grad(q, k, v)
