@@ -24,6 +24,19 @@ def _elem_ptr(t: cute.Tensor, i: int):
     return t.iterator + cute.crd2idx(cute.idx2crd(i, t.shape), t.layout)
 
 
+def warp_rows(rows: int, cols: int, num_warps: int, preferred: int) -> int:
+    """How many warps split the rows of a (rows, cols) product (the rest split its columns in
+    16-wide slices): the split that reads the fewest operand bytes through ldmatrix.
+
+    Each warp reads its rows of A and its columns of B over the whole K, so the reads are
+    proportional to rows * (num_warps / m) + cols * m for m warps along the rows. Ties go to
+    the split nearest ``preferred``.
+    """
+    splits = [m for m in (1, 2, 4, 8) if num_warps % m == 0 and rows % (16 * m) == 0
+              and cols % (16 * (num_warps // m)) == 0]  # fmt: skip
+    return min(splits, key=lambda m: (rows * num_warps // m + cols * m, abs(m - preferred)))
+
+
 class FlashAttentionBackwardSm80(AttentionKernel):
     """Exact attention backward (dQ, dK, dV), FA2 design, for every GPU from sm80 up.
 
@@ -36,8 +49,9 @@ class FlashAttentionBackwardSm80(AttentionKernel):
       GQA: the CTA of query head h reads K/V head h // (h / h_kv) and writes dK/dV for head h;
       the caller sums each group.
     Warps (num_warps, all identical)
-      Three tiled MMAs over the same threads: S and dP (tile_m x tile_n, warps 2 x w/2),
-      dK and dV (tile_n x d, warps 4 x w/4), dQ (tile_m x d, warps 4 x w/4).
+      Three tiled MMAs over the same threads: S and dP (tile_m x tile_n), dK and dV
+      (tile_n x d), dQ (tile_m x d); ``warp_rows`` picks each one's warp grid for the fewest
+      ldmatrix bytes (e.g. d128, 64 x 128 tiles, 8 warps: 2 x 4, 4 x 2, 2 x 4).
     Shared memory: sK, sV (tile_n x d, loaded once); q_stages (2 where shared memory holds
       them, else 1; ``support.bwd_q_stages``) of sQ, sdO (tile_m x d) and sLSE, sdPsum (tile_m
       fp32) for one query block each; sP, sdS (tile_m x tile_n, 16-bit), the operands that
@@ -116,9 +130,10 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         copy_g2s, copy_r2g = gmem_tiled_copies(self.dtype, self.num_threads, d)
         atom = warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16))
         w = self.num_warps
-        mma_sdp = cute.make_tiled_mma(atom, (2, w // 2, 1), permutation_mnk=(32, 16 * w // 2, 16))
-        mma_dkv = cute.make_tiled_mma(atom, (4, w // 4, 1), permutation_mnk=(64, 16 * w // 4, 16))
-        mma_dq = cute.make_tiled_mma(atom, (4, w // 4, 1), permutation_mnk=(64, 16 * w // 4, 16))
+        mma_sdp, mma_dkv, mma_dq = (
+            cute.make_tiled_mma(atom, (m, w // m, 1), permutation_mnk=(16 * m, 16 * w // m, 16))
+            for m in (warp_rows(tm, tn, w, 2), warp_rows(tn, d, w, 4), warp_rows(tm, d, w, 2))
+        )
 
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
 
