@@ -18,7 +18,7 @@ from cute_fa.config import FwdConfig
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask, block_range
 from cute_fa.dsl.seqlen import seqlen_info
-from cute_fa.dsl.softmax import LOG2_E, OnlineSoftmax, mn_view_wgmma
+from cute_fa.dsl.softmax import OnlineSoftmax, mn_view_wgmma, score_scales
 
 from .support import SM90_FWD_KV_STAGES, fwd_can_implement
 
@@ -80,8 +80,9 @@ class FlashAttentionForwardSm90(AttentionKernel):
     tests/test_compile_sm90.py.
 
     Scope so far: bf16 or fp16; (head_dim, head_dim_v) in (64, 64), (96, 96), (128, 128),
-    (192, 192), (192, 128), (256, 256); dense (non-varlen), causal or not, GQA/MQA (K/V head =
-    head // (heads / kv heads)); ``hopper/support.py`` rejects everything else with its reason.
+    (192, 192), (192, 128), (256, 256); dense (non-varlen), causal or not, softcap or not,
+    GQA/MQA (K/V head = head // (heads / kv heads)); ``hopper/support.py`` rejects everything
+    else with its reason.
     Tile: tile_m = 128 always; tile_n from ``support.fwd_tile`` (128 for d <= 128, 112 for
     d 192, 80 for d 256: what fits Q plus two K/V stages in 227 KiB; the reasons are there).
 
@@ -96,13 +97,13 @@ class FlashAttentionForwardSm90(AttentionKernel):
       warpgroups 1, 2: consumers 0, 1. Consumer c owns query rows [64 c, 64 c + 64) of the
         tile. setmaxnreg.inc to 240 registers (24 * 128 + 240 * 256 <= 65536).
     Consumer main loop (software-pipelined by one block, P kept in registers)
-      step for the first block n_max - 1:  [turn] S = Q K^T [/turn]; wait; mask; softmax;
-        P -> bf16/fp16 registers
+      step for the first block n_max - 1:  [turn] S = Q K^T [/turn]; wait; softcap; mask;
+        softmax; P -> bf16/fp16 registers
       step for block n < n_max - 1:  [turn] S = Q K[n]^T, O += P V[n + 1] (two wgmma commit
-        groups) [/turn]; wait_group 1 (S done); mask (only in the loop over the blocks that may
-        cut the seqlen tail or the causal diagonal; a second loop runs the unmasked blocks
-        without a branch); online softmax (cute_fa/dsl, base 2, scale folded in) with the O
-        rescale factors held back; wait_group 0 (P V done); rescale O; P -> registers
+        groups) [/turn]; wait_group 1 (S done); softcap; mask (only in the loop over the blocks
+        that may cut the seqlen tail or the causal diagonal; a second loop runs the unmasked
+        blocks without a branch); online softmax (cute_fa/dsl, base 2, scale folded in) with
+        the O rescale factors held back; wait_group 0 (P V done); rescale O; P -> registers
       after the last block:  [turn] O += P V[n_min] [/turn]
       S = Q K^T is WGMMA SS (both operands in smem); O += P V is WGMMA RS (P from registers,
       the C fragment reinterpreted as the A fragment, no data movement).
@@ -137,7 +138,10 @@ class FlashAttentionForwardSm90(AttentionKernel):
     Intra-warpgroup overlap in the SASS of d 128 (DSL's ptxas): between wgmma wait_group 1 and
       0 sit the row max reductions, the scaling FFMAs and a few of the EX2 (unmasked loop: 4 of
       64, masked loop: 13 of 64); the other EX2 run after the P V GEMM has completed.
-    Not yet: TMA-store epilogue, varlen, local, softcap, head_dim_v != head_dim other than
+    Softcap (compile-time flag; the value is a runtime argument): right after S is complete,
+      s -> tanh(s * softmax_scale / softcap) (MUFU.TANH), with the exponent's scale
+      softcap * log2(e); both scales come from the shared ``score_scales`` (as in sm80).
+    Not yet: TMA-store epilogue, varlen, local, head_dim_v != head_dim other than
       192 x 128, tuned tile shapes and stage counts, persistent scheduling.
     """
 
@@ -244,12 +248,12 @@ class FlashAttentionForwardSm90(AttentionKernel):
             ),
             cute.make_layout((1, elems)),
         )
-        scale_log2 = softmax_scale * LOG2_E
+        score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
         grid = (cute.ceil_div(max_seqlen_q, self.tile_m), cute.size(mQ.shape[2]),
                 cute.size(mQ.shape[0]))  # fmt: skip
         self.kernel(
             mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE, tma_q, tma_k, tma_v,
-            scale_log2, window_left, window_right,
+            score_scale, scale_log2, window_left, window_right,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
             sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv, copy_r2g, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
@@ -271,6 +275,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
         tma_v: cute.CopyAtom,
+        score_scale: Float32,
         scale_log2: Float32,
         window_left: Int32,
         window_right: Int32,
@@ -344,7 +349,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
                 mO[batch, None, head, None], mLSE[batch, head, None], sQ, sK, sV,
                 pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv, copy_r2g,
                 consumer, tidx % WARPGROUP, row_start, seqlen_q, seqlen_k,
-                n_block_min, n_block_max, n_block_no_right, scale_log2,
+                n_block_min, n_block_max, n_block_no_right, score_scale, scale_log2,
                 window_left, window_right,
             )  # fmt: skip
 
@@ -427,6 +432,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         n_block_min: Int32,
         n_block_max: Int32,
         n_block_no_right: Int32,
+        score_scale: Float32,
         scale_log2: Float32,
         window_left: Int32,
         window_right: Int32,
@@ -453,7 +459,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         rP = cute.make_rmem_tensor(thr_qk.partition_shape_C((wg_m, tile_n)), self.dtype)
         mma = (thr_qk, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_O, rP, tScS)
         pipes = (pipeline_k, pipeline_v)
-        mask_args = (row_start, seqlen_q, seqlen_k, window_left, window_right)
+        score_args = (score_scale, row_start, seqlen_q, seqlen_k, window_left, window_right)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         if consumer == 1:
@@ -464,17 +470,17 @@ class FlashAttentionForwardSm90(AttentionKernel):
         if n_blocks > 0:
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipeline_q.consumer_wait(q_state)
-            self.step(n_block_max - 1, k_state, v_state, softmax, consumer, mma, pipes, mask_args,
+            self.step(n_block_max - 1, k_state, v_state, softmax, consumer, mma, pipes, score_args,
                       True, True)  # fmt: skip
             k_state.advance()
         for i in cutlass.range(n_block_max - 1 - start_unmasked, unroll=1):
             self.step(n_block_max - 2 - i, k_state, v_state, softmax, consumer, mma, pipes,
-                      mask_args, False, True)  # fmt: skip
+                      score_args, False, True)  # fmt: skip
             k_state.advance()
             v_state.advance()
         for i in cutlass.range(start_unmasked - n_block_min, unroll=1):
             self.step(start_unmasked - 1 - i, k_state, v_state, softmax, consumer, mma, pipes,
-                      mask_args, False, False)  # fmt: skip
+                      score_args, False, False)  # fmt: skip
             k_state.advance()
             v_state.advance()
         if n_blocks > 0:
@@ -549,17 +555,18 @@ class FlashAttentionForwardSm90(AttentionKernel):
         consumer: Int32,
         mma: tuple,
         pipes: tuple,
-        mask_args: tuple,
+        score_args: tuple,
         is_first: cutlass.Constexpr[bool],
         masked: cutlass.Constexpr[bool],
     ):
         """Key block n_block of one consumer: S = Q K^T (with O += P V of the previous block
-        unless ``is_first``), mask (``masked``: the block may cut the seqlen tail or the causal
-        diagonal), online softmax, P -> registers (16-bit) for the next step."""
+        unless ``is_first``), softcap (when compiled in), mask (``masked``: the block may cut
+        the seqlen tail, the causal diagonal or a window edge), online softmax, P -> registers
+        (16-bit) for the next step."""
         thr_qk, _, _, tSrQ, tSrK, _, acc_O, rP, tScS = mma
         tiled_mma_qk, _ = self.make_tiled_mmas()
         pipeline_k, pipeline_v = pipes
-        row_start, seqlen_q, seqlen_k, window_left, window_right = mask_args
+        score_scale, row_start, seqlen_q, seqlen_k, window_left, window_right = score_args
         acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.wg_m, self.tile_n)))
         pipeline_k.consumer_wait(k_state)
         if cutlass.const_expr(not is_first):
@@ -580,6 +587,10 @@ class FlashAttentionForwardSm90(AttentionKernel):
         warpgroup.wait_group(0 if is_first else 1)
         pipeline_k.consumer_release(k_state)
 
+        if cutlass.const_expr(self.has_softcap):
+            # s -> tanh(s * softmax_scale / softcap); the exponent's scale is softcap * log2(e)
+            # (cute_fa/dsl/softmax.py score_scales). Before the mask: -inf stays -inf.
+            acc_S.store(cute.math.tanh(acc_S.load() * score_scale, fastmath=True))
         if cutlass.const_expr(masked):
             apply_mask(
                 mn_view_wgmma(acc_S), tScS, row_start, n_block * self.tile_n,

@@ -64,7 +64,6 @@ def test_sm90_forward_is_dispatched_first_on_sm90(monkeypatch) -> None:
         # d 256 needs its own tile: 128 keys would not fit in shared memory.
         ({"head_dim": 256, "head_dim_v": 256}, "tile"),
         ({"local": True}, "local"),
-        ({"has_softcap": True}, "has_softcap"),
         ({"varlen_q": True, "varlen_k": True}, "varlen_q"),
         ({"seqused_k": True}, "seqused_k"),
     ],
@@ -74,7 +73,9 @@ def test_sm90_can_implement_rejects_with_reason(changes: dict, needle: str) -> N
     assert not ok and needle in reason
 
 
-@pytest.mark.parametrize("flags", [{}, {"causal": True}], ids=["plain", "causal"])
+@pytest.mark.parametrize("flags", [{}, {"causal": True}, {"has_softcap": True},
+                                   {"causal": True, "has_softcap": True}],
+                         ids=["plain", "causal", "softcap", "causal-softcap"])  # fmt: skip
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("d, dv", SM90_FWD_HEAD_DIM_PAIRS)
 def test_sm90_can_implement_accepts(d: int, dv: int, dtype: str, flags: dict) -> None:
@@ -99,6 +100,13 @@ COMPILE_CASES = [
     pytest.param(256, 256, "bf16", {}, id="d256"),
     pytest.param(256, 256, "bf16", {"causal": True}, id="d256-causal"),
     pytest.param(256, 256, "fp16", {"causal": True}, id="d256-fp16-causal"),
+    pytest.param(128, 128, "bf16", {"has_softcap": True}, id="d128-softcap"),
+    pytest.param(64, 64, "bf16", {"causal": True, "has_softcap": True}, id="d64-causal-softcap"),
+    pytest.param(96, 96, "fp16", {"has_softcap": True}, id="d96-fp16-softcap"),
+    pytest.param(
+        192, 128, "bf16", {"causal": True, "has_softcap": True}, id="d192x128-causal-softcap"
+    ),
+    pytest.param(256, 256, "bf16", {"causal": True, "has_softcap": True}, id="d256-causal-softcap"),
 ]
 
 
@@ -124,6 +132,9 @@ def test_sm90_fwd_compiles_for_sm90a(d: int, dv: int, dtype: str, flags: dict, c
     assert sass.count("WARPGROUP.ARRIVE") == loops + 2, "WGMMAs serialized by ptxas"
     assert counts["UTMALDG"] > 0, "no TMA load (UTMALDG) in the SASS"
     assert counts["HMMA"] == 0 and counts["LDGSTS"] == 0
+    # softcap: one tanh per score, tile_n / 2 a thread in each of the loops and the first block.
+    tanh = len(re.findall(r"MUFU\.TANH", sass))
+    assert tanh == ((loops + 1) * config.tile_n // 2 if config.has_softcap else 0), "MUFU.TANH"
     assert info["spills"] == 0 and info["stack"] == 0 and info["local"] == 0
     assert fwd_smem_bytes(config) <= SMEM_CAPACITY["sm_90a"]
     # 384 threads: at most 65536 / 384 registers at launch, then setmaxnreg moves them.
