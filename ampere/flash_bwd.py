@@ -69,6 +69,11 @@ class FlashAttentionBackwardSm80(AttentionKernel):
       dV += P^T dO, dK += dS^T Q                      (ldmatrix.trans A and B)
       dQ = dS K; atomically added to dQaccum          (ldmatrix.trans B)
       barrier (this stage and sP, sdS free: block m + 2 may load into the stage)
+    Deterministic mode (config.deterministic): before its dQ atomics for query block m, thread 0
+      spins (ld.acquire.gpu) until the semaphore of (batch, head, m) equals the number of key
+      blocks before this one that visit m; barrier; atomics; fence.acq_rel.gpu; barrier;
+      thread 0 adds 1 (red.release.gpu). Every element of dQaccum then sums its terms in key
+      block order, whatever the schedule. Note [deterministic dQ] has the argument.
     Epilogue: dK *= softmax_scale; dK, dV through sK, sV to global memory.
     Out-of-range rows: Q and dO rows past seqlen_q are zero and their LSE is +inf (P = 0, dS = 0);
       K and V rows past seqlen_k are zero and their scores masked; rows whose forward LSE is -inf
@@ -82,6 +87,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
     def __init__(self, config):
         super().__init__(config)
         self.q_stages = bwd_q_stages(config)
+        self.deterministic = config.deterministic
 
     # ------------------------------------------------------------------------------------------
     # Host side
@@ -107,6 +113,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         mCuSeqlensK: cute.Tensor | None,
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
+        mdQsemaphore: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
         tm, tn, d = self.tile_m, self.tile_n, self.tile_hdim
@@ -144,7 +151,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         self.kernel(
             mQ, mK, mV, mdO, mLSE, mdPsum, mdQaccum, mdK, mdV,
             softmax_scale, score_scale, scale_log2, window_left, window_right,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mdQsemaphore,
             sQ_layout, sK_layout, sP_layout, sLSE_layout, copy_g2s, copy_r2g, mma_sdp, mma_dkv,
             mma_dq, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)  # fmt: skip
@@ -173,6 +180,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         mCuSeqlensK: cute.Tensor | None,
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
+        mdQsemaphore: cute.Tensor | None,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,
@@ -200,6 +208,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
                 cute.domain_offset((offset_q,), mLSE[qb, head, None]),
                 cute.domain_offset((offset_q,), mdPsum[qb, head, None]),
                 cute.domain_offset((offset_q, 0), mdQaccum[qb, head, None, None]),
+                mdQsemaphore[batch, head, None] if cutlass.const_expr(self.deterministic) else None,
             )
             mK_cur = cute.domain_offset((offset_k, 0), mK[kb, None, head_kv, None])
             mV_cur = cute.domain_offset((offset_k, 0), mV[kb, None, head_kv, None])
@@ -431,10 +440,38 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         gdQ = cute.local_tile(mdQaccum, (tm, d), (m_block, 0))
         tdQgdQ = thr_dq.partition_C(gdQ)
         tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((tm, d)))
+        if cutlass.const_expr(self.deterministic):
+            # Wait for this block's turn: the key blocks before it that see query block
+            # m_block have added their dQ (Note [deterministic dQ]).
+            sem = _elem_ptr(q_rows[5], m_block).llvm_ptr
+            turn = n_block - self.first_key_block(m_block, seqlen_q, seqlen_k, window_left)
+            if tidx == 0:
+                count = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
+                while count != turn:
+                    count = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
+            barrier.arrive_and_wait()
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
             if tdQcdQ[i][0] < rows_left:
                 cute.arch.atomic_add(_elem_ptr(tdQgdQ, i).llvm_ptr, acc_dQ[i])
-        barrier.arrive_and_wait()
+        if cutlass.const_expr(self.deterministic):
+            cute.arch.fence_acq_rel_gpu()
+            barrier.arrive_and_wait()
+            if tidx == 0:
+                cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
+        else:
+            barrier.arrive_and_wait()
+
+    @cute.jit
+    def first_key_block(
+        self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32, window_left: Int32
+    ) -> Int32:
+        """The first key block whose CTA visits query block ``m_block``: 0, or with a window
+        the block of the first key the block's first row sees (Note [deterministic dQ])."""
+        first = Int32(0)
+        if cutlass.const_expr(self.local):
+            first = cutlass.max(m_block * self.tile_m + seqlen_k - seqlen_q - window_left, 0)
+            first = first // self.tile_n
+        return first
 
     @cute.jit
     def load_q_do(
@@ -492,3 +529,17 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         thr_B = s2r_B.get_slice(tidx)
         gemm(tiled_mma, acc, tCrA, tCrB, thr_A.partition_S(sA), thr_A.retile(tCrA),
              thr_B.partition_S(sB), thr_B.retile(tCrB), s2r_A, s2r_B)  # fmt: skip
+
+
+# Note [deterministic dQ]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# fp32 atomics are exact in any order only for exact sums, so dQ = sum over key blocks of dS K
+# depends on the order in which the CTAs of one (batch, head) add their terms. In deterministic
+# mode the CTA of key block n adds its term for query block m only when the semaphore of m
+# counts the key blocks before n that visit m, and then raises it by one: the terms land in key
+# block order. Which CTAs visit m: key block n walks query blocks [m_min(n), m_max(n)), and
+# both bounds are non-decreasing in n, so the key blocks that visit m are one contiguous run
+# starting at first_key_block(m) (0 without a window; with window_left, the block holding the
+# first key that the first row of m sees). The wait cannot deadlock: a CTA waits only for CTAs
+# of lower key block index in the same (batch, head), and the hardware starts thread blocks in
+# index order (x fastest), so those are running or done.

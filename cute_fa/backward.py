@@ -5,7 +5,9 @@ Launch sequence (all on torch's current CUDA stream, no host sync unless noted):
   1. preprocess: ``delta = rowsum(dO * O) - dLSE`` (fp32, (b, h, sq)) and ``dQaccum = 0``
      (fp32, (b, h, sq, d)); Note [gradient of the LSE] says why dLSE folds into delta;
   2. main kernel (the backward protocol, ``cute_fa.dsl.fake.bwd_fake_args``): dK, dV per query
-     head, dK already scaled by softmax_scale; dQ (unscaled) added into dQaccum with atomics;
+     head, dK already scaled by softmax_scale; dQ (unscaled) added into dQaccum with atomics
+     (``deterministic=True``: in key-block order, through zeroed int32 semaphores, one per
+     (batch, head, query block); the result is then bitwise reproducible);
   3. postprocess: ``dQ = (dQaccum * softmax_scale).to(dtype)``;
   4. GQA/MQA: each group of ``h / h_kv`` query heads' dK, dV is summed in fp32 into its kv head
      (``torch.sum(..., dtype=float32)``) and cast back; with ``h == h_kv`` the kernel writes the
@@ -55,12 +57,6 @@ _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _ALIGN_BYTES = 16
 _STRIDE_MULTIPLE = 8  # elements: 16 bytes of a 16-bit dtype
 
-DETERMINISTIC_MESSAGE = (
-    "cute_fa: deterministic=True is not implemented for the backward pass yet (dQ is "
-    "accumulated with fp32 atomics, whose order varies between runs); pass deterministic=False"
-)
-
-
 # --------------------------------------------------------------------------------------------
 # Kernel classes, compile keys, compile functions, caches
 
@@ -95,6 +91,7 @@ def bwd_config(
     varlen_k: bool = False,
     seqused_q: bool = False,
     seqused_k: bool = False,
+    deterministic: bool = False,
 ) -> BwdConfig:
     """The main kernel's compile key for a request on ``target`` (sm80 family, tuned tiles);
     NotImplementedError naming the reason when the kernel cannot implement it."""
@@ -103,7 +100,7 @@ def bwd_config(
         arch=80, target=target, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v,
         tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, causal=causal, local=local,
         has_softcap=has_softcap, varlen_q=varlen_q, varlen_k=varlen_k, seqused_q=seqused_q,
-        seqused_k=seqused_k,
+        seqused_k=seqused_k, deterministic=deterministic,
     )  # fmt: skip
     main_name = "FlashAttentionBackwardSm80"
     ok, reason = bwd_can_implement(config)
@@ -238,8 +235,6 @@ def run_backward(
     """
     from .interface import _capability, _check_values, _kernel_window, resolve_window
 
-    if deterministic:
-        raise NotImplementedError(DETERMINISTIC_MESSAGE)
     if dout.shape != out.shape:
         raise ValueError(f"dout has shape {tuple(dout.shape)}, out {tuple(out.shape)}")
     dtype = q.dtype
@@ -260,6 +255,7 @@ def run_backward(
         target, _DTYPE_NAMES[dtype], head_dim, head_dim_v, causal=causal, local=local,
         has_softcap=softcap > 0, varlen_q=varlen_q, varlen_k=varlen_k,
         seqused_q=seqused_q is not None, seqused_k=seqused_k is not None,
+        deterministic=deterministic,
     )  # fmt: skip
     pre = bwd_pre_cache().get(pre_config(config, dlse is not None))
     main = bwd_cache().get(config)
@@ -300,10 +296,15 @@ def run_backward(
     dk = alloc(dk_shape if grouped else k.shape, dtype=dtype, device=device)
     dv = alloc(dv_shape if grouped else v.shape, dtype=dtype, device=device)
     window_left, window_right = _kernel_window(local, window_left, window_right)
+    semaphores = None
+    if deterministic:  # one counter per (batch, head, query block); see Note [deterministic dQ]
+        batches = cu_seqlens_q.shape[0] - 1 if varlen_q else batch4
+        blocks = -(-rows // config.tile_m)  # a bound on any sequence's query blocks
+        semaphores = torch.zeros((batches, nheads, blocks), dtype=torch.int32, device=device)
     main(
         q4, k4, v4, dout4, lse3, delta, dq_accum, _batch_dim(dk, varlen_k),
         _batch_dim(dv, varlen_k), softmax_scale, softcap, window_left, window_right,
-        max_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+        max_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, semaphores,
     )  # fmt: skip
 
     dq = torch.empty(q.shape, dtype=dtype, device=device)

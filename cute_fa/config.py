@@ -165,6 +165,7 @@ class BwdConfig:
     varlen_k: bool = False
     seqused_q: bool = False
     seqused_k: bool = False
+    deterministic: bool = False  # dQ added in a fixed order (semaphores), bitwise reproducible
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -177,7 +178,8 @@ class BwdConfig:
 
     @property
     def name(self) -> str:
-        return "bwd" + FwdConfig.name.fget(self)[3:]  # same naming as the forward
+        det = "_deterministic" if self.deterministic else ""
+        return "bwd" + FwdConfig.name.fget(self)[3:] + det  # same naming as the forward
 
 
 # Backward tiles of the sm80 kernel: head_dim -> (tile_m, tile_n, num_warps). One CTA keeps

@@ -221,6 +221,7 @@ class MatrixRow:
     request: FwdRequest | None  # None: an interface argument no kernel implements yet
     note: str = ""
     backward: bool = False  # the row asks the backward kernels, not the forward
+    deterministic: bool = False  # backward rows: deterministic=True
 
 
 def _base(**changes) -> FwdRequest:
@@ -262,17 +263,14 @@ def feature_rows() -> list[MatrixRow]:
         ("backward, varlen", _base(varlen_q=True, varlen_k=True)),
     ]:
         rows.append(MatrixRow(label, request, backward=True))
-    rows.append(
-        MatrixRow(
-            "backward, deterministic=True",
-            None,
-            "not implemented yet (NotImplementedError when the backward runs)",
-        )
-    )
+    rows.append(MatrixRow("backward, deterministic=True", _base(), backward=True,
+                          deterministic=True))  # fmt: skip
     return rows
 
 
-def _try_bwd(capability: tuple[int, int], request: FwdRequest) -> tuple[int | None, str]:
+def _try_bwd(
+    capability: tuple[int, int], request: FwdRequest, deterministic: bool = False
+) -> tuple[int | None, str]:
     """(kernel family, "") when the backward kernels implement ``request``, else (None, why)."""
     from .backward import bwd_config  # the backward plan lives with the torch-side backward
 
@@ -280,7 +278,8 @@ def _try_bwd(capability: tuple[int, int], request: FwdRequest) -> tuple[int | No
     target = target_for_capability(*capability)
     try:
         config = bwd_config(target, flags.pop("dtype"), flags.pop("head_dim"),
-                            flags.pop("head_dim_v"), **flags)  # fmt: skip
+                            flags.pop("head_dim_v"), deterministic=deterministic,
+                            **flags)  # fmt: skip
     except NotImplementedError as e:
         return None, str(e)
     return config.arch, ""
@@ -299,7 +298,7 @@ def feature_matrix() -> tuple[list[str], list[tuple[str, list[str]]], list[str]]
             if row.request is None:
                 why = row.note
             elif row.backward:
-                arch, why = _try_bwd(capability, row.request)
+                arch, why = _try_bwd(capability, row.request, row.deterministic)
                 if arch is not None:
                     cells.append(f"sm{arch}")
                     continue

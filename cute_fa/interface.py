@@ -40,10 +40,10 @@ requires grad; otherwise ``lse`` is None.
 
 Backward: ``cute_fa::bwd`` (a custom op with a fake implementation too, so torch.compile traces
 forward and backward without graph breaks) runs ``cute_fa.backward.run_backward``: gradients
-for q, k, v, also through a used ``lse`` (dLSE). ``deterministic=True`` raises
-NotImplementedError when the backward runs (or is traced). For packed keys the backward's grid
-needs ``max_seqlen_k``: pass it to ``flash_attn_varlen_func`` to avoid a host sync (and under
-CUDA-graph capture, where that sync is not allowed).
+for q, k, v, also through a used ``lse`` (dLSE). ``deterministic=True`` makes the gradients
+bitwise reproducible (dQ summed in a fixed order; dK and dV always are). For packed keys the
+backward's grid needs ``max_seqlen_k``: pass it to ``flash_attn_varlen_func`` to avoid a host
+sync (and under CUDA-graph capture, where that sync is not allowed).
 """
 
 from __future__ import annotations
@@ -687,10 +687,6 @@ def _bwd_fake(
     max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
     deterministic,
 ):  # fmt: skip
-    from .backward import DETERMINISTIC_MESSAGE
-
-    if deterministic:
-        raise NotImplementedError(DETERMINISTIC_MESSAGE)
     if dout.shape != out.shape:
         raise ValueError(f"dout has shape {tuple(dout.shape)}, out {tuple(out.shape)}")
     if dlse is not None and dlse.shape != lse.shape:

@@ -122,14 +122,16 @@ def check_grads(grads, q, k, v, dout, *, dlse=None, **kwargs):
 
 def run_bwd_and_check(
     b, sq, sk, h, h_kv, d, *, dtype=torch.bfloat16, causal=False, window=(None, None),
-    softcap=0.0, softmax_scale=None, use_lse=False, use_out=True, dout=None,
+    softcap=0.0, softmax_scale=None, use_lse=False, use_out=True, dout=None, deterministic=False,
 ):  # fmt: skip
     q = _randn(b, sq, h, d, dtype=dtype, scale=softcap / 4 if softcap else 1.0)
     k = _randn(b, sk, h_kv, d, dtype=dtype)
     v = _randn(b, sk, h_kv, d, dtype=dtype)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     kwargs = dict(causal=causal, window_size=window, softcap=softcap, softmax_scale=softmax_scale)
-    out, lse = cute_fa.flash_attn_func(*leaves, return_lse=True, **kwargs)
+    out, lse = cute_fa.flash_attn_func(
+        *leaves, return_lse=True, deterministic=deterministic, **kwargs
+    )
     if dout is None:
         dout = _randn(*out.shape, dtype=dtype)
     dlse = torch.randn_like(lse) if use_lse else None
@@ -314,8 +316,8 @@ def test_bwd_matches_fp64_reference(sq, sk, causal, softcap):
 
 def test_bwd_dk_dv_run_to_run_identical():
     """dK and dV live in registers of one CTA (and GQA sums run in a fixed order): bitwise
-    identical across runs. dQ is summed with atomics and only close (deterministic=True, which
-    would make it identical too, is not implemented yet)."""
+    identical across runs. dQ is summed with atomics and only close (deterministic=True makes
+    it identical too: test_bwd_deterministic_*)."""
     q, k, v = _randn(2, 1000, NHEADS, 128), _randn(2, 1000, 2, 128), _randn(2, 1000, 2, 128)
     dout = _randn(2, 1000, NHEADS, 128)
     runs = []
@@ -328,11 +330,34 @@ def test_bwd_dk_dv_run_to_run_identical():
     torch.testing.assert_close(dq1, dq2, rtol=2**-6, atol=2**-6 * float(dq1.abs().max()))
 
 
-def test_bwd_deterministic_not_implemented():
-    q = _randn(2, 64, NHEADS, 64).requires_grad_()
-    out, _ = cute_fa.flash_attn_func(q, q.detach().clone(), q.detach().clone(), deterministic=True)
-    with pytest.raises(NotImplementedError, match="deterministic=True"):
-        out.sum().backward()
+DETERMINISTIC_CASES = [
+    pytest.param(128, False, (None, None), 6, 1000, 1000, id="d128-full-mha-1000x1000"),
+    pytest.param(128, True, (None, None), 2, 1000, 700, id="d128-causal-gqa3-1000x700"),
+    pytest.param(64, False, (64, 0), 1, 700, 1000, id="d64-win64_0-mqa-700x1000"),
+    pytest.param(256, False, (32, 32), 2, 203, 113, id="d256-win32_32-gqa3-203x113"),
+    pytest.param(96, True, (None, None), 6, 129, 4224, id="d96-causal-mha-129x4224"),
+]
+
+
+@pytest.mark.parametrize("d,causal,window,h_kv,sq,sk", DETERMINISTIC_CASES)
+def test_bwd_deterministic_bitwise(d, causal, window, h_kv, sq, sk):
+    """deterministic=True: correct (against the reference) and the same bytes on every run."""
+    q, k, v, dout, grads = run_bwd_and_check(
+        2, sq, sk, NHEADS, h_kv, d, causal=causal, window=window, deterministic=True
+    )
+    for _ in range(3):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, _ = cute_fa.flash_attn_func(
+            *leaves, causal=causal, window_size=window, deterministic=True
+        )
+        again = torch.autograd.grad(out, leaves, dout)
+        for g, g2, name in zip(grads, again, ("dq", "dk", "dv"), strict=True):
+            assert torch.equal(g.view(torch.int16), g2.view(torch.int16)), f"{name} differs"
+
+
+@pytest.mark.parametrize("causal,window", [MASKS[1], MASKS[2]])
+def test_bwd_deterministic_varlen(causal, window):
+    run_varlen_bwd_and_check(LENS_Q, LENS_K, 128, causal=causal, window=window, deterministic=True)
 
 
 # ------------------------------------------------------------------------------------------
@@ -344,7 +369,7 @@ LENS_K = [300, 17, 129, 1, 0, 17, 0, 200]
 
 def run_varlen_bwd_and_check(
     lens_q, lens_k, d, *, causal=False, window=(None, None), softcap=0.0, used_q=None,
-    used_k=None, h=NHEADS, h_kv=2, pass_max_seqlen_k=True,
+    used_k=None, h=NHEADS, h_kv=2, pass_max_seqlen_k=True, deterministic=False,
 ):  # fmt: skip
     """Packed varlen forward + backward; each sequence's gradients are checked on their own
     against attention_ref; rows past seqused_q and keys past seqused_k get zero gradients."""
@@ -362,7 +387,7 @@ def run_varlen_bwd_and_check(
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, _ = cute_fa.flash_attn_varlen_func(
         *leaves, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), causal=causal,
-        window_size=window, softcap=softcap, **extra,
+        window_size=window, softcap=softcap, deterministic=deterministic, **extra,
     )  # fmt: skip
     dout = _randn(*out.shape)
     poison_free_memory(_bwd_reserve(q[None], k[None], v[None]))

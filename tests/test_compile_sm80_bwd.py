@@ -46,9 +46,12 @@ MAIN_FLAG_SETS = {
     "local_seqused": {"local": True, "varlen_q": True, "varlen_k": True, "seqused_q": True,
                       "seqused_k": True},
     "plain": {},
+    "deterministic_local_varlen": {"deterministic": True, "local": True, "varlen_q": True,
+                                   "varlen_k": True},
 }  # fmt: skip
 MAIN_CASES = [(d, "causal_softcap_varlen") for d in HEAD_DIMS] + [
     (128, "local_seqused"),
+    (128, "deterministic_local_varlen"),
     (64, "plain"),
 ]
 

@@ -40,6 +40,13 @@ def fake_int32_vector():
     return make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4)
 
 
+def fake_semaphores():
+    """(batch, heads, blocks) int32, blocks contiguous."""
+    shape = (cute.sym_int(), cute.sym_int(), cute.sym_int())
+    stride = (cute.sym_int(), cute.sym_int(), 1)
+    return make_fake_tensor(cutlass.Int32, shape, stride, assumed_align=4)
+
+
 def fwd_fake_args(config: FwdConfig) -> tuple:
     """Arguments of ``kernel(...)`` for ``cute.compile``, in the order of the forward protocol.
 
@@ -100,7 +107,11 @@ def bwd_fake_args(config) -> tuple:
       mdV  (b, sk, h, dv)        the same; dK is written already multiplied by softmax_scale
       softmax_scale, softcap, window_left, window_right (as the forward),
       max_seqlen_k: Int32 (grid: ceil(max_seqlen_k / tile_n) key blocks per (head, batch)),
-      mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, stream
+      mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+      mdQsemaphore (b, h, m_blocks) int32 zeroed, or None: with ``config.deterministic`` the
+               CTAs of one (batch, head) add their dQ of a query block in key-block order,
+               each waiting for the count of that block to reach its turn, then raising it
+      stream
     """
     dtype = DTYPE[config.dtype]
     return (
@@ -122,5 +133,6 @@ def bwd_fake_args(config) -> tuple:
         fake_int32_vector() if config.varlen_k else None,
         fake_int32_vector() if config.seqused_q else None,
         fake_int32_vector() if config.seqused_k else None,
+        fake_semaphores() if config.deterministic else None,
         make_fake_stream(),
     )
