@@ -37,13 +37,15 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-IMPLS = ("cute_fa", "flash", "cudnn", "flex")
+IMPLS = ("cute_fa", "flash", "cudnn", "flex", "cute_fa_det")
 IMPL_LABELS = {
     "cute_fa": "cute_fa",
+    "cute_fa_det": "cute_fa det",  # deterministic=True (only the backward differs)
     "flash": "SDPA FLASH",
     "cudnn": "SDPA CUDNN",
     "flex": "FlexAttention",
 }
+DEFAULT_PEERS = ("cute_fa", "flash", "cudnn", "flex")
 GRID_D = (64, 128, 256)
 GRID_SEQLEN = (512, 1024, 2048, 4096, 8192, 16384)
 GRID_CAUSAL = (0, 1)
@@ -177,11 +179,13 @@ class Impl:
 
     def forward_fn(self, q, k, v, causal: bool) -> Callable[[], object]:
         """Zero-argument forward on these tensors (layout ``self.layout``); returns out."""
-        if self.name == "cute_fa":
+        if self.name in ("cute_fa", "cute_fa_det"):
             import cute_fa
 
+            det = self.name == "cute_fa_det"
+
             def run():
-                return cute_fa.flash_attn_func(q, k, v, causal=causal)[0]
+                return cute_fa.flash_attn_func(q, k, v, causal=causal, deterministic=det)[0]
 
             return run
         if self.name in ("flash", "cudnn"):
@@ -415,10 +419,10 @@ def format_table(results: list[Result], mode: str, impl_names: list[str]) -> str
     header = ["d", "seqlen", "causal", "batch", "heads"] + [IMPL_LABELS[n] for n in impl_names]
     ratios = [
         (a, b)
-        for a, b in (("cute_fa", "flash"), ("cute_fa", "cudnn"))
+        for a, b in (("cute_fa", "flash"), ("cute_fa", "cudnn"), ("cute_fa_det", "cute_fa"))
         if a in impl_names and b in impl_names
     ]
-    header += [f"{a}/{b.upper()}" for a, b in ratios]
+    header += ["det/default" if a == "cute_fa_det" else f"{a}/{b.upper()}" for a, b in ratios]
     lines = [header]
     for c in cases:
         line = [str(c.head_dim), str(c.seqlen), str(int(c.causal)), str(c.batch), str(c.heads)]
@@ -844,8 +848,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument(
         "--peers",
         type=_name_list,
-        default=list(IMPLS),
-        help=f"implementations to time (default {','.join(IMPLS)})",
+        default=list(DEFAULT_PEERS),
+        help=f"implementations to time (default {','.join(DEFAULT_PEERS)}; also cute_fa_det: "
+        "cute_fa with deterministic=True)",
     )
     p.add_argument(
         "--tokens", type=int, default=16384, help="batch = tokens / seqlen (default %(default)s)"
