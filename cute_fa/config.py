@@ -9,6 +9,8 @@ stay dynamic, so a new sequence length or batch reuses the compiled kernel.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from dataclasses import dataclass
 
 DTYPES = ("bf16", "fp16")
@@ -194,6 +196,12 @@ SM80_BWD_TILES = {
 }
 
 
+# Tuning override: CUTE_FA_BWD_TILE="<tile_m>x<tile_n>w<num_warps>" (e.g. 128x128w8) replaces
+# the table's tile for every head dim, so a benchmark can compare tiles; the kernel's
+# can_implement still decides (NotImplementedError with its reason when the tile cannot work).
+BWD_TILE_ENV = "CUTE_FA_BWD_TILE"
+
+
 def sm80_bwd_tile(head_dim: int, target: str, causal: bool = False) -> tuple[int, int, int]:
     """(tile_m, tile_n, num_warps) of the sm80 backward kernel."""
     if head_dim not in SM80_BWD_TILES:
@@ -201,4 +209,11 @@ def sm80_bwd_tile(head_dim: int, target: str, causal: bool = False) -> tuple[int
             f"head_dim={head_dim} is not supported by the sm80 backward kernel "
             f"(supported: {sorted(SM80_BWD_TILES)})"
         )
+    override = os.environ.get(BWD_TILE_ENV, "").strip()
+    if override:
+        match = re.fullmatch(r"(\d+)x(\d+)w(\d+)", override)
+        if match is None:
+            raise ValueError(f"{BWD_TILE_ENV}={override!r}: expected e.g. 64x128w8")
+        tile_m, tile_n, num_warps = (int(g) for g in match.groups())
+        return tile_m, tile_n, num_warps
     return SM80_BWD_TILES[head_dim]

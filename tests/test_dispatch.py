@@ -187,3 +187,21 @@ def test_bench_is_dispatched_lazily(monkeypatch):
     monkeypatch.setattr(cute_fa.bench, "main", fake_main)
     assert cli.main(["bench", "--d", "64"]) == 0
     assert seen["argv"] == ["--d", "64"]
+
+
+def test_bwd_tile_override(monkeypatch):
+    from cute_fa.backward import bwd_config
+    from cute_fa.config import BWD_TILE_ENV, SM80_BWD_TILES
+
+    monkeypatch.setenv(BWD_TILE_ENV, "128x128w8")
+    config = bwd_config("sm_90a", "bf16", 64, 64)
+    assert (config.tile_m, config.tile_n, config.num_warps) == (128, 128, 8)
+    monkeypatch.setenv(BWD_TILE_ENV, "64x100w8")
+    with pytest.raises(NotImplementedError, match="tile_n must be a multiple of 64"):
+        bwd_config("sm_90a", "bf16", 64, 64)
+    monkeypatch.setenv(BWD_TILE_ENV, "big")
+    with pytest.raises(ValueError, match="CUTE_FA_BWD_TILE"):
+        bwd_config("sm_90a", "bf16", 64, 64)
+    monkeypatch.delenv(BWD_TILE_ENV)
+    config = bwd_config("sm_90a", "bf16", 64, 64)
+    assert (config.tile_m, config.tile_n, config.num_warps) == SM80_BWD_TILES[64]
