@@ -80,9 +80,9 @@ class FlashAttentionForwardSm90(AttentionKernel):
     tests/test_compile_sm90.py.
 
     Scope so far: bf16 or fp16; (head_dim, head_dim_v) in (64, 64), (96, 96), (128, 128),
-    (192, 192), (192, 128), (256, 256); dense (non-varlen), causal or not, softcap or not,
-    GQA/MQA (K/V head = head // (heads / kv heads)); ``hopper/support.py`` rejects everything
-    else with its reason.
+    (192, 192), (192, 128), (256, 256); dense (non-varlen); no mask, causal or sliding window
+    (local); softcap or not; GQA/MQA (K/V head = head // (heads / kv heads));
+    ``hopper/support.py`` rejects everything else with its reason.
     Tile: tile_m = 128 always; tile_n from ``support.fwd_tile`` (128 for d <= 128, 112 for
     d 192, 80 for d 256: what fits Q plus two K/V stages in 227 KiB; the reasons are there).
 
@@ -100,10 +100,10 @@ class FlashAttentionForwardSm90(AttentionKernel):
       step for the first block n_max - 1:  [turn] S = Q K^T [/turn]; wait; softcap; mask;
         softmax; P -> bf16/fp16 registers
       step for block n < n_max - 1:  [turn] S = Q K[n]^T, O += P V[n + 1] (two wgmma commit
-        groups) [/turn]; wait_group 1 (S done); softcap; mask (only in the loop over the blocks
-        that may cut the seqlen tail or the causal diagonal; a second loop runs the unmasked
-        blocks without a branch); online softmax (cute_fa/dsl, base 2, scale folded in) with
-        the O rescale factors held back; wait_group 0 (P V done); rescale O; P -> registers
+        groups) [/turn]; wait_group 1 (S done); softcap; mask (only in the loops over blocks
+        that may cut the seqlen tail, the causal diagonal or a window edge; see Masks); online
+        softmax (cute_fa/dsl, base 2, scale folded in) with the O rescale factors held back;
+        wait_group 0 (P V done); rescale O; P -> registers
       after the last block:  [turn] O += P V[n_min] [/turn]
       S = Q K^T is WGMMA SS (both operands in smem); O += P V is WGMMA RS (P from registers,
       the C fragment reinterpreted as the A fragment, no data movement).
@@ -138,11 +138,19 @@ class FlashAttentionForwardSm90(AttentionKernel):
     Intra-warpgroup overlap in the SASS of d 128 (DSL's ptxas): between wgmma wait_group 1 and
       0 sit the row max reductions, the scaling FFMAs and a few of the EX2 (unmasked loop: 4 of
       64, masked loop: 13 of 64); the other EX2 run after the P V GEMM has completed.
+    Masks (cute_fa/dsl/mask.py, Note [bottom-right aligned masks]; block_range per CTA of 128
+      rows, apply_mask per consumer's 64 rows). Key blocks run in up to three loops, last to
+      first: [start_unmasked, n_max) masked (seqlen_k tail, causal diagonal, right window
+      edge; the first block is always here), [start_left_masked, start_unmasked) unmasked, and
+      with a window [n_min, start_left_masked) masked again (left window edge). The producer
+      loads exactly [n_min, n_max). An empty range (no row of the CTA sees a key) loads nothing
+      and stores O = 0, LSE = -inf. Window sizes are runtime arguments (unbounded sides arrive
+      as WINDOW_INF).
     Softcap (compile-time flag; the value is a runtime argument): right after S is complete,
       s -> tanh(s * softmax_scale / softcap) (MUFU.TANH), with the exponent's scale
       softcap * log2(e); both scales come from the shared ``score_scales`` (as in sm80).
-    Not yet: TMA-store epilogue, varlen, local, head_dim_v != head_dim other than
-      192 x 128, tuned tile shapes and stage counts, persistent scheduling.
+    Not yet: TMA-store epilogue, varlen, head_dim_v != head_dim other than 192 x 128, tuned
+      tile shapes and stage counts, persistent scheduling.
     """
 
     arch = 90
@@ -328,7 +336,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         offset_q, seqlen_q, offset_k, seqlen_k = seqlen_info(
             batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK
         )
-        n_block_min, n_block_max, n_block_no_right, _ = block_range(
+        n_block_min, n_block_max, n_block_no_right, n_block_no_left = block_range(
             m_block, seqlen_q, seqlen_k, window_left, window_right,
             self.tile_m, self.tile_n, self.causal, self.local,
         )  # fmt: skip
@@ -349,7 +357,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
                 mO[batch, None, head, None], mLSE[batch, head, None], sQ, sK, sV,
                 pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv, copy_r2g,
                 consumer, tidx % WARPGROUP, row_start, seqlen_q, seqlen_k,
-                n_block_min, n_block_max, n_block_no_right, score_scale, scale_log2,
+                n_block_min, n_block_max, n_block_no_right, n_block_no_left, score_scale,
+                scale_log2,
                 window_left, window_right,
             )  # fmt: skip
 
@@ -432,6 +441,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         n_block_min: Int32,
         n_block_max: Int32,
         n_block_no_right: Int32,
+        n_block_no_left: Int32,
         score_scale: Float32,
         scale_log2: Float32,
         window_left: Int32,
@@ -464,9 +474,16 @@ class FlashAttentionForwardSm90(AttentionKernel):
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         if consumer == 1:
             self.end_turn(consumer)  # consumer 0 takes the first turn
-        # Blocks [start_unmasked, n_block_max) may cut the seqlen tail or the causal diagonal
-        # (the first visited block always counts as such); the ones below need no mask.
+        # Blocks [start_unmasked, n_block_max) may cut the seqlen tail, the causal diagonal or
+        # the right window edge (the first visited block always counts as such);
+        # [start_left_masked, start_unmasked) need no mask; [n_block_min, start_left_masked)
+        # cut the left window edge (local only; otherwise the range is empty).
         start_unmasked = cutlass.max(cutlass.min(n_block_no_right, n_block_max - 1), n_block_min)
+        start_left_masked = n_block_min
+        if cutlass.const_expr(self.local):
+            start_left_masked = cutlass.min(
+                cutlass.max(n_block_no_left, n_block_min), start_unmasked
+            )
         if n_blocks > 0:
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipeline_q.consumer_wait(q_state)
@@ -478,11 +495,17 @@ class FlashAttentionForwardSm90(AttentionKernel):
                       score_args, False, True)  # fmt: skip
             k_state.advance()
             v_state.advance()
-        for i in cutlass.range(start_unmasked - n_block_min, unroll=1):
+        for i in cutlass.range(start_unmasked - start_left_masked, unroll=1):
             self.step(start_unmasked - 1 - i, k_state, v_state, softmax, consumer, mma, pipes,
                       score_args, False, False)  # fmt: skip
             k_state.advance()
             v_state.advance()
+        if cutlass.const_expr(self.local):
+            for i in cutlass.range(start_left_masked - n_block_min, unroll=1):
+                self.step(start_left_masked - 1 - i, k_state, v_state, softmax, consumer, mma,
+                          pipes, score_args, False, True)  # fmt: skip
+                k_state.advance()
+                v_state.advance()
         if n_blocks > 0:
             self.last_pv(v_state, consumer, mma, pipes)
 

@@ -63,7 +63,6 @@ def test_sm90_forward_is_dispatched_first_on_sm90(monkeypatch) -> None:
         ({"tile_n": 64}, "tile"),
         # d 256 needs its own tile: 128 keys would not fit in shared memory.
         ({"head_dim": 256, "head_dim_v": 256}, "tile"),
-        ({"local": True}, "local"),
         ({"varlen_q": True, "varlen_k": True}, "varlen_q"),
         ({"seqused_k": True}, "seqused_k"),
     ],
@@ -73,9 +72,11 @@ def test_sm90_can_implement_rejects_with_reason(changes: dict, needle: str) -> N
     assert not ok and needle in reason
 
 
-@pytest.mark.parametrize("flags", [{}, {"causal": True}, {"has_softcap": True},
-                                   {"causal": True, "has_softcap": True}],
-                         ids=["plain", "causal", "softcap", "causal-softcap"])  # fmt: skip
+@pytest.mark.parametrize("flags", [{}, {"causal": True}, {"local": True}, {"has_softcap": True},
+                                   {"causal": True, "has_softcap": True},
+                                   {"local": True, "has_softcap": True}],
+                         ids=["plain", "causal", "local", "softcap", "causal-softcap",
+                              "local-softcap"])  # fmt: skip
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("d, dv", SM90_FWD_HEAD_DIM_PAIRS)
 def test_sm90_can_implement_accepts(d: int, dv: int, dtype: str, flags: dict) -> None:
@@ -107,6 +108,12 @@ COMPILE_CASES = [
         192, 128, "bf16", {"causal": True, "has_softcap": True}, id="d192x128-causal-softcap"
     ),
     pytest.param(256, 256, "bf16", {"causal": True, "has_softcap": True}, id="d256-causal-softcap"),
+    pytest.param(128, 128, "bf16", {"local": True}, id="d128-local"),
+    pytest.param(64, 64, "fp16", {"local": True}, id="d64-fp16-local"),
+    pytest.param(96, 96, "bf16", {"local": True}, id="d96-local"),
+    pytest.param(192, 128, "bf16", {"local": True}, id="d192x128-local"),
+    pytest.param(192, 192, "bf16", {"local": True, "has_softcap": True}, id="d192-local-softcap"),
+    pytest.param(256, 256, "bf16", {"local": True, "has_softcap": True}, id="d256-local-softcap"),
 ]
 
 
