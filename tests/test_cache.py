@@ -159,6 +159,69 @@ def test_slow_compile_prints_one_line(tmp_path, monkeypatch, capsys):
     assert err.count("\n") == 1
 
 
+def test_no_garbage_collection_during_a_compile(tmp_path):
+    """Note [no garbage collection during a compile]: off while compiling and serializing,
+    back as it was after, also when the compile raises; nested pauses restore it once."""
+    import gc
+
+    seen = []
+
+    def compile_fn(key):
+        seen.append(("compile", gc.isenabled()))
+        if key.flag:
+            raise RuntimeError("compile failed")
+        return b"kernel"
+
+    def serialize(compiled, symbol):
+        seen.append(("serialize", gc.isenabled()))
+        return compiled
+
+    def load(payload, symbol):
+        seen.append(("load", gc.isenabled()))
+        return lambda: payload
+
+    c = CompileCache(compile_fn, serialize, load, directory=tmp_path, disk=True)
+    assert gc.isenabled()
+    c.get(Key("a"))
+    assert seen == [("compile", False), ("serialize", False), ("load", True)]
+    with pytest.raises(RuntimeError, match="compile failed"):
+        c.get(Key("b", flag=True))
+    assert gc.isenabled()
+
+    with cache.gc_paused():
+        with cache.gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:  # a collector the program turned off stays off
+        with cache.gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_step_seconds_count_each_step_once(monkeypatch):
+    monkeypatch.setattr(cache, "_steps", {})
+    with cache._step("outer"):
+        time.sleep(0.02)
+        with cache._step("inner"):
+            time.sleep(0.03)
+    with cache._step("inner"):
+        time.sleep(0.01)
+    steps = cache.step_seconds()
+    assert 0.02 <= steps["outer"] < 0.03 + 0.02  # its own time, not the inner step's
+    assert steps["inner"] >= 0.04
+
+
+def test_keys_in_order(tmp_path):
+    c = FakeBackend().cache(tmp_path, disk=False)
+    for name in "bab":
+        c.get(Key(name))
+    assert c.keys() == [Key("b"), Key("a")]
+
+
 def test_ensure_on_disk(tmp_path):
     backend = FakeBackend()
     c = backend.cache(tmp_path, disk=True)
