@@ -83,3 +83,48 @@ def test_cli_help_and_no_gpu():
     assert out.returncode == 0 and "--peers" in out.stdout
     if not torch.cuda.is_available():
         assert bench.main(["--d", "64", "--seqlen", "512"]) == 2
+
+
+def _probe_report(**changes):
+    report = {
+        "import_torch_s": 1.0,
+        "import_cute_fa_s": 0.002,
+        "cuda_init_s": 0.4,
+        "gc_debt_s": 0.12,
+        "first_call_s": 0.050,
+        "second_call_s": 0.0001,
+        "gc_s": 0.0,
+        "dsl_imported": False,
+        "kernels": ["fwd_sm80_sm_90a_bf16_d128_128x64w4"],
+        "compiles": 0,
+        "disk_hits": 1,
+        "steps_s": {"fingerprint": 0.003, "import tvm_ffi": 0.025, "load": 0.002},
+        "sdpa_first_call_s": 0.030,
+    }
+    return {**report, **changes}
+
+
+def test_compile_time_tables():
+    """``--compile-time`` tables from probe reports: the steps of a first call add up to it
+    (``rest`` is what no step covers), a staged run gets its own table, a failed run a row."""
+    cold = _probe_report(
+        first_call_s=5.0,
+        dsl_imported=True,
+        compiles=1,
+        disk_hits=0,
+        steps_s={"import DSL": 0.6, "cute.compile": 4.0, "export": 0.15, "link": 0.02},
+    )
+    staged = _probe_report(plan_load_s=0.030, first_call_s=0.020)
+    del staged["sdpa_first_call_s"]
+    summary, steps, stages = bench.compile_time_rows(
+        [("cold", cold), ("hit", _probe_report()), ("staged", staged), ("broken", None)]
+    )
+    assert [r[0] for r in summary] == ["cold", "hit", "staged", "broken"]
+    assert summary[0][1:3] == ["5.000", "0.1"] and summary[0][5:8] == ["120.0", "yes", "1/0"]
+    assert summary[3][1] == "err"
+    header = ["run", "first call", *bench.FIRST_CALL_STEPS, "rest", "GC", "SDPA 1st"]
+    cold_row, hit_row = (dict(zip(header, row, strict=True)) for row in steps)
+    assert cold_row["cute.compile"] == "4000.0" and cold_row["rest"] == "230.0"
+    assert hit_row["import tvm_ffi"] == "25.0" and hit_row["rest"] == "20.0"
+    assert hit_row["SDPA 1st"] == "30.0"
+    assert stages == [["staged", "30.0", "20.0", "50.0", "0.0"]]
