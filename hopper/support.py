@@ -6,7 +6,7 @@ Dispatch and the feature matrix ask these functions; the kernel classes use them
 
 from __future__ import annotations
 
-from cute_fa.config import SMEM_CAPACITY, FwdConfig
+from cute_fa.config import SMEM_CAPACITY, BwdConfig, FwdConfig
 
 # FlashAttentionForwardSm90 always runs 128 query rows (two consumer warpgroups of 64 rows) and
 # 3 warpgroups (one producer, two consumers); the key block tile_n depends on the head dim:
@@ -68,6 +68,64 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
         if getattr(config, flag):
             return False, f"{flag} is not supported by the sm90 forward yet"
     smem = fwd_smem_bytes(config)
+    if smem > SMEM_CAPACITY.get(config.target, 0):
+        return False, f"tiles need {smem} B of shared memory, more than {config.target} has"
+    return True, ""
+
+
+# --------------------------------------------------------------------------------------------
+# Backward (FlashAttentionBackwardSm90 in hopper/flash_bwd.py; compile-checked only, not
+# dispatched). One CTA owns tile_n = 128 keys: two consumer warpgroups of 64 keys each (the
+# M = 64 of a WGMMA) hold dK and dV of their keys in registers (2 * 64 * d / 128 fp32 a thread:
+# 64 at d 64, 128 at d 128) and walk the query blocks tile_m = 64 rows at a time, with
+# S^T = K Q^T and dP^T = V dO^T (64 x 64 fp32: 32 registers each).
+# Shared memory: K, V (tile_n x d, loaded once), SM90_BWD_Q_STAGES of Q and dO (tile_m x d) with
+# their LSE and delta rows (fp32), and two buffers of dS (tile_m x tile_n, 16-bit).
+#   d 64: 32 + 32 + 32 + 32 KiB = 96 KiB;  d 128: 64 + 64 + 32 KiB = 160 KiB (of 227).
+# --------------------------------------------------------------------------------------------
+SM90_BWD_TILE_M = 64
+SM90_BWD_TILE_N = 128
+SM90_BWD_WARPS = 12  # one producer and two consumer warpgroups
+SM90_BWD_HEAD_DIMS = (64, 128)
+SM90_BWD_Q_STAGES = 2
+SM90_BWD_DS_BUFFERS = 2
+
+
+def bwd_tile(head_dim: int, causal: bool) -> tuple[int, int, int]:
+    """(tile_m, tile_n, num_warps) of the sm90 backward (the same for every supported head dim)."""
+    return SM90_BWD_TILE_M, SM90_BWD_TILE_N, SM90_BWD_WARPS
+
+
+def bwd_smem_bytes(config: BwdConfig) -> int:
+    """Shared memory of the sm90 backward: K, V; the Q, dO, LSE and delta stages; the dS
+    buffers; barriers and the 1024-byte alignment of the tiles."""
+    tm, tn, d, dv = config.tile_m, config.tile_n, config.head_dim, config.head_dim_v
+    tiles = tn * (d + dv) + SM90_BWD_Q_STAGES * tm * (d + dv) + SM90_BWD_DS_BUFFERS * tm * tn
+    return tiles * 2 + SM90_BWD_Q_STAGES * 2 * tm * 4 + SM90_FWD_SMEM_SLACK
+
+
+def bwd_can_implement(config: BwdConfig) -> tuple[bool, str]:
+    """(True, "") when FlashAttentionBackwardSm90 implements ``config``, else (False, why)."""
+    if config.arch != 90:
+        return False, f"config is for sm{config.arch}, this kernel is sm90"
+    if not config.target.startswith("sm_90"):
+        return False, f"target {config.target} is not sm_90a (TMA and WGMMA need sm_90a)"
+    if config.head_dim not in SM90_BWD_HEAD_DIMS:
+        return False, f"head_dim {config.head_dim} not in {SM90_BWD_HEAD_DIMS} (sm90 backward)"
+    if config.head_dim_v != config.head_dim:
+        return False, "head_dim_v != head_dim is not supported by the sm90 backward yet"
+    tile = bwd_tile(config.head_dim, config.causal)
+    if (config.tile_m, config.tile_n, config.num_warps) != tile:
+        return False, (
+            f"tile {config.tile_m}x{config.tile_n}w{config.num_warps} is not the sm90 backward "
+            f"tile {tile[0]}x{tile[1]}w{tile[2]}"
+        )
+    for flag in ("local", "has_softcap", "varlen_q", "varlen_k", "seqused_q", "seqused_k"):
+        if getattr(config, flag):
+            return False, f"{flag} is not supported by the sm90 backward yet"
+    if config.deterministic:
+        return False, "deterministic (the dQ semaphores) is not supported by the sm90 backward yet"
+    smem = bwd_smem_bytes(config)
     if smem > SMEM_CAPACITY.get(config.target, 0):
         return False, f"tiles need {smem} B of shared memory, more than {config.target} has"
     return True, ""
