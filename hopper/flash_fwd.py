@@ -80,14 +80,16 @@ class FlashAttentionForwardSm90(AttentionKernel):
     tests/test_compile_sm90.py.
 
     Scope so far: bf16 or fp16; (head_dim, head_dim_v) in (64, 64), (96, 96), (128, 128),
-    (192, 192), (192, 128), (256, 256); dense (non-varlen); no mask, causal or sliding window
-    (local); softcap or not; GQA/MQA (K/V head = head // (heads / kv heads));
+    (192, 192), (192, 128), (256, 256); dense or varlen (cu_seqlens_q / cu_seqlens_k, each on its
+    own, seqused_q; not seqused_k); no mask, causal or sliding window (local); softcap or not;
+    GQA/MQA (K/V head = head // (heads / kv heads));
     ``hopper/support.py`` rejects everything else with its reason.
     Tile: tile_m = 128 always; tile_n from ``support.fwd_tile`` (128 for d <= 128, 112 for
     d 192, 80 for d 256: what fits Q plus two K/V stages in 227 KiB; the reasons are there).
 
     Grid and work split
-      grid = (ceil(max_seqlen_q / tile_m), num_heads, batch); one CTA owns tile_m = 128 query
+      grid = (ceil(max_seqlen_q / tile_m), num_heads, batch) (varlen q: batch =
+      len(cu_seqlens_q) - 1); one CTA owns tile_m = 128 query
       rows of one (head, batch) and visits its key blocks from the last to the first (the one
       that cuts the seqlen tail or the causal diagonal comes first). Causal grids run query
       blocks in reverse (longest rows first).
@@ -135,6 +137,16 @@ class FlashAttentionForwardSm90(AttentionKernel):
     Out-of-range rows: TMA zero-fills rows past the tensor's sequence extent (Q, K and V);
       scores of keys past seqlen_k are masked to -inf; Q rows past seqlen_q are computed and
       never stored.
+    Varlen (cute_fa/dsl/seqlen.py seqlen_info): packed tensors have a batch extent of 1. The
+      TMA descriptors cover the whole packed tensor; each CTA shifts its TMA coordinate tensors
+      (cute.domain_offset) to its sequence's first row, and its O and LSE views the same way.
+      The last K/V block of a sequence (and the Q rows past its end) then reads the next
+      sequence's rows, or zeros past the end of the tensor: those keys are masked to -inf (so
+      their P is exactly 0 and their V rows, finite inputs, add nothing) and those query rows
+      are never stored: O goes out with row-predicated 16-byte stores, never past seqlen_q.
+      seqused_q caps seqlen_q the same way; a CTA whose first row is past seqlen_q loads and
+      stores nothing. seqused_k is rejected: rows between seqused_k and the sequence end are
+      not inputs (they may hold NaN), and 0 * NaN in P V would reach O.
     Intra-warpgroup overlap in the SASS of d 128 (DSL's ptxas): between wgmma wait_group 1 and
       0 sit the row max reductions, the scaling FFMAs and a few of the EX2 (unmasked loop: 4 of
       64, masked loop: 13 of 64); the other EX2 run after the P V GEMM has completed.
@@ -149,7 +161,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
     Softcap (compile-time flag; the value is a runtime argument): right after S is complete,
       s -> tanh(s * softmax_scale / softcap) (MUFU.TANH), with the exponent's scale
       softcap * log2(e); both scales come from the shared ``score_scales`` (as in sm80).
-    Not yet: TMA-store epilogue, varlen, head_dim_v != head_dim other than 192 x 128, tuned
+    Not yet: TMA-store epilogue, seqused_k, head_dim_v != head_dim other than 192 x 128, tuned
       tile shapes and stage counts, persistent scheduling.
     """
 
@@ -257,8 +269,10 @@ class FlashAttentionForwardSm90(AttentionKernel):
             cute.make_layout((1, elems)),
         )
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
-        grid = (cute.ceil_div(max_seqlen_q, self.tile_m), cute.size(mQ.shape[2]),
-                cute.size(mQ.shape[0]))  # fmt: skip
+        batch = cute.size(mQ.shape[0])
+        if cutlass.const_expr(mCuSeqlensQ is not None):
+            batch = cute.size(mCuSeqlensQ.shape[0]) - 1
+        grid = (cute.ceil_div(max_seqlen_q, self.tile_m), cute.size(mQ.shape[2]), batch)
         self.kernel(
             mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE, tma_q, tma_k, tma_v,
             score_scale, scale_log2, window_left, window_right,
@@ -340,21 +354,41 @@ class FlashAttentionForwardSm90(AttentionKernel):
             m_block, seqlen_q, seqlen_k, window_left, window_right,
             self.tile_m, self.tile_n, self.causal, self.local,
         )  # fmt: skip
+        if cutlass.const_expr(mCuSeqlensQ is not None or mSeqUsedQ is not None):
+            if m_block * self.tile_m >= seqlen_q:
+                n_block_max = n_block_min  # no row of this CTA exists: load and store nothing
+        # This (batch, head)'s slices. Varlen tensors have a batch extent of 1 and each sequence
+        # starts at its cu_seqlens offset: the TMA coordinate tensors are shifted there, so the
+        # TMA boxes of one sequence start at its first row (rows past its end read the next
+        # sequence, or zeros past the tensor; Note in the class docstring).
         head_kv = head // (mQ.shape[2] // mK.shape[2])
+        qb = 0 if cutlass.const_expr(mCuSeqlensQ is not None) else batch
+        kb = 0 if cutlass.const_expr(mCuSeqlensK is not None) else batch
+        mQ_cur = mQ_tma[None, None, head, qb]
+        mO_cur = mO[qb, None, head, None]
+        mLSE_cur = mLSE[qb, head, None]
+        mK_cur = mK_tma[None, None, head_kv, kb]
+        mV_cur = mV_tma[None, None, head_kv, kb]
+        if cutlass.const_expr(mCuSeqlensQ is not None):
+            mQ_cur = cute.domain_offset((offset_q, 0), mQ_cur)
+            mO_cur = cute.domain_offset((offset_q, 0), mO_cur)
+            mLSE_cur = cute.domain_offset((offset_q,), mLSE_cur)
+        if cutlass.const_expr(mCuSeqlensK is not None):
+            mK_cur = cute.domain_offset((offset_k, 0), mK_cur)
+            mV_cur = cute.domain_offset((0, offset_k), mV_cur)
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.regs_producer)
             if warp_idx == 0:
                 self.load(
-                    mQ_tma, mK_tma, mV_tma, tma_q, tma_k, tma_v, sQ, sK, sV,
-                    pipeline_q, pipeline_k, pipeline_v,
-                    m_block, head, head_kv, batch, n_block_min, n_block_max,
+                    mQ_cur, mK_cur, mV_cur, tma_q, tma_k, tma_v, sQ, sK, sV,
+                    pipeline_q, pipeline_k, pipeline_v, m_block, n_block_min, n_block_max,
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             consumer = wg_idx - 1
             row_start = m_block * self.tile_m + consumer * self.wg_m
             self.consume(
-                mO[batch, None, head, None], mLSE[batch, head, None], sQ, sK, sV,
+                mO_cur, mLSE_cur, sQ, sK, sV,
                 pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv, copy_r2g,
                 consumer, tidx % WARPGROUP, row_start, seqlen_q, seqlen_k,
                 n_block_min, n_block_max, n_block_no_right, n_block_no_left, score_scale,
@@ -378,17 +412,18 @@ class FlashAttentionForwardSm90(AttentionKernel):
         pipeline_k: pipeline.PipelineTmaAsync,
         pipeline_v: pipeline.PipelineTmaAsync,
         m_block: Int32,
-        head: Int32,
-        head_kv: Int32,
-        batch: Int32,
         n_block_min: Int32,
         n_block_max: Int32,
     ):
-        """Producer warp: Q once, then K[n] and V[n] for n from n_block_max - 1 down."""
+        """Producer warp: Q once, then K[n] and V[n] for n from n_block_max - 1 down.
+
+        mQ_tma / mK_tma: (seqlen, d), mV_tma: (dv, seqlen) TMA coordinate tensors of this
+        (head, batch), already shifted to the sequence start for varlen.
+        """
         d, dv, tile_n, wg_m = self.tile_hdim, self.tile_hdimv, self.tile_n, self.wg_m
-        gQ = cute.local_tile(mQ_tma[None, None, head, batch], (wg_m, d), (None, 0))
-        gK = cute.local_tile(mK_tma[None, None, head_kv, batch], (tile_n, d), (None, 0))
-        gV = cute.local_tile(mV_tma[None, None, head_kv, batch], (dv, tile_n), (0, None))
+        gQ = cute.local_tile(mQ_tma, (wg_m, d), (None, 0))
+        gK = cute.local_tile(mK_tma, (tile_n, d), (None, 0))
+        gV = cute.local_tile(mV_tma, (dv, tile_n), (0, None))
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
         )

@@ -64,7 +64,7 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
             f"tile {config.tile_m}x{config.tile_n}w{config.num_warps} is not the sm90 forward "
             f"tile {tile[0]}x{tile[1]}w{tile[2]} of head_dim {config.head_dim}"
         )
-    for flag in ("varlen_q", "varlen_k", "seqused_q", "seqused_k"):
+    for flag in ("seqused_k",):
         if getattr(config, flag):
             return False, f"{flag} is not supported by the sm90 forward yet"
     smem = fwd_smem_bytes(config)

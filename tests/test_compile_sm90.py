@@ -63,7 +63,6 @@ def test_sm90_forward_is_dispatched_first_on_sm90(monkeypatch) -> None:
         ({"tile_n": 64}, "tile"),
         # d 256 needs its own tile: 128 keys would not fit in shared memory.
         ({"head_dim": 256, "head_dim_v": 256}, "tile"),
-        ({"varlen_q": True, "varlen_k": True}, "varlen_q"),
         ({"seqused_k": True}, "seqused_k"),
     ],
 )
@@ -74,9 +73,14 @@ def test_sm90_can_implement_rejects_with_reason(changes: dict, needle: str) -> N
 
 @pytest.mark.parametrize("flags", [{}, {"causal": True}, {"local": True}, {"has_softcap": True},
                                    {"causal": True, "has_softcap": True},
-                                   {"local": True, "has_softcap": True}],
+                                   {"local": True, "has_softcap": True},
+                                   {"varlen_q": True, "varlen_k": True},
+                                   {"causal": True, "varlen_q": True, "varlen_k": True,
+                                    "seqused_q": True},
+                                   {"varlen_k": True}, {"seqused_q": True}],
                          ids=["plain", "causal", "local", "softcap", "causal-softcap",
-                              "local-softcap"])  # fmt: skip
+                              "local-softcap", "varlen", "causal-varlen-seqused_q",
+                              "varlen_k", "seqused_q"])  # fmt: skip
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("d, dv", SM90_FWD_HEAD_DIM_PAIRS)
 def test_sm90_can_implement_accepts(d: int, dv: int, dtype: str, flags: dict) -> None:
@@ -85,7 +89,10 @@ def test_sm90_can_implement_accepts(d: int, dv: int, dtype: str, flags: dict) ->
     assert fwd_smem_bytes(config) <= SMEM_CAPACITY["sm_90a"]
 
 
-# (d, dv, dtype, flags): every head-dim pair, each mask kind and softcap at least once.
+VARLEN = {"varlen_q": True, "varlen_k": True}
+VARLEN_SEQUSED_Q = {**VARLEN, "seqused_q": True}
+LOCAL_SOFTCAP = {"local": True, "has_softcap": True}
+# (d, dv, dtype, flags): every head-dim pair, each mask kind, softcap and varlen at least once.
 COMPILE_CASES = [
     pytest.param(128, 128, "bf16", {}, id="d128"),
     pytest.param(128, 128, "bf16", {"causal": True}, id="d128-causal"),
@@ -114,6 +121,15 @@ COMPILE_CASES = [
     pytest.param(192, 128, "bf16", {"local": True}, id="d192x128-local"),
     pytest.param(192, 192, "bf16", {"local": True, "has_softcap": True}, id="d192-local-softcap"),
     pytest.param(256, 256, "bf16", {"local": True, "has_softcap": True}, id="d256-local-softcap"),
+    pytest.param(128, 128, "bf16", VARLEN, id="d128-varlen"),
+    pytest.param(64, 64, "bf16", {"causal": True, **VARLEN}, id="d64-causal-varlen"),
+    pytest.param(128, 128, "bf16", {**LOCAL_SOFTCAP, **VARLEN}, id="d128-local-softcap-varlen"),
+    pytest.param(192, 128, "bf16", {"causal": True, **VARLEN}, id="d192x128-causal-varlen"),
+    pytest.param(
+        256, 256, "bf16", {"causal": True, **VARLEN_SEQUSED_Q}, id="d256-causal-varlen-squ"
+    ),
+    pytest.param(96, 96, "fp16", {"varlen_k": True}, id="d96-fp16-varlen_k"),
+    pytest.param(128, 128, "bf16", {"causal": True, "seqused_q": True}, id="d128-causal-seqused_q"),
 ]
 
 
