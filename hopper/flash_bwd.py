@@ -1,0 +1,648 @@
+"""sm90 backward main kernel: FlashAttention-3 design on TMA, WGMMA and warp-specialized
+warpgroups (compile-checked only; see the class docstring)."""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cute_fa.ampere.flash_bwd import _elem_ptr
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils.layout import LayoutEnum
+
+from cute_fa.config import BwdConfig
+from cute_fa.dsl.kernel import AttentionKernel
+from cute_fa.dsl.mask import apply_mask
+from cute_fa.dsl.softmax import LOG2_E, mn_view_wgmma, score_scales
+
+from .flash_fwd import acc_as_rs_operand, convert_in_chunks
+from .support import SM90_BWD_DS_BUFFERS, SM90_BWD_Q_STAGES, bwd_can_implement
+
+WARPGROUP = 128  # threads
+WG_KEYS = 64  # keys of one consumer warpgroup (the M of its WGMMAs)
+
+
+class Barrier(enum.IntEnum):
+    """Named barrier ids (0 is __syncthreads)."""
+
+    DS_WG1 = 1  # 128 threads: consumer 0 wrote its dS columns (then: its dK/dV tile) to smem
+    DS_WG2 = 2  # 128 threads: consumer 1 the same
+
+
+def transposed(t: cute.Tensor) -> cute.Tensor:
+    """The same elements with the first two modes swapped (a (rows, cols, ...) smem tile viewed
+    as (cols, rows, ...)); a K-major WGMMA layout becomes the MN-major one of the other GEMM."""
+    modes = [1, 0] + list(range(2, cute.rank(t.layout)))
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+class FlashAttentionBackwardSm90(AttentionKernel):
+    """Exact attention backward (dQ, dK, dV), FA3 design (sm90a only).
+
+    COMPILE-CHECKED ONLY: this kernel has never run on a GPU, so its results are unverified; it
+    is not in dispatch and ``cute_fa/backward.py`` never launches it (the sm80 backward runs on
+    Hopper). tests/test_compile_sm90_bwd.py cross-compiles it for sm_90a and reads its SASS
+    (HGMMA, no spills, no stack). It takes the backward protocol of ``bwd_fake_args`` and reuses
+    the sm80 preprocess (delta, dQaccum zeroing) and postprocess (dQ conversion) kernels as they
+    are.
+
+    Scope so far: bf16 or fp16; head_dim = head_dim_v in (64, 128); dense (no varlen, no
+    seqused); no mask or causal; GQA (K/V head = head // (heads / kv heads)). ``hopper/support.py
+    bwd_can_implement`` rejects the rest with its reason: local, softcap, varlen, seqused and
+    deterministic (``mdQsemaphore`` is not supported yet).
+    Tile: tile_n = 128 keys a CTA, tile_m = 64 query rows a step (``support.bwd_tile``).
+
+    Grid and work split
+      grid = (ceil(max_seqlen_k / tile_n), num_heads, batch): one CTA owns tile_n keys of one
+      (query head, batch) and walks the query blocks that see them (causal skips the blocks
+      above the diagonal), from the first to the last. P is recomputed from Q, K and the
+      forward's LSE. dQ of each query block is added to the fp32 dQaccum with atomics
+      (red.global.add.f32); the postprocess scales and casts it. GQA: the CTA of query head h
+      reads K/V head h // (h / h_kv) and writes dK/dV of head h; the caller sums each group.
+    Warp roles (3 warpgroups, 384 threads; launched at <= 168 registers a thread)
+      warpgroup 0: producer. Warp 0 issues the TMA loads (K and V once; Q[m] and dO[m] of each
+        query block) and writes LSE (log2 units) and delta rows of each block to smem with its
+        32 lanes; warps 1-3 idle. setmaxnreg.dec to 24 registers.
+      warpgroups 1, 2: consumers 0, 1. Consumer c owns keys [64 c, 64 c + 64) of the tile: its
+        dK and dV (64 x d fp32) stay in registers for the whole CTA. setmaxnreg.inc to 240.
+    GEMMs of consumer c for query block m (WGMMA, M = its 64 keys except for dQ; "swapped AB":
+    the score tiles are computed transposed, keys x queries, so P^T and dS^T come out of the
+    accumulator in the register layout of the A operand of dV and dK)
+      S^T  = K_c Q^T        SS   (64 x tile_m, k = d)       A: sK rows of c (K-major)
+      dP^T = V_c dO^T       SS   (64 x tile_m, k = d)       B: sQ / sdO stage (K-major)
+      dV  += P^T dO         RS   (64 x d, k = tile_m)       B: sdO viewed transposed (MN-major)
+      dK  += dS^T Q         RS   (64 x d, k = tile_m)       B: sQ viewed transposed (MN-major)
+      dQ_c = dS[:, c] K_c   SS   (tile_m x d, k = 64)       A: this consumer's dS columns in
+                                                            sdS (K-major); B: sK rows of c
+                                                            viewed transposed (MN-major)
+      dQ is split over the consumers along k (keys): each adds its partial dQ_c of the block
+      with its own atomics (both land on the same dQaccum rows; 2 x tile_m x d atomics a block).
+      This needs no barrier between the consumers (each reads only its own dS columns).
+    Per query block m, consumer c (pipeline states advance in lockstep over the q stages)
+      wait Q[m]; fence; issue S^T (commit); wait dO[m]; issue dP^T (commit)
+      wait LSE/delta[m]; wgmma wait_group 1 (S^T complete)
+      mask (causal: always; otherwise only when this consumer's keys cut seqlen_k);
+        P^T = exp2(S^T * scale * log2 e - LSE_log2[query])
+      wait_group 0 (dP^T complete); dS^T = P^T (dP^T - delta[query])
+      P^T, dS^T -> 16-bit registers (convert_in_chunks); fence; issue dV += P^T dO and
+        dK += dS^T Q (RS, commit)
+      dS^T -> sdS[:, 64 c : 64 c + 64, m % 2] (transposed element stores); fence.proxy.async;
+        named barrier DS_WG1 + c (128 threads)
+      fence; issue dQ_c = dS[:, c] K_c (commit); wait_group 0; release Q[m], dO[m], LSE/delta[m]
+      atomics of dQ_c into dQaccum (rows < seqlen_q)
+      The two dS buffers: block m + 2 overwrites the buffer of block m only after the barrier
+      of block m + 1, which every thread of the consumer reaches after its wait of block m.
+    Pipelines (mbarriers; producer -> both consumers)
+      pipeline_kv: PipelineTmaAsync, 1 stage, K and V tiles on one barrier, 8 consumer-warp
+                   arrivals; loaded once, never released.
+      pipeline_q, pipeline_do: PipelineTmaAsync, q_stages = 2, 8 consumer-warp arrivals; a stage
+                   is released once the dK (Q) / dV (dO) GEMM of its block has completed.
+      pipeline_lse: PipelineAsync, q_stages = 2, 32 producer-lane arrivals (their st.shared of
+                   LSE and delta come before their arrive), 256 consumer-thread arrivals.
+    Shared memory (swizzled WGMMA layouts, 128-byte swizzle; TMA writes K, V, Q, dO)
+      sK, sV (tile_n, d)                 loaded once; at the end consumer c stages its dK / dV
+                                         (16-bit) in its own 64 rows of them.
+      sQ, sdO (tile_m, d, q_stages)      K-major B of S^T / dP^T; viewed (d, tile_m) MN-major as
+                                         the B of dK / dV.
+      sLSE, sdPsum (tile_m, q_stages)    fp32: LSE * log2 e and delta of the block's rows.
+      sdS (tile_m, tile_n, 2)            16-bit dS, K-major A of dQ.
+      d 64: 97 KiB, d 128: 161 KiB (``support.bwd_smem_bytes``).
+    Epilogue (per consumer): dK *= softmax_scale; dK, dV -> 16-bit -> its rows of sK / sV (only
+      this consumer ever read them) -> named barrier DS_WG1 + c -> 16-byte global stores of
+      keys < seqlen_k.
+    Out-of-range rows: TMA zero-fills Q and dO rows past seqlen_q and K, V rows past seqlen_k;
+      the producer writes LSE = +inf and delta = 0 for rows past seqlen_q and LSE = +inf for rows
+      whose forward LSE is -inf (they saw no key): P = 0 and dS = 0 there. Scores of keys past
+      seqlen_k are masked to -inf (P = 0). dQ atomics skip rows past seqlen_q; dK and dV stores
+      skip keys past seqlen_k. A CTA whose key block no query row sees (none with causal and
+      seqlen_q > 0) loads K/V, visits no query block and stores zeros.
+    SASS (tests/test_compile_sm90_bwd.py): d 64 keeps every GEMM group in one batch (4
+      warpgroup.arrive per step); at d 128 ptxas serializes the WGMMAs (C7512: insufficient
+      register resources; dK + dV + the k-split dQ are 192 fp32 a thread).
+    Not yet: local, softcap, varlen/seqused, deterministic dQ, head_dim_v != head_dim, d other
+      than 64 and 128; dS stored with stmatrix, dQ through smem and a TMA reduce-add, a
+      split of dQ along d (one atomic per element instead of two), pingpong between the
+      consumers; anything measured on a GPU.
+    """
+
+    arch = 90
+
+    can_implement = staticmethod(bwd_can_implement)
+
+    def __init__(self, config: BwdConfig):
+        super().__init__(config)
+        self.num_consumers = 2
+        self.q_stages = SM90_BWD_Q_STAGES
+        self.ds_buffers = SM90_BWD_DS_BUFFERS
+        self.regs_producer = 24
+        self.regs_consumer = 240
+
+    def make_tiled_mmas(self) -> tuple[cute.TiledMma, cute.TiledMma, cute.TiledMma]:
+        """(S^T and dP^T: SS; dV and dK: A from registers, B MN-major; dQ: SS, B MN-major), one
+        warpgroup each. Fresh ones in every step (a TiledMma whose ACCUMULATE field was set in
+        one staged region cannot be reused in another)."""
+        k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        mma_sdp = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, k_major, k_major, Float32, (1, 1, 1), (WG_KEYS, self.tile_m)
+        )
+        mma_dkv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, k_major, mn_major, Float32, (1, 1, 1),
+            (WG_KEYS, self.tile_hdim), warpgroup.OperandSource.RMEM,
+        )  # fmt: skip
+        mma_dq = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, k_major, mn_major, Float32, (1, 1, 1),
+            (self.tile_m, self.tile_hdim),
+        )  # fmt: skip
+        return mma_sdp, mma_dkv, mma_dq
+
+    # ------------------------------------------------------------------------------------------
+    # Host side
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        softmax_scale: Float32,
+        softcap: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        max_seqlen_k: Int32,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedQ: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
+        mdQsemaphore: cute.Tensor | None,
+        stream: cuda.CUstream,
+    ):
+        tm, tn, d = self.tile_m, self.tile_n, self.tile_hdim
+        # TMA views: (seqlen, d, heads, batch).
+        mQ_t, mK_t, mV_t, mdO_t = (
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+            for t in (mQ, mK, mV, mdO)
+        )
+        mma_sdp, mma_dkv, mma_dq = self.make_tiled_mmas()
+        # sK / sV: the K-major A operand of S^T / dP^T (M = keys); sQ / sdO: the K-major B
+        # operand of S^T / dP^T (N = query rows); sdS: the K-major A operand of dQ.
+        sK_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tn, tm, d), self.dtype, 1)
+        sQ_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, (tn, tm, d), self.dtype, self.q_stages
+        )
+        sdS_layout = sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, (tm, d, tn), self.dtype, self.ds_buffers
+        )
+        sK_tile = cute.slice_(sK_layout, (None, None, 0))
+        sQ_tile = cute.slice_(sQ_layout, (None, None, 0))
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_k, mK_tma = cpasync.make_tiled_tma_atom(load, mK_t, sK_tile, (tn, d))
+        tma_v, mV_tma = cpasync.make_tiled_tma_atom(load, mV_t, sK_tile, (tn, d))
+        tma_q, mQ_tma = cpasync.make_tiled_tma_atom(load, mQ_t, sQ_tile, (tm, d))
+        tma_do, mdO_tma = cpasync.make_tiled_tma_atom(load, mdO_t, sQ_tile, (tm, d))
+        self.tx_kv = 2 * cute.size_in_bytes(self.dtype, sK_tile)
+        self.tx_q = cute.size_in_bytes(self.dtype, sQ_tile)
+
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
+            mbar_lse: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.q_stages], 128]
+            sdPsum: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.q_stages], 128]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+
+        # dK / dV stores: 16 bytes a thread, one warpgroup over a (64, d) tile.
+        elems = 128 // self.dtype.width
+        threads_per_row = math.gcd(d // elems, WARPGROUP)
+        copy_r2g = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
+            cute.make_layout(
+                (WARPGROUP // threads_per_row, threads_per_row), stride=(threads_per_row, 1)
+            ),
+            cute.make_layout((1, elems)),
+        )
+        score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
+        grid = (cute.ceil_div(max_seqlen_k, tn), cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
+        self.kernel(
+            mQ_tma, mK_tma, mV_tma, mdO_tma, mQ, mK, mLSE, mdPsum, mdQaccum, mdK, mdV,
+            tma_q, tma_k, tma_v, tma_do, softmax_scale, scale_log2,
+            sK_layout, sQ_layout, sdS_layout, mma_sdp, mma_dkv, mma_dq, copy_r2g, SharedStorage,
+        ).launch(grid=grid, block=[WARPGROUP * (1 + self.num_consumers), 1, 1], stream=stream,
+                 min_blocks_per_mp=1)  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ_tma: cute.Tensor,
+        mK_tma: cute.Tensor,
+        mV_tma: cute.Tensor,
+        mdO_tma: cute.Tensor,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mLSE: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        tma_q: cute.CopyAtom,
+        tma_k: cute.CopyAtom,
+        tma_v: cute.CopyAtom,
+        tma_do: cute.CopyAtom,
+        softmax_scale: Float32,
+        scale_log2: Float32,
+        sK_layout: cute.ComposedLayout,
+        sQ_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout,
+        mma_sdp: cute.TiledMma,
+        mma_dkv: cute.TiledMma,
+        mma_dq: cute.TiledMma,
+        copy_r2g: cute.TiledCopy,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // WARPGROUP)
+        n_block, head, batch = cute.arch.block_idx()
+        tm, tn = self.tile_m, self.tile_n
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumer_warps = pipeline.CooperativeGroup(
+            pipeline.Agent.Thread, self.num_consumers * WARPGROUP // 32
+        )
+        pipeline_kv = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=producer,
+            consumer_group=consumer_warps, tx_count=self.tx_kv, defer_sync=True,
+        )  # fmt: skip
+        pipeline_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.q_stages,
+            producer_group=producer, consumer_group=consumer_warps, tx_count=self.tx_q,
+            defer_sync=True,
+        )  # fmt: skip
+        pipeline_do = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.q_stages,
+            producer_group=producer, consumer_group=consumer_warps, tx_count=self.tx_q,
+            defer_sync=True,
+        )  # fmt: skip
+        pipeline_lse = pipeline.PipelineAsync.create(
+            barrier_storage=storage.mbar_lse.data_ptr(), num_stages=self.q_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.num_consumers * WARPGROUP
+            ),
+            defer_sync=True,
+        )  # fmt: skip
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        lse_layout = cute.make_layout((tm, self.q_stages))
+        sLSE = storage.sLSE.get_tensor(lse_layout)
+        sdPsum = storage.sdPsum.get_tensor(lse_layout)
+
+        seqlen_q = Int32(mQ.shape[1])
+        seqlen_k = Int32(mK.shape[1])
+        # Query blocks that see any key of this block (Note [bottom-right aligned masks]).
+        m_block_min = Int32(0)
+        m_block_max = cute.ceil_div(seqlen_q, tm)
+        if cutlass.const_expr(self.causal):
+            m_block_min = cutlass.max(n_block * tn - (seqlen_k - seqlen_q), 0) // tm
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.regs_producer)
+            if warp_idx == 0:
+                self.load(
+                    mQ_tma[None, None, head, batch], mdO_tma[None, None, head, batch],
+                    mK_tma[None, None, head_kv, batch], mV_tma[None, None, head_kv, batch],
+                    mLSE[batch, head, None], mdPsum[batch, head, None],
+                    tma_q, tma_do, tma_k, tma_v, sQ, sdO, sK, sV, sLSE, sdPsum,
+                    pipeline_kv, pipeline_q, pipeline_do, pipeline_lse,
+                    n_block, m_block_min, m_block_max, seqlen_q,
+                )  # fmt: skip
+        else:
+            cute.arch.setmaxregister_increase(self.regs_consumer)
+            consumer = wg_idx - 1
+            key_start = n_block * tn + consumer * WG_KEYS
+            self.consume(
+                mdQaccum[batch, head, None, None], mdK[batch, None, head, None],
+                mdV[batch, None, head, None],
+                sQ, sdO, sK, sV, sdS, sLSE, sdPsum,
+                pipeline_kv, pipeline_q, pipeline_do, pipeline_lse,
+                mma_sdp, mma_dkv, mma_dq, copy_r2g,
+                consumer, tidx % WARPGROUP, key_start, seqlen_q, seqlen_k,
+                m_block_min, m_block_max, softmax_scale, scale_log2,
+            )  # fmt: skip
+
+    @cute.jit
+    def load(
+        self,
+        mQ: cute.Tensor,
+        mdO: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mLSE: cute.Tensor,
+        mdPsum: cute.Tensor,
+        tma_q: cute.CopyAtom,
+        tma_do: cute.CopyAtom,
+        tma_k: cute.CopyAtom,
+        tma_v: cute.CopyAtom,
+        sQ: cute.Tensor,
+        sdO: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        sLSE: cute.Tensor,
+        sdPsum: cute.Tensor,
+        pipeline_kv: pipeline.PipelineTmaAsync,
+        pipeline_q: pipeline.PipelineTmaAsync,
+        pipeline_do: pipeline.PipelineTmaAsync,
+        pipeline_lse: pipeline.PipelineAsync,
+        n_block: Int32,
+        m_block_min: Int32,
+        m_block_max: Int32,
+        seqlen_q: Int32,
+    ):
+        """Producer warp: K and V once, then Q, dO (TMA) and LSE, delta (lanes) of every
+        visited query block. mQ / mdO / mK / mV: (seqlen, d) TMA coordinate tensors of this
+        (head, batch); mLSE / mdPsum: (seqlen_q,) fp32."""
+        tm, tn, d = self.tile_m, self.tile_n, self.tile_hdim
+        lane = cute.arch.lane_idx()
+
+        def part(atom, s, g):
+            return cpasync.tma_partition(
+                atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
+            )
+
+        tKsK, tKgK = part(tma_k, sK, cute.local_tile(mK, (tn, d), (None, 0)))
+        tVsV, tVgV = part(tma_v, sV, cute.local_tile(mV, (tn, d), (None, 0)))
+        tQsQ, tQgQ = part(tma_q, sQ, cute.local_tile(mQ, (tm, d), (None, 0)))
+        tdOsdO, tdOgdO = part(tma_do, sdO, cute.local_tile(mdO, (tm, d), (None, 0)))
+        for atom in (tma_q, tma_do, tma_k, tma_v):
+            cpasync.prefetch_descriptor(atom)
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipeline_kv.producer_acquire(kv_state)
+        bar = pipeline_kv.producer_get_barrier(kv_state)
+        cute.copy(tma_k, tKgK[None, n_block], tKsK[None, 0], tma_bar_ptr=bar)
+        cute.copy(tma_v, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=bar)
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
+        for i in cutlass.range(m_block_max - m_block_min, unroll=1):
+            m_block = m_block_min + i
+            pipeline_q.producer_acquire(state)
+            cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, state.index],
+                      tma_bar_ptr=pipeline_q.producer_get_barrier(state))  # fmt: skip
+            pipeline_do.producer_acquire(state)
+            cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, state.index],
+                      tma_bar_ptr=pipeline_do.producer_get_barrier(state))  # fmt: skip
+            # LSE in log2 units and delta of the block's rows; rows past seqlen_q and rows that
+            # saw no key in the forward (LSE = -inf) get +inf: P = 0 there.
+            pipeline_lse.producer_acquire(state)
+            for r in cutlass.range_constexpr(tm // 32):
+                row = r * 32 + lane
+                lse_log2 = Float32.inf
+                dpsum = Float32(0.0)
+                if m_block * tm + row < seqlen_q:
+                    lse = mLSE[m_block * tm + row]
+                    lse_log2 = Float32.inf if lse == -Float32.inf else lse * LOG2_E
+                    dpsum = mdPsum[m_block * tm + row]
+                sLSE[row, state.index] = lse_log2
+                sdPsum[row, state.index] = dpsum
+            pipeline_lse.producer_commit(state)
+            state.advance()
+
+    @cute.jit
+    def consume(
+        self,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        sQ: cute.Tensor,
+        sdO: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        sdS: cute.Tensor,
+        sLSE: cute.Tensor,
+        sdPsum: cute.Tensor,
+        pipeline_kv: pipeline.PipelineTmaAsync,
+        pipeline_q: pipeline.PipelineTmaAsync,
+        pipeline_do: pipeline.PipelineTmaAsync,
+        pipeline_lse: pipeline.PipelineAsync,
+        mma_sdp: cute.TiledMma,
+        mma_dkv: cute.TiledMma,
+        mma_dq: cute.TiledMma,
+        copy_r2g: cute.TiledCopy,
+        consumer: Int32,
+        tidx: Int32,
+        key_start: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        m_block_min: Int32,
+        m_block_max: Int32,
+        softmax_scale: Float32,
+        scale_log2: Float32,
+    ):
+        """Consumer warpgroup: dK and dV of its 64 keys over every visited query block, its
+        part of dQ of each block, then the dK / dV stores."""
+        d = self.tile_hdim
+        sK_c = cute.local_tile(sK[None, None, 0], (WG_KEYS, d), (consumer, 0))
+        sV_c = cute.local_tile(sV[None, None, 0], (WG_KEYS, d), (consumer, 0))
+        thr_dkv = mma_dkv.get_slice(tidx)
+        acc_dK = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((WG_KEYS, d)))
+        acc_dV = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((WG_KEYS, d)))
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+        keys_left = seqlen_k - key_start
+
+        pipeline_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                               1))  # fmt: skip
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+        smem = (sQ, sdO, sK_c, sV_c, sdS, sLSE, sdPsum)
+        pipes = (pipeline_q, pipeline_do, pipeline_lse)
+        for i in cutlass.range(m_block_max - m_block_min, unroll=1):
+            args = (m_block_min + i, i % self.ds_buffers, state, smem, pipes, mdQaccum, acc_dK,
+                    acc_dV, consumer, tidx, key_start, seqlen_q, seqlen_k, scale_log2)  # fmt: skip
+            if cutlass.const_expr(self.causal):
+                self.step(*args, True)
+            else:
+                # Without causal only keys past seqlen_k need the mask.
+                if keys_left < WG_KEYS:
+                    self.step(*args, True)
+                else:
+                    self.step(*args, False)
+            state.advance()
+
+        # Epilogue: dK carries the softmax scale (dS is w.r.t. the scaled scores). Only this
+        # consumer ever read its rows of sK / sV, and its GEMMs have completed.
+        acc_dK.store(acc_dK.load() * softmax_scale)
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), mma_dkv
+        )
+        thr_r2s = r2s.get_slice(tidx)
+        for acc, s in ((acc_dK, sK_c), (acc_dV, sV_c)):
+            r = cute.make_fragment_like(acc, self.dtype)
+            r.store(acc.load().to(self.dtype))
+            cute.copy(r2s, thr_r2s.retile(r), thr_r2s.partition_D(s))
+        pipeline.NamedBarrier(
+            barrier_id=int(Barrier.DS_WG1) + consumer, num_threads=WARPGROUP
+        ).arrive_and_wait()
+        thr_r2g = copy_r2g.get_slice(tidx)
+        tcX = thr_r2g.partition_D(cute.make_identity_tensor((WG_KEYS, d)))
+        for m, s in ((mdK, sK_c), (mdV, sV_c)):
+            g = cute.local_tile(cute.domain_offset((key_start, 0), m), (WG_KEYS, d), (0, 0))
+            tsX = thr_r2g.partition_S(s)
+            tgX = thr_r2g.partition_D(g)
+            trX = cute.make_fragment_like(tgX, self.dtype)
+            cute.autovec_copy(tsX, trX)
+            for row in cutlass.range_constexpr(cute.size(tgX.shape[1])):
+                if tcX[0, row, 0][0] < keys_left:
+                    cute.copy(copy_r2g, trX[None, row, None], tgX[None, row, None])
+
+    @cute.jit
+    def step(
+        self,
+        m_block: Int32,
+        ds_buffer: Int32,
+        state: pipeline.PipelineState,
+        smem: tuple,
+        pipes: tuple,
+        mdQaccum: cute.Tensor,
+        acc_dK: cute.Tensor,
+        acc_dV: cute.Tensor,
+        consumer: Int32,
+        tidx: Int32,
+        key_start: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        scale_log2: Float32,
+        masked: cutlass.Constexpr[bool],
+    ):
+        """Query block m_block against this consumer's 64 keys (docstring: per query block)."""
+        tm, d = self.tile_m, self.tile_hdim
+        sQ, sdO, sK_c, sV_c, sdS, sLSE, sdPsum = smem
+        pipeline_q, pipeline_do, pipeline_lse = pipes
+        mma_sdp, mma_dkv, mma_dq = self.make_tiled_mmas()
+        stage = state.index
+
+        # S^T = K_c Q^T and dP^T = V_c dO^T (keys x queries).
+        thr_sdp = mma_sdp.get_slice(tidx)
+        tSrK = thr_sdp.make_fragment_A(thr_sdp.partition_A(sK_c))
+        tSrV = thr_sdp.make_fragment_A(thr_sdp.partition_A(sV_c))
+        tSrQ = thr_sdp.make_fragment_B(thr_sdp.partition_B(sQ))
+        tSrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO))
+        acc_S = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((WG_KEYS, tm)))
+        acc_dP = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((WG_KEYS, tm)))
+        pipeline_q.consumer_wait(state)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tSrK.shape[2])):
+            mma_sdp.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(mma_sdp, acc_S, tSrK[None, None, k], tSrQ[None, None, k, stage], acc_S)
+        warpgroup.commit_group()
+        pipeline_do.consumer_wait(state)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tSrV.shape[2])):
+            mma_sdp.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(mma_sdp, acc_dP, tSrV[None, None, k], tSrdO[None, None, k, stage], acc_dP)
+        warpgroup.commit_group()
+        pipeline_lse.consumer_wait(state)
+
+        # (query, key) views of the transposed tiles: rows are queries, columns keys, so the
+        # shared apply_mask sees the usual orientation.
+        def qk_view(t: cute.Tensor) -> cute.Tensor:
+            return transposed(mn_view_wgmma(t))
+
+        ident = cute.make_identity_tensor((tm, WG_KEYS))
+        tScS = qk_view(thr_sdp.partition_C(transposed(ident)))
+        S = qk_view(acc_S)
+        dP = qk_view(acc_dP)
+        num_q = cute.size(S.shape[0])
+        warpgroup.wait_group(1)
+        if cutlass.const_expr(masked):
+            apply_mask(S, tScS, m_block * tm, key_start, seqlen_q, seqlen_k,
+                       Int32(0), Int32(0), self.causal, False)  # fmt: skip
+        for r in cutlass.range_constexpr(num_q):
+            lse_log2 = sLSE[tScS[r, 0][0], stage]
+            S[r, None].store(
+                cute.math.exp2(S[r, None].load() * scale_log2 - lse_log2, fastmath=True)
+            )
+        warpgroup.wait_group(0)
+        for r in cutlass.range_constexpr(num_q):
+            dpsum = sdPsum[tScS[r, 0][0], stage]
+            dP[r, None].store(S[r, None].load() * (dP[r, None].load() - dpsum))
+        pipeline_lse.consumer_release(state)
+
+        # dV += P^T dO, dK += dS^T Q (A from registers).
+        rP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((WG_KEYS, tm)), self.dtype)
+        rdS = cute.make_rmem_tensor(thr_sdp.partition_shape_C((WG_KEYS, tm)), self.dtype)
+        convert_in_chunks(rP, acc_S)
+        convert_in_chunks(rdS, acc_dP)
+        thr_dkv = mma_dkv.get_slice(tidx)
+        tdVrdO = thr_dkv.make_fragment_B(thr_dkv.partition_B(transposed(sdO)))
+        tdKrQ = thr_dkv.make_fragment_B(thr_dkv.partition_B(transposed(sQ)))
+        tdVrP = acc_as_rs_operand(rP)
+        tdKrdS = acc_as_rs_operand(rdS)
+        warpgroup.fence()
+        mma_dkv.set(warpgroup.Field.ACCUMULATE, True)
+        for k in cutlass.range_constexpr(cute.size(tdVrP.shape[2])):
+            cute.gemm(mma_dkv, acc_dV, tdVrP[None, None, k], tdVrdO[None, None, k, stage], acc_dV)
+        for k in cutlass.range_constexpr(cute.size(tdKrdS.shape[2])):
+            cute.gemm(mma_dkv, acc_dK, tdKrdS[None, None, k], tdKrQ[None, None, k, stage], acc_dK)
+        warpgroup.commit_group()
+
+        # dS^T -> this consumer's columns of sdS (queries x keys, K-major for the dQ GEMM).
+        sdS_c = cute.local_tile(sdS[None, None, ds_buffer], (tm, WG_KEYS), (0, consumer))
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), mma_sdp
+        )
+        thr_r2s = r2s.get_slice(tidx)
+        cute.copy(r2s, thr_r2s.retile(rdS), thr_r2s.partition_D(transposed(sdS_c)))
+        cute.arch.fence_view_async_shared()
+        pipeline.NamedBarrier(
+            barrier_id=int(Barrier.DS_WG1) + consumer, num_threads=WARPGROUP
+        ).arrive_and_wait()
+
+        # dQ_c = dS[:, keys of c] K_c, added to dQaccum.
+        thr_dq = mma_dq.get_slice(tidx)
+        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS_c))
+        tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(transposed(sK_c)))
+        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((tm, d)))
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tdQrdS.shape[2])):
+            mma_dq.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(mma_dq, acc_dQ, tdQrdS[None, None, k], tdQrK[None, None, k], acc_dQ)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        pipeline_q.consumer_release(state)
+        pipeline_do.consumer_release(state)
+
+        rows_left = seqlen_q - m_block * tm
+        gdQ = cute.local_tile(mdQaccum, (tm, d), (m_block, 0))
+        tdQgdQ = thr_dq.partition_C(gdQ)
+        tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((tm, d)))
+        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+            if tdQcdQ[i][0] < rows_left:
+                cute.arch.atomic_add(_elem_ptr(tdQgdQ, i).llvm_ptr, acc_dQ[i])
