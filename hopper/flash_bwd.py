@@ -94,7 +94,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         dK += dS^T Q (RS, commit)
       dS^T -> sdS[:, 64 c : 64 c + 64, m % 2] (transposed element stores); fence.proxy.async;
         named barrier DS_WG1 + c (128 threads)
-      fence; issue dQ_c = dS[:, c] K_c (commit); wait_group 0; release Q[m], dO[m], LSE/delta[m]
+      wait_group 0 (dV, dK complete); fence; issue dQ_c = dS[:, c] K_c (commit); wait_group 0;
+        release Q[m], dO[m] (LSE/delta[m] were released once read)
       atomics of dQ_c into dQaccum (rows < seqlen_q)
       The two dS buffers: block m + 2 overwrites the buffer of block m only after the barrier
       of block m + 1, which every thread of the consumer reaches after its wait of block m.
@@ -122,9 +123,11 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       seqlen_k are masked to -inf (P = 0). dQ atomics skip rows past seqlen_q; dK and dV stores
       skip keys past seqlen_k. A CTA whose key block no query row sees (none with causal and
       seqlen_q > 0) loads K/V, visits no query block and stores zeros.
-    SASS (tests/test_compile_sm90_bwd.py): d 64 keeps every GEMM group in one batch (4
-      warpgroup.arrive per step); at d 128 ptxas serializes the WGMMAs (C7512: insufficient
-      register resources; dK + dV + the k-split dQ are 192 fp32 a thread).
+    SASS (tests/test_compile_sm90_bwd.py): one warpgroup.arrive per GEMM group (S^T, dP^T,
+      dV + dK, dQ: 4 a step; no ptxas serialization), no spills, no stack, at d 64 and 128.
+      The dQ GEMM is issued only once dV and dK have completed: with those in flight too
+      (their 16-bit P^T / dS^T registers live) d 128 ran out of registers and ptxas serialized
+      every WGMMA (C7512).
     Not yet: local, softcap, varlen/seqused, deterministic dQ, head_dim_v != head_dim, d other
       than 64 and 128; dS stored with stmatrix, dQ through smem and a TMA reduce-add, a
       split of dQ along d (one atomic per element instead of two), pingpong between the
@@ -630,6 +633,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS_c))
         tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(transposed(sK_c)))
         acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((tm, d)))
+        warpgroup.wait_group(0)
         warpgroup.fence()
         for k in cutlass.range_constexpr(cute.size(tdQrdS.shape[2])):
             mma_dq.set(warpgroup.Field.ACCUMULATE, k != 0)
