@@ -81,7 +81,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
 
     Scope so far: bf16 or fp16; (head_dim, head_dim_v) in (64, 64), (96, 96), (128, 128),
     (192, 192), (192, 128), (256, 256); dense or varlen (cu_seqlens_q / cu_seqlens_k, each on its
-    own, seqused_q; not seqused_k); no mask, causal or sliding window (local); softcap or not;
+    own, seqused_q / seqused_k); no mask, causal or sliding window (local); softcap or not;
     GQA/MQA (K/V head = head // (heads / kv heads));
     ``hopper/support.py`` rejects everything else with its reason.
     Tile: tile_m = 128 always; tile_n from ``support.fwd_tile`` (128 for d <= 128, 112 for
@@ -145,8 +145,11 @@ class FlashAttentionForwardSm90(AttentionKernel):
       their P is exactly 0 and their V rows, finite inputs, add nothing) and those query rows
       are never stored: O goes out with row-predicated 16-byte stores, never past seqlen_q.
       seqused_q caps seqlen_q the same way; a CTA whose first row is past seqlen_q loads and
-      stores nothing. seqused_k is rejected: rows between seqused_k and the sequence end are
-      not inputs (they may hold NaN), and 0 * NaN in P V would reach O.
+      stores nothing. seqused_k caps seqlen_k; the rows between seqused_k and the sequence end
+      are not inputs (they may hold NaN, and 0 * NaN in P V would reach O), so consumer 0
+      zeroes those keys of the first visited block's V stage (``zero_v_tail``; its docstring
+      has the ordering argument) before either consumer's P V GEMM reads it. Their scores are
+      masked by select, so NaN in K does no harm.
     Intra-warpgroup overlap in the SASS of d 128 (DSL's ptxas): between wgmma wait_group 1 and
       0 sit the row max reductions, the scaling FFMAs and a few of the EX2 (unmasked loop: 4 of
       64, masked loop: 13 of 64); the other EX2 run after the P V GEMM has completed.
@@ -161,7 +164,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
     Softcap (compile-time flag; the value is a runtime argument): right after S is complete,
       s -> tanh(s * softmax_scale / softcap) (MUFU.TANH), with the exponent's scale
       softcap * log2(e); both scales come from the shared ``score_scales`` (as in sm80).
-    Not yet: TMA-store epilogue, seqused_k, head_dim_v != head_dim other than 192 x 128, tuned
+    Not yet: TMA-store epilogue, head_dim_v != head_dim other than 192 x 128, tuned
       tile shapes and stage counts, persistent scheduling.
     """
 
@@ -525,6 +528,11 @@ class FlashAttentionForwardSm90(AttentionKernel):
             self.step(n_block_max - 1, k_state, v_state, softmax, consumer, mma, pipes, score_args,
                       True, True)  # fmt: skip
             k_state.advance()
+            if cutlass.const_expr(self.config.seqused_k):
+                if consumer == 0:
+                    valid = seqlen_k - (n_block_max - 1) * tile_n
+                    if valid < tile_n:
+                        self.zero_v_tail(sV, pipeline_v, v_state, valid, tidx)
         for i in cutlass.range(n_block_max - 1 - start_unmasked, unroll=1):
             self.step(n_block_max - 2 - i, k_state, v_state, softmax, consumer, mma, pipes,
                       score_args, False, True)  # fmt: skip
@@ -577,6 +585,32 @@ class FlashAttentionForwardSm90(AttentionKernel):
         for m in cutlass.range_constexpr(cute.size(tOgO.shape[1])):
             if tOcO[0, m, 0][0] < rows_left:
                 cute.copy(copy_r2g, tOrO[None, m, None], tOgO[None, m, None])
+
+    @cute.jit
+    def zero_v_tail(
+        self,
+        sV: cute.Tensor,
+        pipeline_v: pipeline.PipelineTmaAsync,
+        v_state: pipeline.PipelineState,
+        valid: Int32,
+        tidx: Int32,
+    ):
+        """Consumer 0: zero the keys [valid, tile_n) of the V stage of the first visited block.
+
+        With seqused_k, the rows between seqused_k and the end of the tensor (or sequence) are
+        not inputs and may hold NaN; their P is 0, but 0 * NaN in P V would reach O. The first
+        visited block is the only one that holds such rows. Consumer 0 writes the zeros after
+        its first step, before its second turn; consumer 1 reads this stage in its second turn,
+        which starts after consumer 0's second turn has ended (pingpong barriers order the
+        writes, fence.proxy.async makes them visible to the WGMMA's async proxy, and consumer
+        0's own next turn starts with a 256-thread barrier over its 128 threads).
+        """
+        pipeline_v.consumer_wait(v_state)  # the TMA write of this stage has landed
+        sV_stage = sV[None, None, v_state.index]  # (dv, tile_n), dv contiguous
+        dv = self.tile_hdimv
+        for idx in cutlass.range(tidx, (self.tile_n - valid) * dv, WARPGROUP, unroll=1):
+            sV_stage[idx % dv, valid + idx // dv] = self.dtype(0.0)
+        cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
     def start_turn(self, consumer: Int32):

@@ -64,9 +64,6 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
             f"tile {config.tile_m}x{config.tile_n}w{config.num_warps} is not the sm90 forward "
             f"tile {tile[0]}x{tile[1]}w{tile[2]} of head_dim {config.head_dim}"
         )
-    for flag in ("seqused_k",):
-        if getattr(config, flag):
-            return False, f"{flag} is not supported by the sm90 forward yet"
     smem = fwd_smem_bytes(config)
     if smem > SMEM_CAPACITY.get(config.target, 0):
         return False, f"tiles need {smem} B of shared memory, more than {config.target} has"

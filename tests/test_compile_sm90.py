@@ -63,7 +63,6 @@ def test_sm90_forward_is_dispatched_first_on_sm90(monkeypatch) -> None:
         ({"tile_n": 64}, "tile"),
         # d 256 needs its own tile: 128 keys would not fit in shared memory.
         ({"head_dim": 256, "head_dim_v": 256}, "tile"),
-        ({"seqused_k": True}, "seqused_k"),
     ],
 )
 def test_sm90_can_implement_rejects_with_reason(changes: dict, needle: str) -> None:
@@ -77,10 +76,13 @@ def test_sm90_can_implement_rejects_with_reason(changes: dict, needle: str) -> N
                                    {"varlen_q": True, "varlen_k": True},
                                    {"causal": True, "varlen_q": True, "varlen_k": True,
                                     "seqused_q": True},
-                                   {"varlen_k": True}, {"seqused_q": True}],
+                                   {"varlen_k": True}, {"seqused_q": True},
+                                   {"varlen_q": True, "varlen_k": True, "seqused_k": True},
+                                   {"local": True, "seqused_k": True}],
                          ids=["plain", "causal", "local", "softcap", "causal-softcap",
                               "local-softcap", "varlen", "causal-varlen-seqused_q",
-                              "varlen_k", "seqused_q"])  # fmt: skip
+                              "varlen_k", "seqused_q", "varlen-seqused_k",
+                              "local-seqused_k"])  # fmt: skip
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("d, dv", SM90_FWD_HEAD_DIM_PAIRS)
 def test_sm90_can_implement_accepts(d: int, dv: int, dtype: str, flags: dict) -> None:
@@ -91,6 +93,7 @@ def test_sm90_can_implement_accepts(d: int, dv: int, dtype: str, flags: dict) ->
 
 VARLEN = {"varlen_q": True, "varlen_k": True}
 VARLEN_SEQUSED_Q = {**VARLEN, "seqused_q": True}
+VARLEN_SEQUSED_K = {**VARLEN_SEQUSED_Q, "seqused_k": True}
 LOCAL_SOFTCAP = {"local": True, "has_softcap": True}
 # (d, dv, dtype, flags): every head-dim pair, each mask kind, softcap and varlen at least once.
 COMPILE_CASES = [
@@ -130,6 +133,9 @@ COMPILE_CASES = [
     ),
     pytest.param(96, 96, "fp16", {"varlen_k": True}, id="d96-fp16-varlen_k"),
     pytest.param(128, 128, "bf16", {"causal": True, "seqused_q": True}, id="d128-causal-seqused_q"),
+    pytest.param(128, 128, "bf16", {**VARLEN, "seqused_k": True}, id="d128-varlen-seqused_k"),
+    pytest.param(64, 64, "bf16", {"causal": True, "seqused_k": True}, id="d64-causal-seqused_k"),
+    pytest.param(256, 256, "bf16", {**LOCAL_SOFTCAP, **VARLEN_SEQUSED_K}, id="d256-all-flags"),
 ]
 
 
@@ -155,6 +161,9 @@ def test_sm90_fwd_compiles_for_sm90a(d: int, dv: int, dtype: str, flags: dict, c
     assert sass.count("WARPGROUP.ARRIVE") == loops + 2, "WGMMAs serialized by ptxas"
     assert counts["UTMALDG"] > 0, "no TMA load (UTMALDG) in the SASS"
     assert counts["HMMA"] == 0 and counts["LDGSTS"] == 0
+    # seqused_k: consumer 0 zeroes the V tail of the first block (16-bit smem stores, then a
+    # generic -> async proxy fence); nothing else in the consumers stores 16-bit values.
+    assert (counts["STS"] > 0 and "STS.U16" in sass) == config.seqused_k, "V tail zeroing"
     # softcap: one tanh per score, tile_n / 2 a thread in each of the loops and the first block.
     tanh = len(re.findall(r"MUFU\.TANH", sass))
     assert tanh == ((loops + 1) * config.tile_n // 2 if config.has_softcap else 0), "MUFU.TANH"
