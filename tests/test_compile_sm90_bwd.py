@@ -1,0 +1,135 @@
+"""Compile-only checks of the sm90 backward main kernel (FA3 design) on the CPU, with a SASS read.
+
+``FlashAttentionBackwardSm90`` has never run on a GPU and is not dispatched; what can be checked
+here: ``can_implement`` accepts its scope and rejects the rest with a reason, and every config
+in scope (d 64 / 128, no mask / causal, bf16 / fp16) cross-compiles for sm_90a to a cubin that
+holds WGMMA (``HGMMA``, the count of the five GEMMs of a step), TMA loads (``UTMALDG``), the
+fp32 dQ reductions (``REDG.E.ADD.F32``), the register reallocation of the warp roles
+(``USETMAXREG``), one ``WARPGROUP.ARRIVE`` per GEMM group (more means ptxas serialized the
+WGMMAs), no mma.sync, no spills and no stack. Registers are printed (``pytest -rP``).
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+
+import pytest
+from cute_fa.hopper.support import (
+    SM90_BWD_HEAD_DIMS,
+    bwd_can_implement,
+    bwd_smem_bytes,
+    bwd_tile,
+)
+
+from cute_fa.config import SMEM_CAPACITY, BwdConfig
+
+
+def _config(d: int = 128, dtype: str = "bf16", **changes) -> BwdConfig:
+    tile_m, tile_n, num_warps = bwd_tile(d, changes.get("causal", False))
+    values = dict(
+        arch=90, target="sm_90a", dtype=dtype, head_dim=d, head_dim_v=d,
+        tile_m=tile_m, tile_n=tile_n, num_warps=num_warps,
+    )  # fmt: skip
+    values.update(changes)
+    return BwdConfig(**values)
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({"arch": 80}, "sm80"),
+        ({"target": "sm_100a"}, "sm_90a"),
+        ({"head_dim": 96, "head_dim_v": 96}, "head_dim 96"),
+        ({"head_dim": 256, "head_dim_v": 256}, "head_dim 256"),
+        ({"head_dim_v": 64}, "head_dim_v"),
+        ({"tile_n": 64}, "tile"),
+        ({"num_warps": 8}, "tile"),
+        ({"local": True}, "local"),
+        ({"has_softcap": True}, "has_softcap"),
+        ({"varlen_q": True}, "varlen_q"),
+        ({"varlen_k": True}, "varlen_k"),
+        ({"seqused_q": True}, "seqused_q"),
+        ({"seqused_k": True}, "seqused_k"),
+        ({"deterministic": True}, "deterministic"),
+    ],
+)
+def test_sm90_bwd_can_implement_rejects_with_reason(changes: dict, needle: str) -> None:
+    ok, reason = bwd_can_implement(_config(**changes))
+    assert not ok and needle in reason
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("d", SM90_BWD_HEAD_DIMS)
+def test_sm90_bwd_can_implement_accepts(d: int, dtype: str, causal: bool) -> None:
+    config = _config(d, dtype, causal=causal)
+    assert bwd_can_implement(config) == (True, "")
+    assert bwd_smem_bytes(config) <= SMEM_CAPACITY["sm_90a"]
+
+
+def test_sm90_bwd_kernel_rejects_at_construction() -> None:
+    from cute_fa.hopper.flash_bwd import FlashAttentionBackwardSm90
+
+    with pytest.raises(NotImplementedError, match="deterministic"):
+        FlashAttentionBackwardSm90(_config(deterministic=True))
+
+
+def _compile(config: BwdConfig) -> dict:
+    import cutlass.cute as cute
+    from cute_fa.hopper.flash_bwd import FlashAttentionBackwardSm90
+
+    from cute_fa.dsl.fake import bwd_fake_args
+    from cute_fa.sass import inspect_cubin
+
+    with tempfile.TemporaryDirectory(prefix="cute-fa-cubin-") as d:
+        compiled = cute.compile(
+            FlashAttentionBackwardSm90(config),
+            *bwd_fake_args(config),
+            options=f"--gpu-arch {config.target} --keep-cubin --dump-dir {d}",
+        )
+        cubin = compiled.__cubin__
+    assert cubin, "the DSL kept no cubin"
+    return inspect_cubin(cubin if isinstance(cubin, bytes) else cubin.encode("latin-1"))
+
+
+COMPILE_CASES = [
+    pytest.param(64, "bf16", False, id="d64"),
+    pytest.param(64, "bf16", True, id="d64-causal"),
+    pytest.param(128, "bf16", False, id="d128"),
+    pytest.param(128, "bf16", True, id="d128-causal"),
+    pytest.param(128, "fp16", True, id="d128-fp16-causal"),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d, dtype, causal", COMPILE_CASES)
+def test_sm90_bwd_compiles_for_sm90a(d: int, dtype: str, causal: bool) -> None:
+    config = _config(d, dtype, causal=causal)
+    info = _compile(config)
+    counts, sass = info["sass_counts"], info["sass_text"]
+    spills = counts["LDL"] + counts["STL"]
+    print(
+        f"{config.name}: regs {info['regs']} stack {info['stack']} HGMMA {counts['HGMMA']} "
+        f"UTMALDG {counts['UTMALDG']} spills {spills} smem {bwd_smem_bytes(config)}"
+    )
+    # Step bodies: causal masks every query block (1 body), otherwise a masked and an unmasked
+    # body. Per body: S^T and dP^T (d / 16 WGMMAs of k = 16 each), dV and dK (tile_m / 16),
+    # dQ over the consumer's 64 keys (64 / 16).
+    bodies = 1 if causal else 2
+    per_body = 2 * (d // 16) + 2 * (config.tile_m // 16) + 64 // 16
+    assert counts["HGMMA"] == bodies * per_body, "HGMMA count"
+    assert sass.count("WARPGROUP.ARRIVE") == 4 * bodies, "WGMMAs serialized by ptxas"
+    assert counts["UTMALDG"] > 0, "no TMA load (UTMALDG) in the SASS"
+    assert counts["HMMA"] == 0 and counts["LDGSTS"] == 0
+    # One exp2 per score (64 keys x 64 query rows over 128 threads) and one fp32 reduction per
+    # dQ element of the consumer (64 rows x d over 128 threads) in each body.
+    assert len(re.findall(r"MUFU\.EX2", sass)) == bodies * 32
+    assert len(re.findall(r"REDG\.E\.ADD\.F32", sass)) == bodies * config.tile_m * d // 128
+    assert spills == 0 and info["stack"] == 0 and info["local"] == 0
+    # 384 threads launch at <= 168 registers; setmaxnreg moves them to 24 / 240.
+    assert info["regs"] <= 168
+    assert re.search(r"USETMAXREG\.DEALLOC\S*\s+0x18\b", sass), "producer setmaxnreg.dec 24"
+    assert re.search(r"USETMAXREG\.TRY_ALLOC\S*\s+\S+,\s*0xf0\b", sass), (
+        "consumer setmaxnreg.inc 240"
+    )
