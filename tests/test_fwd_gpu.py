@@ -23,7 +23,9 @@ Compile configs this module touches (a new one costs a compile of a few seconds;
 the cases reuse compiled kernels, since sequence lengths, batch and head counts are dynamic):
 bf16 batched: d in {64, 96, 128, 192, 256} x {no mask, causal, local} x softcap {off, on} = 30;
 bf16 varlen (cu_seqlens q and k): d in {64, 128} x {no mask, causal, local} = 6, plus softcap 1,
-seqused_k 2, seqused_q 1; fp16: d in {64, 128} x {no mask, causal} = 4. About 44 in all.
+seqused_k 2, seqused_q 1; bf16 varlen d in {96, 192, 256} x {no mask, causal, local} = 9;
+bf16 d 192 x dv 128: {no mask, causal, local} x softcap {off, on} = 6; fp16: d in {64, 128} x
+{no mask, causal} = 4. About 59 in all.
 
 Compiling them one after another is most of a cold run. To compile them in parallel first
 (into a cache directory the tests then read; --target defaults to this machine's GPU):
@@ -187,6 +189,25 @@ def test_fwd_fp16(d, causal, seqlen_q, seqlen_k):
 
 
 @pytest.mark.parametrize(
+    "seqlen_q,seqlen_k",
+    [(113, 203), (203, 113), (1000, 1000), (1, 4224)],
+    ids=["113x203", "203x113", "1000x1000", "1x4224"],
+)
+@pytest.mark.parametrize("softcap", [0.0, 15.0], ids=["nocap", "cap15"])
+@pytest.mark.parametrize("causal,window", [MASKS[0], MASKS[1], MASKS[3]])
+def test_fwd_d192_dv128(causal, window, softcap, seqlen_q, seqlen_k):
+    """head_dim 192 with head_dim_v 128 (q/k 192, v 128)."""
+    b, h, h_kv = 2, NHEADS, 2
+    q, k, _ = _qkv(b, seqlen_q, seqlen_k, h, h_kv, 192, torch.bfloat16, softcap)
+    v = torch.randn(b, seqlen_k, h_kv, 128, device="cuda", dtype=torch.bfloat16)
+    poison_free_memory(_reserve_for((b, seqlen_q, h, 128), torch.bfloat16, (b, h, seqlen_q)))
+    out, lse = cute_fa.flash_attn_func(
+        q, k, v, causal=causal, window_size=window, softcap=softcap, return_lse=True
+    )
+    check_against_ref(out, lse, q, k, v, causal=causal, window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize(
     "seqlen_q,seqlen_k", [(0, 0), (0, 128), (128, 0), (1, 0)], ids=["0x0", "0x128", "128x0", "1x0"]
 )
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -298,8 +319,13 @@ def run_varlen_and_check(
     h=NHEADS,
     h_kv=2,
     dtype=torch.bfloat16,
+    nan_past_used_k=False,
 ):
-    """Packed varlen call; each sequence is checked on its own against attention_ref."""
+    """Packed varlen call; each sequence is checked on its own against attention_ref.
+
+    ``nan_past_used_k``: the key and value rows past seqused_k (which are no input) hold NaN,
+    as uninitialised memory may; no NaN may reach the output.
+    """
     total_q, total_k = sum(lens_q), sum(lens_k)
     q = torch.randn(total_q, h, d, device="cuda", dtype=dtype)
     if softcap:
@@ -307,6 +333,11 @@ def run_varlen_and_check(
     k = torch.randn(total_k, h_kv, d, device="cuda", dtype=dtype)
     v = torch.randn(total_k, h_kv, d, device="cuda", dtype=dtype)
     cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    if nan_past_used_k:
+        for i, lk in enumerate(lens_k):
+            k0 = int(cu_k[i])
+            k[k0 + used_k[i] : k0 + lk] = float("nan")
+            v[k0 + used_k[i] : k0 + lk] = float("nan")
     extra = {}
     if used_k is not None:
         extra["seqused_k"] = torch.tensor(used_k, dtype=torch.int32, device="cuda")
@@ -378,6 +409,21 @@ def test_varlen_seqused_k(causal):
     """cu_seqlens_k gives each sequence's room; seqused_k how many of those keys count."""
     used_k = [min(lk, u) for lk, u in zip(LENS_K, [300, 5, 64, 0, 0, 17, 0], strict=True)]
     run_varlen_and_check(LENS_Q, LENS_K, 128, causal=causal, used_k=used_k)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_seqused_k_nan_past_used(causal):
+    """Key/value rows between seqused_k and the sequence end hold NaN: they must not leak."""
+    used_k = [min(lk, u) for lk, u in zip(LENS_K, [200, 5, 64, 0, 0, 10, 0], strict=True)]
+    run_varlen_and_check(LENS_Q, LENS_K, 128, causal=causal, used_k=used_k, nan_past_used_k=True)
+
+
+@pytest.mark.parametrize("causal,window", [MASKS[0], MASKS[1], MASKS[3]])
+@pytest.mark.parametrize("d", [96, 192, 256], ids=["d96", "d192", "d256"])
+def test_varlen_head_dims(d, causal, window):
+    """The head dims whose sm90 key block is not 128 (d 192: 112, d 256: 80) or whose rows
+    are not a power of two of 16-byte vectors (d 96)."""
+    run_varlen_and_check(LENS_Q, LENS_K, d, causal=causal, window=window)
 
 
 def test_varlen_seqused_q():
