@@ -1,0 +1,102 @@
+"""First GPU check of the sm90 backward main kernel (marker ``gpu``; needs an sm90 device).
+
+``FlashAttentionBackwardSm90`` is not dispatched (``cute_fa/backward.py`` runs the sm80
+backward everywhere), so this module launches the three backward kernels itself, as
+``run_backward`` does: the sm80 preprocess (delta, dQaccum zeroing), the sm90 main kernel and
+the sm80 postprocess (dQ = dQaccum * softmax_scale in the input dtype), then sums dK/dV over
+GQA groups. The forward is ``cute_fa.flash_attn_func`` (out, LSE). The gradients are compared
+with ``attention_ref``'s as tests/test_bwd_gpu.py does (``check_grads``: fp32 reference, the
+input-dtype baseline, DESIGN.md's tolerance; NaN fails). dK and dV start as NaN, so a key
+row the kernel does not write fails; dQaccum must start at zero (the preprocess zeroes it) for
+the atomics.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpu_support import seed  # noqa: F401
+from test_bwd_gpu import check_grads
+
+import cute_fa
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+        reason="needs an sm90 GPU",
+    ),
+]
+
+_MAIN = {}
+
+
+def _main_kernel(config):
+    """The compiled sm90 main kernel of ``config`` (TVM-FFI, torch's current stream)."""
+    if config not in _MAIN:
+        from cute_fa.hopper.flash_bwd import FlashAttentionBackwardSm90
+
+        from cute_fa.cache import compile_tvm_ffi, export_tvm_ffi, load_tvm_ffi
+        from cute_fa.dsl.fake import bwd_fake_args
+
+        compiled = compile_tvm_ffi(
+            FlashAttentionBackwardSm90(config), bwd_fake_args(config), config.target
+        )
+        symbol = "cute_fa_sm90_bwd"
+        _MAIN[config] = load_tvm_ffi(export_tvm_ffi(compiled, symbol), symbol)
+    return _MAIN[config]
+
+
+def sm90_backward(dout, q, k, v, out, lse, softmax_scale, causal):
+    """(dq, dk, dv) through preprocess (sm80), the sm90 main kernel and postprocess (sm80)."""
+    from cute_fa.hopper.support import bwd_tile
+
+    from cute_fa.backward import bwd_post_cache, bwd_pre_cache, post_config, pre_config
+    from cute_fa.config import BwdConfig
+
+    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
+    b, sq, h, d = q.shape
+    sk, h_kv = k.shape[1], k.shape[2]
+    tile_m, tile_n, num_warps = bwd_tile(d, causal)
+    config = BwdConfig(90, "sm_90a", dtype, d, d, tile_m, tile_n, num_warps, causal=causal)
+    prepost = config.replace(arch=80)  # the pre/postprocess kernels are the sm80 ones
+    pre = bwd_pre_cache().get(pre_config(prepost, False))
+    post = bwd_post_cache().get(post_config(prepost))
+    delta = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    dq_accum = torch.empty((b, h, sq, d), dtype=torch.float32, device=q.device)
+    pre(out, dout, None, delta, dq_accum)
+    dk = torch.full((b, sk, h, d), float("nan"), dtype=q.dtype, device=q.device)
+    dv = torch.full((b, sk, h, d), float("nan"), dtype=q.dtype, device=q.device)
+    _main_kernel(config)(
+        q, k, v, dout, lse, delta, dq_accum, dk, dv, softmax_scale, 0.0, 0, 0, sk,
+        None, None, None, None, None,
+    )  # fmt: skip
+    dq = torch.empty_like(q)
+    post(dq_accum, dq, softmax_scale)
+    if h != h_kv:
+        dk = dk.unflatten(2, (h_kv, h // h_kv)).sum(3, dtype=torch.float32).to(q.dtype)
+        dv = dv.unflatten(2, (h_kv, h // h_kv)).sum(3, dtype=torch.float32).to(q.dtype)
+    return dq, dk, dv
+
+
+SEQLENS = [(128, 128), (64, 64), (1, 1), (17, 17), (113, 203), (203, 113), (1000, 1000),
+           (1000, 17), (17, 1000)]  # fmt: skip
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLENS, ids=[f"{a}x{b}" for a, b in SEQLENS])
+@pytest.mark.parametrize("h_kv", [4, 2], ids=["mha", "gqa2"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_sm90_bwd(d, dtype, causal, h_kv, seqlen_q, seqlen_k):
+    b, h = 2, 4
+    q, k, v = (
+        torch.randn(b, s, hh, d, device="cuda", dtype=dtype)
+        for s, hh in ((seqlen_q, h), (seqlen_k, h_kv), (seqlen_k, h_kv))
+    )
+    out, lse = cute_fa.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    dout = torch.randn_like(out)
+    scale = d**-0.5
+    grads = sm90_backward(dout, q, k, v, out, lse, scale, causal)
+    torch.cuda.synchronize()
+    check_grads(grads, q, k, v, dout, causal=causal)
