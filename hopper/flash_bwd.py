@@ -89,13 +89,13 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       wait LSE/delta[m]; wgmma wait_group 1 (S^T complete)
       mask (causal: always; otherwise only when this consumer's keys cut seqlen_k);
         P^T = exp2(S^T * scale * log2 e - LSE_log2[query])
-      wait_group 0 (dP^T complete); dS^T = P^T (dP^T - delta[query])
+      wait_group 0 (dP^T complete); dS^T = P^T (dP^T - delta[query]); release LSE/delta[m]
       P^T, dS^T -> 16-bit registers (convert_in_chunks); fence; issue dV += P^T dO and
         dK += dS^T Q (RS, commit)
       dS^T -> sdS[:, 64 c : 64 c + 64, m % 2] (transposed element stores); fence.proxy.async;
         named barrier DS_WG1 + c (128 threads)
       wait_group 0 (dV, dK complete); fence; issue dQ_c = dS[:, c] K_c (commit); wait_group 0;
-        release Q[m], dO[m] (LSE/delta[m] were released once read)
+        release Q[m], dO[m]
       atomics of dQ_c into dQaccum (rows < seqlen_q)
       The two dS buffers: block m + 2 overwrites the buffer of block m only after the barrier
       of block m + 1, which every thread of the consumer reaches after its wait of block m.
