@@ -128,3 +128,12 @@ def test_compile_time_tables():
     assert hit_row["import tvm_ffi"] == "25.0" and hit_row["rest"] == "20.0"
     assert hit_row["SDPA 1st"] == "30.0"
     assert stages == [["staged", "30.0", "20.0", "50.0", "0.0"]]
+
+
+def test_probe_process_times_its_imports_then_runs_the_cli():
+    """The probe process starts from a bootstrap that times ``import torch`` and ``import
+    cute_fa`` before handing its arguments to the bench's CLI."""
+    out = subprocess.run(
+        [sys.executable, "-c", bench._PROBE_BOOTSTRAP, "--help"], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "--compile-time" in out.stdout, out.stderr
