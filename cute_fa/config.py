@@ -196,6 +196,10 @@ SM80_BWD_TILES = {
 }
 
 
+class SettingError(ValueError):
+    """A malformed environment setting (raised as is: never a reason to fall back)."""
+
+
 # Tuning override: CUTE_FA_BWD_TILE="<tile_m>x<tile_n>w<num_warps>" (e.g. 128x128w8) replaces
 # the table's tile for every head dim, so a benchmark can compare tiles; the kernel's
 # can_implement still decides (NotImplementedError with its reason when the tile cannot work).
@@ -213,7 +217,7 @@ def sm80_bwd_tile(head_dim: int, target: str, causal: bool = False) -> tuple[int
     if override:
         match = re.fullmatch(r"(\d+)x(\d+)w(\d+)", override)
         if match is None:
-            raise ValueError(f"{BWD_TILE_ENV}={override!r}: expected e.g. 64x128w8")
+            raise SettingError(f"{BWD_TILE_ENV}={override!r}: expected e.g. 64x128w8")
         tile_m, tile_n, num_warps = (int(g) for g in match.groups())
         return tile_m, tile_n, num_warps
     return SM80_BWD_TILES[head_dim]

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from .ampere import support as sm80_support
-from .config import TARGETS, FwdConfig, sm80_fwd_tile, target_for_capability
+from .config import TARGETS, FwdConfig, SettingError, sm80_fwd_tile, target_for_capability
 from .hopper import support as sm90_support
 
 MIN_CAPABILITY = (8, 0)
@@ -154,6 +154,8 @@ def fwd_config_for_target(
     """(config, "") when ``cls`` implements ``request`` on ``target``, else (None, reason)."""
     try:
         config = _CONFIG_BUILDERS[cls.arch](target, request)
+    except SettingError:
+        raise
     except (NotImplementedError, ValueError) as e:
         return None, str(e)
     ok, reason = cls.can_implement(config)

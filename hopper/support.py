@@ -6,7 +6,9 @@ Dispatch and the feature matrix ask these functions; the kernel classes use them
 
 from __future__ import annotations
 
-from cute_fa.config import SMEM_CAPACITY, BwdConfig, FwdConfig
+import os
+
+from cute_fa.config import SMEM_CAPACITY, BwdConfig, FwdConfig, SettingError
 
 # FlashAttentionForwardSm90 always runs 128 query rows (two consumer warpgroups of 64 rows) and
 # 3 warpgroups (one producer, two consumers); the key block tile_n depends on the head dim:
@@ -32,9 +34,21 @@ SM90_FWD_TILE = (SM90_FWD_TILE_M, SM90_FWD_TILE_N[128], SM90_FWD_WARPS)
 SM90_FWD_SMEM_SLACK = 1024
 
 
+# Tuning override: CUTE_FA_SM90_FWD_TILE_N=<keys> (a multiple of 16, at most 256) replaces the
+# key block of every head dim, so a benchmark can compare tiles; the shared-memory check of
+# fwd_can_implement still applies. Read when a launch plan is made.
+TILE_N_ENV = "CUTE_FA_SM90_FWD_TILE_N"
+
+
 def fwd_tile(head_dim: int, causal: bool) -> tuple[int, int, int]:
     """(tile_m, tile_n, num_warps) of the sm90 forward for a head dim (dispatch asks this)."""
-    return SM90_FWD_TILE_M, SM90_FWD_TILE_N.get(head_dim, SM90_FWD_TILE[1]), SM90_FWD_WARPS
+    tile_n = SM90_FWD_TILE_N.get(head_dim, SM90_FWD_TILE[1])
+    override = os.environ.get(TILE_N_ENV, "").strip()
+    if override:
+        if not override.isdigit() or int(override) % 16 or not 16 <= int(override) <= 256:
+            raise SettingError(f"{TILE_N_ENV}={override!r}: expected a multiple of 16 up to 256")
+        tile_n = int(override)
+    return SM90_FWD_TILE_M, tile_n, SM90_FWD_WARPS
 
 
 def fwd_smem_bytes(config: FwdConfig, kv_stages: int = SM90_FWD_KV_STAGES) -> int:

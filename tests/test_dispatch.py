@@ -205,3 +205,19 @@ def test_bwd_tile_override(monkeypatch):
     monkeypatch.delenv(BWD_TILE_ENV)
     config = bwd_config("sm_90a", "bf16", 64, 64)
     assert (config.tile_m, config.tile_n, config.num_warps) == SM80_BWD_TILES[64]
+
+
+def test_sm90_tile_override(monkeypatch):
+    from cute_fa.hopper.support import SM90_FWD_TILE_N, TILE_N_ENV
+
+    monkeypatch.setenv(TILE_N_ENV, "192")
+    _, config = dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64))
+    assert config.arch == 90 and config.tile_n == 192
+    _, config = dispatch.fwd_plan((9, 0), req(head_dim=256, head_dim_v=256))
+    assert config.arch == 80  # 192 keys of d256 do not fit: the sm80 kernel serves it
+    monkeypatch.setenv(TILE_N_ENV, "100")
+    with pytest.raises(ValueError, match=TILE_N_ENV):
+        dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64))
+    monkeypatch.delenv(TILE_N_ENV)
+    _, config = dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64))
+    assert config.tile_n == SM90_FWD_TILE_N[64]
