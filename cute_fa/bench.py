@@ -829,7 +829,7 @@ def compile_time_rows(reports: Sequence[tuple[str, dict | None]]) -> list[list[l
             [
                 label,
                 f"{m['first_call_s']:.3f}",
-                _ms(m["second_call_s"]),
+                f"{m['second_call_s'] * 1e3:.2f}",
                 f"{m['import_cute_fa_s']:.3f}",
                 f"{m['cuda_init_s']:.3f}",
                 _ms(m["gc_debt_s"]),

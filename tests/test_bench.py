@@ -120,7 +120,7 @@ def test_compile_time_tables():
         [("cold", cold), ("hit", _probe_report()), ("staged", staged), ("broken", None)]
     )
     assert [r[0] for r in summary] == ["cold", "hit", "staged", "broken"]
-    assert summary[0][1:3] == ["5.000", "0.1"] and summary[0][5:8] == ["120.0", "yes", "1/0"]
+    assert summary[0][1:3] == ["5.000", "0.10"] and summary[0][5:8] == ["120.0", "yes", "1/0"]
     assert summary[3][1] == "err"
     header = ["run", "first call", *bench.FIRST_CALL_STEPS, "rest", "GC", "SDPA 1st"]
     cold_row, hit_row = (dict(zip(header, row, strict=True)) for row in steps)
