@@ -1,11 +1,11 @@
 """Compile-only checks of the sm90 backward main kernel (FA3 design) on the CPU, with a SASS read.
 
-``FlashAttentionBackwardSm90`` is not dispatched yet (tests/test_bwd_sm90_gpu.py checks its
-results on an sm90 GPU); what can be checked here: ``can_implement`` accepts its scope and rejects the rest with a reason, and every config
-in scope (d 64 / 128, no mask / causal, bf16 / fp16) cross-compiles for sm_90a to a cubin that
-holds WGMMA (``HGMMA``, the count of the five GEMMs of a step), TMA loads (``UTMALDG``), the
-fp32 dQ reductions (``REDG.E.ADD.F32``), the register reallocation of the warp roles
-(``USETMAXREG``), one ``WARPGROUP.ARRIVE`` per GEMM group (more means ptxas serialized the
+``FlashAttentionBackwardSm90`` is not dispatched yet (tests/test_bwd_sm90_gpu.py checks its results
+on an sm90 GPU); what can be checked here: ``can_implement`` accepts its scope and rejects the rest
+with a reason, and every config in scope (d 64 / 128, no mask / causal, bf16 / fp16) cross-compiles
+for sm_90a to a cubin that holds WGMMA (``HGMMA``, the count of the five GEMMs of a step), TMA loads
+(``UTMALDG``), the fp32 dQ reductions (``REDG.E.ADD.F32``), the register reallocation of the warp
+roles (``USETMAXREG``), one ``WARPGROUP.ARRIVE`` per GEMM group (more means ptxas serialized the
 WGMMAs), no mma.sync, no spills and no stack. Registers are printed (``pytest -rP``).
 """
 
