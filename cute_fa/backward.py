@@ -36,11 +36,19 @@ to ``O = P V``. With ``dP = dO V^T``, the score gradient through O is
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .ampere.support import bwd_can_implement
 from .cache import CompileCache, compile_tvm_ffi, export_tvm_ffi, load_tvm_ffi
-from .config import BwdConfig, sm80_bwd_tile, target_for_capability
+from .config import BwdConfig, SettingError, sm80_bwd_tile, target_for_capability
+from .hopper import support as sm90_support
+
+# ``CUTE_FA_BWD_ARCH=90`` runs the sm90 main kernel (FlashAttentionBackwardSm90: d64/d128,
+# dense, causal or not; checked by tests/test_bwd_sm90_gpu.py, not timed yet, so not the
+# default) between the sm80 preprocess and postprocess; 80 or unset: the sm80 main kernel.
+BWD_ARCH_ENV = "CUTE_FA_BWD_ARCH"
 
 __all__ = [
     "bwd_config",
@@ -75,6 +83,11 @@ def bwd_kernel_classes(arch: int) -> tuple[type, type, type]:
             FlashAttentionBackwardSm80,
             FlashAttentionBackwardPostprocessSm80,
         )
+    if arch == 90:
+        pre_cls, _, post_cls = bwd_kernel_classes(80)
+        from .hopper.flash_bwd import FlashAttentionBackwardSm90
+
+        return pre_cls, FlashAttentionBackwardSm90, post_cls
     raise NotImplementedError(f"cute_fa has no sm{arch} backward kernel yet")
 
 
@@ -93,17 +106,26 @@ def bwd_config(
     seqused_k: bool = False,
     deterministic: bool = False,
 ) -> BwdConfig:
-    """The main kernel's compile key for a request on ``target`` (sm80 family, tuned tiles);
-    NotImplementedError naming the reason when the kernel cannot implement it."""
-    tile_m, tile_n, num_warps = sm80_bwd_tile(head_dim, target, causal)
+    """The main kernel's compile key for a request on ``target`` (sm80 family, tuned tiles;
+    ``CUTE_FA_BWD_ARCH=90``: the sm90 kernel); NotImplementedError naming the reason when the
+    kernel cannot implement it."""
+    forced = os.environ.get(BWD_ARCH_ENV, "").strip()
+    if forced not in ("", "80", "90"):
+        raise SettingError(f"{BWD_ARCH_ENV}={forced!r}: expected 80 or 90")
+    arch = 90 if forced == "90" else 80
+    if arch == 90:
+        tile_m, tile_n, num_warps = sm90_support.bwd_tile(head_dim, causal)
+        can_implement, main_name = sm90_support.bwd_can_implement, "FlashAttentionBackwardSm90"
+    else:
+        tile_m, tile_n, num_warps = sm80_bwd_tile(head_dim, target, causal)
+        can_implement, main_name = bwd_can_implement, "FlashAttentionBackwardSm80"
     config = BwdConfig(
-        arch=80, target=target, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v,
+        arch=arch, target=target, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v,
         tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, causal=causal, local=local,
         has_softcap=has_softcap, varlen_q=varlen_q, varlen_k=varlen_k, seqused_q=seqused_q,
         seqused_k=seqused_k, deterministic=deterministic,
     )  # fmt: skip
-    main_name = "FlashAttentionBackwardSm80"
-    ok, reason = bwd_can_implement(config)
+    ok, reason = can_implement(config)
     if not ok:
         raise NotImplementedError(
             f"cute_fa: no backward kernel implements [{config.name}] on {target}: "
@@ -113,21 +135,23 @@ def bwd_config(
 
 
 def pre_config(config: BwdConfig, has_dlse: bool):
-    """Compile key of the preprocess kernel that goes with a main-kernel config."""
+    """Compile key of the preprocess kernel that goes with a main-kernel config (the sm80
+    kernel for every main kernel)."""
     from .ampere.flash_bwd_prepost import BwdPreConfig
 
     return BwdPreConfig(
-        arch=config.arch, target=config.target, dtype=config.dtype, head_dim=config.head_dim,
+        arch=80, target=config.target, dtype=config.dtype, head_dim=config.head_dim,
         head_dim_v=config.head_dim_v, has_dlse=has_dlse,
     )  # fmt: skip
 
 
 def post_config(config: BwdConfig):
-    """Compile key of the postprocess kernel that goes with a main-kernel config."""
+    """Compile key of the postprocess kernel that goes with a main-kernel config (the sm80
+    kernel for every main kernel)."""
     from .ampere.flash_bwd_prepost import BwdPostConfig
 
     return BwdPostConfig(
-        arch=config.arch, target=config.target, dtype=config.dtype, head_dim=config.head_dim
+        arch=80, target=config.target, dtype=config.dtype, head_dim=config.head_dim
     )
 
 

@@ -133,3 +133,16 @@ def test_sm90_bwd_compiles_for_sm90a(d: int, dtype: str, causal: bool) -> None:
     assert re.search(r"USETMAXREG\.TRY_ALLOC\S*\s+\S+,\s*0xf0\b", sass), (
         "consumer setmaxnreg.inc 240"
     )
+
+
+def test_compiles_through_the_backward_path(monkeypatch) -> None:
+    """CUTE_FA_BWD_ARCH=90: the torch side's compile key and compile function reach the sm90
+    main kernel (and keep the sm80 pre/postprocess)."""
+    from cute_fa.backward import BWD_ARCH_ENV, bwd_config, bwd_kernel_classes, compile_bwd
+
+    monkeypatch.setenv(BWD_ARCH_ENV, "90")
+    config = bwd_config("sm_90a", "bf16", 64, 64, causal=True)
+    pre_cls, main_cls, post_cls = bwd_kernel_classes(config.arch)
+    assert main_cls.__name__ == "FlashAttentionBackwardSm90"
+    assert pre_cls.arch == 80 and post_cls.arch == 80
+    assert compile_bwd(config) is not None

@@ -221,3 +221,21 @@ def test_sm90_tile_override(monkeypatch):
     monkeypatch.delenv(TILE_N_ENV)
     _, config = dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64))
     assert config.tile_n == SM90_FWD_TILE_N[64]
+
+
+def test_bwd_arch_override(monkeypatch):
+    from cute_fa.backward import BWD_ARCH_ENV, bwd_config, post_config, pre_config
+
+    monkeypatch.setenv(BWD_ARCH_ENV, "90")
+    config = bwd_config("sm_90a", "bf16", 128, 128, causal=True)
+    assert config.arch == 90 and (config.tile_m, config.tile_n, config.num_warps) == (64, 128, 12)
+    assert pre_config(config, False).arch == 80 and post_config(config).arch == 80
+    with pytest.raises(NotImplementedError, match="FlashAttentionBackwardSm90: local"):
+        bwd_config("sm_90a", "bf16", 128, 128, local=True)
+    with pytest.raises(NotImplementedError, match="FlashAttentionBackwardSm90: target sm_80"):
+        bwd_config("sm_80", "bf16", 128, 128)
+    monkeypatch.setenv(BWD_ARCH_ENV, "70")
+    with pytest.raises(ValueError, match=BWD_ARCH_ENV):
+        bwd_config("sm_90a", "bf16", 128, 128)
+    monkeypatch.setenv(BWD_ARCH_ENV, "80")
+    assert bwd_config("sm_90a", "bf16", 128, 128).arch == 80
