@@ -8,6 +8,8 @@ import cutlass.cute as cute
 from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
+from cute_fa.dsl.copy import acc_to_smem, store_rows
+
 
 def smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
     """Swizzled shared-memory layout of a (rows, cols) 16-bit tile: 8-row atoms 64 (or 32) columns
@@ -79,23 +81,9 @@ def store_acc(
     """Write a (rows, cols) fp32 accumulator tile to global memory in the tensor's dtype: through
     ``sX`` (free shared memory of the tile's shape), then 16 bytes a thread, rows past
     ``rows_left`` skipped. The caller guarantees no warp still reads ``sX``."""
-    dtype = sX.element_type
-    rX = cute.make_fragment_like(acc, dtype)
-    rX.store(acc.load().to(dtype))
-    r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype)
-    r2s = cute.make_tiled_copy_C(r2s_atom, tiled_mma)
-    thr_r2s = r2s.get_slice(tidx)
-    cute.copy(r2s, thr_r2s.retile(rX), thr_r2s.partition_D(sX))
+    acc_to_smem(acc, tiled_mma, sX, tidx)
     barrier.arrive_and_wait()
-    thr_r2g = copy_r2g.get_slice(tidx)
-    tXsX = thr_r2g.partition_S(sX)
-    tXgX = thr_r2g.partition_D(gX)
-    tXcX = thr_r2g.partition_D(cute.make_identity_tensor(gX.shape))
-    tXrX = cute.make_fragment_like(tXgX, dtype)
-    cute.autovec_copy(tXsX, tXrX)
-    for m in cutlass.range_constexpr(cute.size(tXgX.shape[1])):
-        if tXcX[0, m, 0][0] < rows_left:
-            cute.copy(copy_r2g, tXrX[None, m, None], tXgX[None, m, None])
+    store_rows(sX, gX, rows_left, copy_r2g, tidx)
 
 
 @cute.jit

@@ -9,6 +9,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
+from cute_fa.dsl.copy import acc_to_smem, store_rows
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask, block_range
 from cute_fa.dsl.seqlen import seqlen_info
@@ -300,30 +301,15 @@ class FlashAttentionForwardSm80(AttentionKernel):
         # last block's V barrier), store 16 bytes a thread.
         lse = cute.make_rmem_tensor(cute.size(tScS.shape[0]), Float32)
         softmax.finalize(acc_O, lse)
-        rO = cute.make_fragment_like(acc_O, self.dtype)
-        rO.store(acc_O.load().to(self.dtype))
         sO = sQ
-        r2s_O = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), tiled_mma
-        )
-        thr_r2s_O = r2s_O.get_slice(tidx)
-        cute.copy(r2s_O, thr_r2s_O.retile(rO), thr_r2s_O.partition_D(sO))
+        acc_to_smem(acc_O, tiled_mma, sO, tidx)
         if tidx % 4 == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = tScS[r, 0][0]
                 if row < rows_left:
                     mLSE[m_block * tile_m + row] = lse[r]
         barrier.arrive_and_wait()
-        gO = cute.local_tile(mO, (tile_m, d), (m_block, 0))
-        thr_r2g = copy_r2g.get_slice(tidx)
-        tOsO = thr_r2g.partition_S(sO)
-        tOgO = thr_r2g.partition_D(gO)
-        tOcO = thr_r2g.partition_D(cute.make_identity_tensor((tile_m, d)))
-        tOrO = cute.make_fragment_like(tOgO, self.dtype)
-        cute.autovec_copy(tOsO, tOrO)
-        for m in cutlass.range_constexpr(cute.size(tOgO.shape[1])):
-            if tOcO[0, m, 0][0] < rows_left:
-                cute.copy(copy_r2g, tOrO[None, m, None], tOgO[None, m, None])
+        store_rows(sO, cute.local_tile(mO, (tile_m, d), (m_block, 0)), rows_left, copy_r2g, tidx)
 
     @cute.jit
     def step(

@@ -17,6 +17,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from cute_fa.config import BwdConfig
+from cute_fa.dsl.copy import acc_to_smem, store_rows
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask
 from cute_fa.dsl.softmax import LOG2_E, mn_view_wgmma, score_scales
@@ -503,28 +504,14 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         # Epilogue: dK carries the softmax scale (dS is w.r.t. the scaled scores). Only this
         # consumer ever read its rows of sK / sV, and its GEMMs have completed.
         acc_dK.store(acc_dK.load() * softmax_scale)
-        r2s = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), mma_dkv
-        )
-        thr_r2s = r2s.get_slice(tidx)
         for acc, s in ((acc_dK, sK_c), (acc_dV, sV_c)):
-            r = cute.make_fragment_like(acc, self.dtype)
-            r.store(acc.load().to(self.dtype))
-            cute.copy(r2s, thr_r2s.retile(r), thr_r2s.partition_D(s))
+            acc_to_smem(acc, mma_dkv, s, tidx)
         pipeline.NamedBarrier(
             barrier_id=int(Barrier.DS_WG1) + consumer, num_threads=WARPGROUP
         ).arrive_and_wait()
-        thr_r2g = copy_r2g.get_slice(tidx)
-        tcX = thr_r2g.partition_D(cute.make_identity_tensor((WG_KEYS, d)))
         for m, s in ((mdK, sK_c), (mdV, sV_c)):
             g = cute.local_tile(cute.domain_offset((key_start, 0), m), (WG_KEYS, d), (0, 0))
-            tsX = thr_r2g.partition_S(s)
-            tgX = thr_r2g.partition_D(g)
-            trX = cute.make_fragment_like(tgX, self.dtype)
-            cute.autovec_copy(tsX, trX)
-            for row in cutlass.range_constexpr(cute.size(tgX.shape[1])):
-                if tcX[0, row, 0][0] < keys_left:
-                    cute.copy(copy_r2g, trX[None, row, None], tgX[None, row, None])
+            store_rows(s, g, keys_left, copy_r2g, tidx)
 
     @cute.jit
     def step(

@@ -15,6 +15,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from cute_fa.config import FwdConfig
+from cute_fa.dsl.copy import acc_to_smem, store_rows
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask, block_range
 from cute_fa.dsl.seqlen import seqlen_info
@@ -556,17 +557,11 @@ class FlashAttentionForwardSm90(AttentionKernel):
         # half of sQ (its WGMMAs have all completed) -> 16-byte global stores.
         lse = cute.make_rmem_tensor(cute.size(tScS.shape[0]), Float32)
         softmax.finalize(acc_O, lse)
-        rO = cute.make_fragment_like(acc_O, self.dtype)
-        rO.store(acc_O.load().to(self.dtype))
-        r2s_O = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), tiled_mma_pv
-        )
         # O (wg_m x dv) takes the first dv columns of the consumer's Q half (dv <= d).
         sO = sQ_c
         if cutlass.const_expr(dv != self.tile_hdim):
             sO = cute.local_tile(sQ_c, (wg_m, dv), (0, 0))
-        thr_r2s_O = r2s_O.get_slice(tidx)
-        cute.copy(r2s_O, thr_r2s_O.retile(rO), thr_r2s_O.partition_D(sO))
+        acc_to_smem(acc_O, tiled_mma_pv, sO, tidx)
         if tidx % 4 == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = tScS[r, 0][0]
@@ -576,15 +571,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
             barrier_id=int(Barrier.EPILOGUE_WG1) + consumer, num_threads=WARPGROUP
         ).arrive_and_wait()
         gO = cute.local_tile(cute.domain_offset((row_start, 0), mO), (wg_m, dv), (0, 0))
-        thr_r2g = copy_r2g.get_slice(tidx)
-        tOsO = thr_r2g.partition_S(sO)
-        tOgO = thr_r2g.partition_D(gO)
-        tOcO = thr_r2g.partition_D(cute.make_identity_tensor((wg_m, dv)))
-        tOrO = cute.make_fragment_like(tOgO, self.dtype)
-        cute.autovec_copy(tOsO, tOrO)
-        for m in cutlass.range_constexpr(cute.size(tOgO.shape[1])):
-            if tOcO[0, m, 0][0] < rows_left:
-                cute.copy(copy_r2g, tOrO[None, m, None], tOgO[None, m, None])
+        store_rows(sO, gO, rows_left, copy_r2g, tidx)
 
     @cute.jit
     def zero_v_tail(

@@ -1,0 +1,40 @@
+"""Copies every architecture's epilogue makes: an fp32 MMA accumulator to a 16-bit shared-memory
+tile, and a shared-memory tile to global memory in 16-byte row-predicated stores."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+
+@cute.jit
+def acc_to_smem(acc: cute.Tensor, tiled_mma, sX: cute.Tensor, tidx: Int32):
+    """Convert ``acc`` (this thread's part of an accumulator of ``tiled_mma``) to ``sX``'s
+    element type and write it into ``sX`` in the MMA's C layout. The caller orders the writes
+    against other readers of ``sX`` (a barrier before and after)."""
+    dtype = sX.element_type
+    rX = cute.make_fragment_like(acc, dtype)
+    rX.store(acc.load().to(dtype))
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype)
+    r2s = cute.make_tiled_copy_C(atom, tiled_mma)
+    thr_r2s = r2s.get_slice(tidx)
+    cute.copy(r2s, thr_r2s.retile(rX), thr_r2s.partition_D(sX))
+
+
+@cute.jit
+def store_rows(
+    sX: cute.Tensor, gX: cute.Tensor, rows_left: Int32, copy_r2g: cute.TiledCopy, tidx: Int32
+):
+    """Copy the shared-memory tile ``sX`` to the global tile ``gX`` (same static shape) through
+    registers, ``copy_r2g`` deciding each thread's 16-byte pieces; rows at or past ``rows_left``
+    are not written (they belong to no sequence, or to the next one)."""
+    thr_r2g = copy_r2g.get_slice(tidx)
+    tXsX = thr_r2g.partition_S(sX)
+    tXgX = thr_r2g.partition_D(gX)
+    tXcX = thr_r2g.partition_D(cute.make_identity_tensor(gX.shape))
+    tXrX = cute.make_fragment_like(tXgX, sX.element_type)
+    cute.autovec_copy(tXsX, tXrX)
+    for m in cutlass.range_constexpr(cute.size(tXgX.shape[1])):
+        if tXcX[0, m, 0][0] < rows_left:
+            cute.copy(copy_r2g, tXrX[None, m, None], tXgX[None, m, None])
