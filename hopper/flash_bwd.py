@@ -24,6 +24,7 @@ from cute_fa.dsl.softmax import LOG2_E, mn_view_wgmma, score_scales
 
 from .flash_fwd import acc_as_rs_operand, convert_in_chunks
 from .support import SM90_BWD_DS_BUFFERS, SM90_BWD_Q_STAGES, bwd_can_implement
+from .sync import tma_pipeline
 
 WARPGROUP = 128  # threads
 WG_KEYS = 64  # keys of one consumer warpgroup (the M of its WGMMAs)
@@ -292,24 +293,10 @@ class FlashAttentionBackwardSm90(AttentionKernel):
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumer_warps = pipeline.CooperativeGroup(
-            pipeline.Agent.Thread, self.num_consumers * WARPGROUP // 32
-        )
-        pipeline_kv = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=producer,
-            consumer_group=consumer_warps, tx_count=self.tx_kv, defer_sync=True,
-        )  # fmt: skip
-        pipeline_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.q_stages,
-            producer_group=producer, consumer_group=consumer_warps, tx_count=self.tx_q,
-            defer_sync=True,
-        )  # fmt: skip
-        pipeline_do = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.q_stages,
-            producer_group=producer, consumer_group=consumer_warps, tx_count=self.tx_q,
-            defer_sync=True,
-        )  # fmt: skip
+        consumer_warps = self.num_consumers * WARPGROUP // 32
+        pipeline_kv = tma_pipeline(storage.mbar_kv, 1, self.tx_kv, consumer_warps)
+        pipeline_q = tma_pipeline(storage.mbar_q, self.q_stages, self.tx_q, consumer_warps)
+        pipeline_do = tma_pipeline(storage.mbar_do, self.q_stages, self.tx_q, consumer_warps)
         pipeline_lse = pipeline.PipelineAsync.create(
             barrier_storage=storage.mbar_lse.data_ptr(), num_stages=self.q_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),

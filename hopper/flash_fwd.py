@@ -22,6 +22,7 @@ from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import OnlineSoftmax, mn_view_wgmma, score_scales
 
 from .support import SM90_FWD_KV_STAGES, fwd_can_implement
+from .sync import tma_pipeline
 
 WARPGROUP = 128  # threads
 
@@ -326,24 +327,10 @@ class FlashAttentionForwardSm90(AttentionKernel):
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(
-            pipeline.Agent.Thread, self.num_consumers * WARPGROUP // 32
-        )
-        pipeline_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
-            consumer_group=consumers, tx_count=self.tx_q, defer_sync=True,
-        )  # fmt: skip
-        pipeline_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.kv_stages,
-            producer_group=producer, consumer_group=consumers, tx_count=self.tx_k,
-            defer_sync=True,
-        )  # fmt: skip
-        pipeline_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.kv_stages,
-            producer_group=producer, consumer_group=consumers, tx_count=self.tx_v,
-            defer_sync=True,
-        )  # fmt: skip
+        consumer_warps = self.num_consumers * WARPGROUP // 32
+        pipeline_q = tma_pipeline(storage.mbar_q, 1, self.tx_q, consumer_warps)
+        pipeline_k = tma_pipeline(storage.mbar_k, self.kv_stages, self.tx_k, consumer_warps)
+        pipeline_v = tma_pipeline(storage.mbar_v, self.kv_stages, self.tx_v, consumer_warps)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
