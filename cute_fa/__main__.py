@@ -245,15 +245,19 @@ def _demo_check(label, out, lse, out_ref, lse_ref, out_pt, lse_pt, check_close) 
 
 
 def _demo_cpu(targets: list[str], head_dims: list[int]) -> int:
-    from .config import FwdConfig, sm80_fwd_tile
+    from .config import TARGETS
+    from .dispatch import FwdRequest, fwd_plan
     from .sass import compile_and_inspect
 
     print(
-        "no CUDA GPU here: cross-compiling the sm80 forward kernels (bf16) and reading the cubins"
+        "no CUDA GPU here: cross-compiling the forward kernel each target dispatches to (bf16) "
+        "and reading the cubins"
     )
-    ops = ("HMMA", "LDSM", "LDGSTS", "MUFU", "FFMA")
+    capability = {t: c for c, t in TARGETS.items()}
+    ops = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "MUFU", "FFMA")
     header = [
         "target",
+        "kernel",
         "d",
         "causal",
         "tile",
@@ -268,22 +272,20 @@ def _demo_cpu(targets: list[str], head_dims: list[int]) -> int:
     for target in targets:
         for d in head_dims:
             for causal in (False, True):
-                tile_m, tile_n, warps = sm80_fwd_tile(d, target, causal)
-                config = FwdConfig(
-                    arch=80, target=target, dtype="bf16", head_dim=d, head_dim_v=d,
-                    tile_m=tile_m, tile_n=tile_n, num_warps=warps, causal=causal,
-                )  # fmt: skip
                 t0 = time.perf_counter()
                 try:
+                    request = FwdRequest(dtype="bf16", head_dim=d, head_dim_v=d, causal=causal)
+                    _, config = fwd_plan(capability[target], request)
                     info = compile_and_inspect(config)
                 except Exception as e:
                     failed += 1
-                    print(f"FAIL  {config.name}: {type(e).__name__}: {e}")
+                    print(f"FAIL  {target} d{d} causal={causal}: {type(e).__name__}: {e}")
                     continue
                 counts = info["sass_counts"]
                 rows.append(
                     [
-                        target, str(d), str(int(causal)), f"{tile_m}x{tile_n}w{warps}",
+                        target, f"sm{config.arch}", str(d), str(int(causal)),
+                        f"{config.tile_m}x{config.tile_n}w{config.num_warps}",
                         str(info["regs"]), f"{info['smem_tiles'] // 1024}K", str(info["stack"]),
                         str(info["spills"]), *(str(counts[op]) for op in ops),
                         f"{time.perf_counter() - t0:.1f}",
