@@ -6,7 +6,8 @@ demo        on a GPU: attention at a few shapes against the reference (PASS/FAIL
             without one: cross-compile the sm80 kernels and report registers, shared
             memory, spills and the SASS instruction mix
 bench       timing against torch SDPA and FlexAttention (``cute_fa.bench``)
-tune        the sm80 forward over candidate tile shapes, beside SDPA FLASH (``cute_fa.tune``)
+tune        the sm80 forward (``--mode bwd``: backward) over candidate tile shapes, beside SDPA
+            FLASH (``cute_fa.tune``)
 """
 
 from __future__ import annotations
@@ -345,7 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     sub.add_parser("bench", help="timing against torch SDPA and FlexAttention", add_help=False)
-    sub.add_parser("tune", help="time the sm80 forward over candidate tiles (GPU)", add_help=False)
+    sub.add_parser(
+        "tune", help="time the sm80 forward or backward over candidate tiles (GPU)", add_help=False
+    )
     return parser
 
 

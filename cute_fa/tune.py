@@ -1,4 +1,5 @@
-"""``python -m cute_fa tune``: time the sm80 forward kernel over candidate tile shapes.
+"""``python -m cute_fa tune``: time the sm80 forward (or, ``--mode bwd``, backward) kernel over
+candidate tile shapes.
 
 The tuned table in ``cute_fa/config.py`` (``SM80_FWD_TILES``) records, per head dim, the tile
 that won such a sweep on the H200 and the numbers that decided it. This command reruns the sweep
@@ -8,6 +9,11 @@ that the kernel can implement, checks it against the fp32 reference on a small p
 it with the benchmark's method (``cute_fa.bench.median_ms``, inputs rotated past L2) and prints
 TFLOPs per candidate. Nothing is written back: copy a winner into the table by hand, with its
 reason.
+
+``--mode bwd`` does the same for the sm80 backward (``SM80_BWD_TILES``): each candidate runs
+through the real backward (``CUTE_FA_BWD_TILE`` set for the call), its dQ, dK, dV are checked
+against fp32 autograd of the reference on a small problem first, and the whole backward is
+timed beside SDPA FLASH's.
 """
 
 from __future__ import annotations
@@ -23,6 +29,33 @@ CANDIDATES = {
     192: [(128, 64, 8), (64, 64, 4), (128, 32, 4)],
     256: [(128, 64, 8), (64, 64, 4), (64, 32, 4)],
 }
+
+
+# Backward candidates per head dim: dK and dV of tile_n keys live in registers (2 * tile_n * d
+# fp32 over the CTA), which bounds tile_n * d for 8 warps.
+BWD_CANDIDATES = {
+    64: [(64, 128, 8), (128, 128, 8), (64, 64, 4)],
+    96: [(64, 128, 8), (64, 64, 4)],
+    128: [(64, 128, 8), (64, 64, 4), (128, 64, 8)],
+    192: [(64, 64, 8)],
+    256: [(64, 64, 8), (32, 64, 8)],
+}
+
+
+def bwd_candidate_tiles(head_dim: int, target: str, causal: bool) -> list[tuple[int, int, int]]:
+    """The backward candidates the sm80 kernel implements on ``target``."""
+    from .ampere.support import bwd_can_implement
+    from .config import BwdConfig
+
+    tiles = []
+    for tile_m, tile_n, warps in BWD_CANDIDATES.get(head_dim, []):
+        config = BwdConfig(
+            arch=80, target=target, dtype="bf16", head_dim=head_dim, head_dim_v=head_dim,
+            tile_m=tile_m, tile_n=tile_n, num_warps=warps, causal=causal,
+        )  # fmt: skip
+        if bwd_can_implement(config)[0]:
+            tiles.append((tile_m, tile_n, warps))
+    return tiles
 
 
 def candidate_configs(head_dim: int, target: str, causal: bool, dtype: str = "bf16") -> list:
@@ -105,6 +138,91 @@ def run(head_dims, seqlens, causals, warmup_ms: float, rep_ms: float) -> list[di
     return rows
 
 
+def _check_bwd(torch, d: int, causal: bool) -> float:
+    """Max |dq - dq_ref| over dq, dk, dv of the backward on a small ragged problem (GQA); raises
+    on NaN or past the DESIGN.md tolerance (the tile comes from CUTE_FA_BWD_TILE)."""
+    import cute_fa
+
+    from .reference import attention_ref, check_close
+
+    q, k, v = (torch.randn(2, s, h, d, device="cuda", dtype=torch.bfloat16)
+               for s, h in ((333, 4), (517, 2), (517, 2)))  # fmt: skip
+    dout = torch.randn_like(q)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, _ = cute_fa.flash_attn_func(*leaves, causal=causal)
+    grads = torch.autograd.grad(out, leaves, dout)
+    kr, vr = (t.repeat_interleave(2, dim=2) for t in (k, v))
+    worst = 0.0
+    refs = {}
+    for upcast in (True, False):
+        dtype = torch.float32 if upcast else torch.bfloat16
+        ref_leaves = [t.to(dtype).requires_grad_() for t in (q, kr, vr)]
+        o, _ = attention_ref(*ref_leaves, causal=causal, upcast=upcast, reorder_ops=not upcast)
+        dq, dk, dv = torch.autograd.grad(o, ref_leaves, dout.to(dtype))
+        refs[upcast] = (dq, dk.unflatten(2, (2, 2)).sum(3), dv.unflatten(2, (2, 2)).sum(3))
+    for g, g_ref, g_pt, name in zip(grads, refs[True], refs[False], ("dq", "dk", "dv"),
+                                    strict=True):  # fmt: skip
+        check_close(g, g_ref, g_pt, name=name)
+        worst = max(worst, float((g.float() - g_ref.float()).abs().max()))
+    return worst
+
+
+def run_bwd(head_dims, seqlens, causals, warmup_ms: float, rep_ms: float) -> list[dict]:
+    import os
+
+    import torch
+
+    from .bench import Impl, Rotation, attention_flops, median_ms, num_input_sets
+    from .config import BWD_TILE_ENV, target_for_capability
+
+    target = target_for_capability(*torch.cuda.get_device_capability())
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    before = os.environ.get(BWD_TILE_ENV)
+    rows = []
+    try:
+        for d in head_dims:
+            for causal in causals:
+                tiles = bwd_candidate_tiles(d, target, causal)
+                for seqlen in seqlens:
+                    batch, heads = max(1, 16384 // seqlen), 2048 // d
+                    flops = attention_flops(batch, heads, seqlen, seqlen, d, causal, mode="bwd")
+                    n_sets = num_input_sets(8 * batch * seqlen * heads * d * 2, l2)
+                    sets = [
+                        tuple(
+                            torch.randn(batch, seqlen, heads, d, device="cuda",
+                                        dtype=torch.bfloat16, requires_grad=True)
+                            for _ in range(3)
+                        )
+                        for _ in range(n_sets)
+                    ]  # fmt: skip
+                    row = {"d": d, "seqlen": seqlen, "causal": int(causal)}
+                    for tile in tiles:
+                        label = f"{tile[0]}x{tile[1]}w{tile[2]}"
+                        os.environ[BWD_TILE_ENV] = label
+                        try:
+                            row[label + " err"] = _check_bwd(torch, d, causal)
+                        except Exception as e:  # noqa: BLE001 - a failing candidate is reported
+                            print(f"d{d} causal={int(causal)} {label}: FAILED: {e}", flush=True)
+                            continue
+                        fns = [Impl("cute_fa").backward_fn(q, k, v, causal) for q, k, v in sets]
+                        row[label] = flops / median_ms(Rotation(fns), warmup_ms, rep_ms) / 1e9
+                    os.environ.pop(BWD_TILE_ENV, None)
+                    flash = Impl("flash")
+                    with flash.context():
+                        fns = [flash.backward_fn(q, k, v, causal) for q, k, v in sets]
+                        ms = median_ms(Rotation(fns), warmup_ms, rep_ms)
+                    row["SDPA FLASH"] = flops / ms / 1e9
+                    rows.append(row)
+                    print(format_row(row), flush=True)
+                    del sets
+    finally:
+        if before is None:
+            os.environ.pop(BWD_TILE_ENV, None)
+        else:
+            os.environ[BWD_TILE_ENV] = before
+    return rows
+
+
 def _kernel_call(kernel, q, k, v, out, lse, seqlen: int):
     scale = q.shape[-1] ** -0.5
     return lambda: kernel(q, k, v, out, lse, scale, 0.0, 0, 0, seqlen, None, None, None, None)
@@ -134,6 +252,9 @@ def _ints(text: str) -> list[int]:
 
 def build_parser(prog: str = "python -m cute_fa tune") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--mode", choices=("fwd", "bwd"), default="fwd", help="kernel to tune (default fwd)"
+    )
     parser.add_argument("--d", type=_ints, default=[64, 128, 256], help="head dims")
     parser.add_argument("--seqlen", type=_ints, default=[2048, 8192], help="e.g. 2k,8k")
     parser.add_argument("--causal", type=_ints, default=[0, 1], help="'0', '1' or '0,1'")
@@ -149,5 +270,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m cute_fa tune"
     if not torch.cuda.is_available():
         print("cute_fa tune: needs a CUDA GPU (it times kernels)")
         return 1
-    run(args.d, args.seqlen, [bool(c) for c in args.causal], args.warmup, args.rep)
+    sweep = run_bwd if args.mode == "bwd" else run
+    sweep(args.d, args.seqlen, [bool(c) for c in args.causal], args.warmup, args.rep)
     return 0

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from cute_fa.config import SM80_FWD_TILES
-from cute_fa.tune import CANDIDATES, build_parser, candidate_configs
+from cute_fa.config import SM80_BWD_TILES, SM80_FWD_TILES
+from cute_fa.tune import (
+    BWD_CANDIDATES,
+    CANDIDATES,
+    build_parser,
+    bwd_candidate_tiles,
+    candidate_configs,
+)
 
 
 @pytest.mark.parametrize("d", sorted(SM80_FWD_TILES))
@@ -24,3 +30,19 @@ def test_candidates_are_implementable_and_filtered_by_shared_memory():
 def test_command_line():
     args = build_parser().parse_args(["--d", "128", "--seqlen", "2k,8k", "--causal", "1"])
     assert args.d == [128] and args.seqlen == [2048, 8192] and args.causal == [1]
+
+
+@pytest.mark.parametrize("d", sorted(SM80_BWD_TILES))
+def test_the_backward_tile_is_among_the_candidates_and_implementable(d):
+    assert SM80_BWD_TILES[d] in BWD_CANDIDATES[d]
+    assert SM80_BWD_TILES[d] in bwd_candidate_tiles(d, "sm_90a", causal=False)
+
+
+def test_backward_candidates_are_filtered_by_shared_memory():
+    assert len(bwd_candidate_tiles(64, "sm_86", causal=True)) < len(
+        bwd_candidate_tiles(64, "sm_90a", causal=True)
+    )
+
+
+def test_backward_mode_on_the_command_line():
+    assert build_parser().parse_args(["--mode", "bwd", "--d", "64"]).mode == "bwd"
