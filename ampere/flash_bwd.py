@@ -9,6 +9,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
+from cute_fa.dsl.copy import elem_ptr
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask
 from cute_fa.dsl.seqlen import seqlen_info
@@ -17,11 +18,6 @@ from cute_fa.dsl.softmax import LOG2_E, mn_view, score_scales
 from .copy import gmem_tiled_copies, load_rows, smem_layout, store_acc, store_zeros, transposed
 from .mma import gemm
 from .support import bwd_can_implement, bwd_q_stages
-
-
-def _elem_ptr(t: cute.Tensor, i: int):
-    """Pointer to element ``i`` (a linear index into ``t``'s shape) of a tensor."""
-    return t.iterator + cute.crd2idx(cute.idx2crd(i, t.shape), t.layout)
 
 
 def warp_rows(rows: int, cols: int, num_warps: int, preferred: int) -> int:
@@ -443,7 +439,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         if cutlass.const_expr(self.deterministic):
             # Wait for this block's turn: the key blocks before it that see query block
             # m_block have added their dQ (Note [deterministic dQ]).
-            sem = _elem_ptr(q_rows[5], m_block).llvm_ptr
+            sem = elem_ptr(q_rows[5], m_block).llvm_ptr
             turn = n_block - self.first_key_block(m_block, seqlen_q, seqlen_k, window_left)
             if tidx == 0:
                 count = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
@@ -452,7 +448,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
             barrier.arrive_and_wait()
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
             if tdQcdQ[i][0] < rows_left:
-                cute.arch.atomic_add(_elem_ptr(tdQgdQ, i).llvm_ptr, acc_dQ[i])
+                cute.arch.atomic_add(elem_ptr(tdQgdQ, i).llvm_ptr, acc_dQ[i])
         if cutlass.const_expr(self.deterministic):
             cute.arch.fence_acq_rel_gpu()
             barrier.arrive_and_wait()
@@ -503,7 +499,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
             for src, dst in ((mLSE, smem_tiles[6]), (mdPsum, smem_tiles[7])):
                 cute.copy(
                     atom,
-                    cute.make_tensor(_elem_ptr(src, m_block * tm + tidx), one),
+                    cute.make_tensor(elem_ptr(src, m_block * tm + tidx), one),
                     cute.make_tensor(dst.iterator + cute.crd2idx((tidx, stage), dst.layout), one),
                 )
 

@@ -11,13 +11,12 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cute_fa.ampere.flash_bwd import _elem_ptr
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from cute_fa.config import BwdConfig
-from cute_fa.dsl.copy import acc_to_smem, store_rows
+from cute_fa.dsl.copy import acc_to_smem, elem_ptr, store_rows
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask
 from cute_fa.dsl.softmax import LOG2_E, mn_view_wgmma, score_scales
@@ -624,4 +623,4 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((tm, d)))
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
             if tdQcdQ[i][0] < rows_left:
-                cute.arch.atomic_add(_elem_ptr(tdQgdQ, i).llvm_ptr, acc_dQ[i])
+                cute.arch.atomic_add(elem_ptr(tdQgdQ, i).llvm_ptr, acc_dQ[i])

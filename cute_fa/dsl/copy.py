@@ -1,11 +1,18 @@
-"""Copies every architecture's epilogue makes: an fp32 MMA accumulator to a 16-bit shared-memory
-tile, and a shared-memory tile to global memory in 16-byte row-predicated stores."""
+"""Copies every architecture's kernels make: an fp32 MMA accumulator to a 16-bit shared-memory
+tile, a shared-memory tile to global memory in 16-byte row-predicated stores, and the address of
+one element (for atomics)."""
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
+
+
+def elem_ptr(t: cute.Tensor, i: int):
+    """Pointer to element ``i`` (a linear index into ``t``'s shape) of a tensor, e.g. for an
+    atomic on one element of an accumulator's global partition."""
+    return t.iterator + cute.crd2idx(cute.idx2crd(i, t.shape), t.layout)
 
 
 @cute.jit
