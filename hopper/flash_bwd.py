@@ -48,7 +48,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
 
     NOT DISPATCHED YET: tests/test_bwd_sm90_gpu.py checks its gradients on an H200 (144 cases
     passed: d64/d128, bf16/fp16, causal or not, MHA/GQA, lengths 1..1000), but it has not been
-    timed, so ``cute_fa/backward.py`` does not launch it (the sm80 backward runs on Hopper).
+    timed, so ``cute_fa/backward.py`` launches it only under ``CUTE_FA_BWD_ARCH=90`` (by default
+    the sm80 backward runs on Hopper).
     tests/test_compile_sm90_bwd.py cross-compiles it for sm_90a and reads its SASS (HGMMA, no
     spills, no stack). It takes the backward protocol of ``bwd_fake_args`` and reuses
     the sm80 preprocess (delta, dQaccum zeroing) and postprocess (dQ conversion) kernels as they
