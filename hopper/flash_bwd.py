@@ -4,7 +4,6 @@ warpgroups (checked on an H200, not timed and not dispatched yet; see the class 
 from __future__ import annotations
 
 import enum
-import math
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -16,7 +15,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from cute_fa.config import BwdConfig
-from cute_fa.dsl.copy import acc_to_smem, elem_ptr, store_rows
+from cute_fa.dsl.copy import acc_to_smem, elem_ptr, row_store_copy, store_rows
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask
 from cute_fa.dsl.softmax import LOG2_E, mn_view_wgmma, score_scales
@@ -235,15 +234,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
 
         # dK / dV stores: 16 bytes a thread, one warpgroup over a (64, d) tile.
-        elems = 128 // self.dtype.width
-        threads_per_row = math.gcd(d // elems, WARPGROUP)
-        copy_r2g = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
-            cute.make_layout(
-                (WARPGROUP // threads_per_row, threads_per_row), stride=(threads_per_row, 1)
-            ),
-            cute.make_layout((1, elems)),
-        )
+        copy_r2g = row_store_copy(self.dtype, WARPGROUP, d)
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
         grid = (cute.ceil_div(max_seqlen_k, tn), cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
         self.kernel(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import math
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -15,7 +14,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from cute_fa.config import FwdConfig
-from cute_fa.dsl.copy import acc_to_smem, store_rows
+from cute_fa.dsl.copy import acc_to_smem, row_store_copy, store_rows
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask, block_range
 from cute_fa.dsl.seqlen import seqlen_info
@@ -261,18 +260,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
-        # Global stores of O: 16 bytes a thread, one warpgroup over a (wg_m, dv) tile. A row
-        # takes the largest power of two of threads that divides its dv / 8 vectors (dv 96: 4
-        # threads, 3 vectors each).
-        elems = 128 // self.dtype.width
-        threads_per_row = math.gcd(dv // elems, WARPGROUP)
-        copy_r2g = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
-            cute.make_layout(
-                (WARPGROUP // threads_per_row, threads_per_row), stride=(threads_per_row, 1)
-            ),
-            cute.make_layout((1, elems)),
-        )
+        # Global stores of O: 16 bytes a thread, one warpgroup over a (wg_m, dv) tile.
+        copy_r2g = row_store_copy(self.dtype, WARPGROUP, dv)
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
         batch = cute.size(mQ.shape[0])
         if cutlass.const_expr(mCuSeqlensQ is not None):

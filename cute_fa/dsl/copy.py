@@ -4,9 +4,26 @@ one element (for atomics)."""
 
 from __future__ import annotations
 
+import math
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
+
+
+def row_store_copy(dtype, num_threads: int, cols: int) -> cute.TiledCopy:
+    """Register -> global tiled copy of 16 bytes a thread for (rows, cols) tiles of ``dtype``
+    over ``num_threads`` threads: a row takes the largest power of two of threads that divides
+    its cols / 8 vectors (cols 96: 4 threads, 3 vectors each)."""
+    elems = 128 // dtype.width
+    threads_per_row = math.gcd(cols // elems, num_threads)
+    return cute.make_tiled_copy_tv(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128),
+        cute.make_layout(
+            (num_threads // threads_per_row, threads_per_row), stride=(threads_per_row, 1)
+        ),
+        cute.make_layout((1, elems)),
+    )
 
 
 def elem_ptr(t: cute.Tensor, i: int):
