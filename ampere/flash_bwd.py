@@ -11,7 +11,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from cute_fa.dsl.copy import elem_ptr
 from cute_fa.dsl.kernel import AttentionKernel
-from cute_fa.dsl.mask import apply_mask
+from cute_fa.dsl.mask import apply_mask, first_key_block, query_block_range
 from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import LOG2_E, mn_view, score_scales
 
@@ -217,18 +217,10 @@ class FlashAttentionBackwardSm80(AttentionKernel):
             keys_left = seqlen_k - n_block * tn
 
             # Query blocks that see any key of this block (Note [bottom-right aligned masks]).
-            offset = seqlen_k - seqlen_q
-            m_block_min = Int32(0)
-            m_block_max = cute.ceil_div(seqlen_q, tm)
-            if cutlass.const_expr(self.causal or self.local):
-                right = Int32(0) if cutlass.const_expr(self.causal) else window_right
-                m_block_min = cutlass.max(n_block * tn - offset - right, 0) // tm
-            if cutlass.const_expr(self.local):
-                last_col = cutlass.min((n_block + 1) * tn, seqlen_k) - 1
-                last_row = last_col - offset + window_left  # the last row that sees last_col
-                m_block_max = cutlass.min(
-                    m_block_max, cutlass.max(cute.ceil_div(last_row + 1, tm), 0)
-                )
+            m_block_min, m_block_max = query_block_range(
+                n_block, seqlen_q, seqlen_k, window_left, window_right, tm, tn, self.causal,
+                self.local,
+            )  # fmt: skip
             if m_block_max <= m_block_min:
                 store_zeros(gdK, keys_left, copy_r2g, tidx)
                 store_zeros(gdV, keys_left, copy_r2g, tidx)
@@ -440,7 +432,9 @@ class FlashAttentionBackwardSm80(AttentionKernel):
             # Wait for this block's turn: the key blocks before it that see query block
             # m_block have added their dQ (Note [deterministic dQ]).
             sem = elem_ptr(q_rows[5], m_block).llvm_ptr
-            turn = n_block - self.first_key_block(m_block, seqlen_q, seqlen_k, window_left)
+            turn = n_block - first_key_block(
+                m_block, seqlen_q, seqlen_k, window_left, tm, tn, self.local
+            )
             if tidx == 0:
                 count = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
                 while count != turn:
@@ -456,18 +450,6 @@ class FlashAttentionBackwardSm80(AttentionKernel):
                 cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
         else:
             barrier.arrive_and_wait()
-
-    @cute.jit
-    def first_key_block(
-        self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32, window_left: Int32
-    ) -> Int32:
-        """The first key block whose CTA visits query block ``m_block``: 0, or with a window
-        the block of the first key the block's first row sees (Note [deterministic dQ])."""
-        first = Int32(0)
-        if cutlass.const_expr(self.local):
-            first = cutlass.max(m_block * self.tile_m + seqlen_k - seqlen_q - window_left, 0)
-            first = first // self.tile_n
-        return first
 
     @cute.jit
     def load_q_do(

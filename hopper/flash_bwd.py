@@ -17,7 +17,7 @@ from cutlass.tensor_utils.layout import LayoutEnum
 from cute_fa.config import BwdConfig
 from cute_fa.dsl.copy import acc_to_smem, elem_ptr, row_store_copy, store_rows
 from cute_fa.dsl.kernel import AttentionKernel
-from cute_fa.dsl.mask import apply_mask
+from cute_fa.dsl.mask import apply_mask, query_block_range
 from cute_fa.dsl.softmax import LOG2_E, mn_view_wgmma, score_scales
 
 from .flash_fwd import acc_as_rs_operand, convert_in_chunks
@@ -311,10 +311,9 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         seqlen_q = Int32(mQ.shape[1])
         seqlen_k = Int32(mK.shape[1])
         # Query blocks that see any key of this block (Note [bottom-right aligned masks]).
-        m_block_min = Int32(0)
-        m_block_max = cute.ceil_div(seqlen_q, tm)
-        if cutlass.const_expr(self.causal):
-            m_block_min = cutlass.max(n_block * tn - (seqlen_k - seqlen_q), 0) // tm
+        m_block_min, m_block_max = query_block_range(
+            n_block, seqlen_q, seqlen_k, Int32(0), Int32(0), tm, tn, self.causal, False
+        )
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.regs_producer)

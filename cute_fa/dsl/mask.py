@@ -62,6 +62,55 @@ def block_range(
 
 
 @cute.jit
+def query_block_range(
+    n_block: Int32,
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    window_left: Int32,
+    window_right: Int32,
+    tile_m: cutlass.Constexpr[int],
+    tile_n: cutlass.Constexpr[int],
+    causal: cutlass.Constexpr[bool],
+    local: cutlass.Constexpr[bool],
+):
+    """Query blocks that see any key of key block ``n_block`` (the backward's dual of
+    ``block_range``): (m_block_min, m_block_max), empty when m_block_max <= m_block_min.
+
+    Both bounds are non-decreasing in ``n_block``, so the key blocks that visit one query block
+    form one contiguous run (``first_key_block`` is its start).
+    """
+    offset = seqlen_k - seqlen_q
+    m_min = Int32(0)
+    m_max = cute.ceil_div(seqlen_q, tile_m)
+    if cutlass.const_expr(causal or local):
+        right = Int32(0) if cutlass.const_expr(causal) else window_right
+        m_min = cutlass.max(n_block * tile_n - offset - right, 0) // tile_m
+    if cutlass.const_expr(local):
+        last_col = cutlass.min((n_block + 1) * tile_n, seqlen_k) - 1
+        last_row = last_col - offset + window_left  # the last row that sees last_col
+        m_max = cutlass.min(m_max, cutlass.max(cute.ceil_div(last_row + 1, tile_m), 0))
+    return m_min, m_max
+
+
+@cute.jit
+def first_key_block(
+    m_block: Int32,
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    window_left: Int32,
+    tile_m: cutlass.Constexpr[int],
+    tile_n: cutlass.Constexpr[int],
+    local: cutlass.Constexpr[bool],
+) -> Int32:
+    """The first key block whose ``query_block_range`` holds ``m_block``: 0, or with a window
+    the block of the first key the block's first row sees."""
+    first = Int32(0)
+    if cutlass.const_expr(local):
+        first = cutlass.max(m_block * tile_m + seqlen_k - seqlen_q - window_left, 0) // tile_n
+    return first
+
+
+@cute.jit
 def apply_mask(
     S: cute.Tensor,
     coords: cute.Tensor,
