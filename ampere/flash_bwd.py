@@ -13,7 +13,7 @@ from cute_fa.dsl.copy import elem_ptr
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask, first_key_block, query_block_range
 from cute_fa.dsl.seqlen import seqlen_info
-from cute_fa.dsl.softmax import LOG2_E, mn_view, score_scales
+from cute_fa.dsl.softmax import lse_for_recompute, mn_view, score_scales
 
 from .copy import gmem_tiled_copies, load_rows, smem_layout, store_acc, store_zeros, transposed
 from .mma import gemm
@@ -371,9 +371,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
             lse_log2[r] = Float32.inf  # rows past seqlen_q: P = 0
             dpsum[r] = 0.0
             if row < rows_left:
-                lse = sLSE[row]
-                # A row that saw no key in the forward (LSE = -inf) has P = 0 here too.
-                lse_log2[r] = Float32.inf if lse == -Float32.inf else lse * LOG2_E
+                lse_log2[r] = lse_for_recompute(sLSE[row])
                 dpsum[r] = sdPsum[row]
 
         # S = Q K^T and dP = dO V^T.

@@ -18,7 +18,7 @@ from cute_fa.config import BwdConfig
 from cute_fa.dsl.copy import acc_to_smem, elem_ptr, row_store_copy, store_rows
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask, query_block_range
-from cute_fa.dsl.softmax import LOG2_E, mn_view_wgmma, score_scales
+from cute_fa.dsl.softmax import lse_for_recompute, mn_view_wgmma, score_scales
 
 from .flash_fwd import acc_as_rs_operand, convert_in_chunks
 from .support import SM90_BWD_DS_BUFFERS, SM90_BWD_Q_STAGES, bwd_can_implement
@@ -409,8 +409,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
                 lse_log2 = Float32.inf
                 dpsum = Float32(0.0)
                 if m_block * tm + row < seqlen_q:
-                    lse = mLSE[m_block * tm + row]
-                    lse_log2 = Float32.inf if lse == -Float32.inf else lse * LOG2_E
+                    lse_log2 = lse_for_recompute(mLSE[m_block * tm + row])
                     dpsum = mdPsum[m_block * tm + row]
                 sLSE[row, state.index] = lse_log2
                 sdPsum[row, state.index] = dpsum

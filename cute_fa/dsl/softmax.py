@@ -43,6 +43,13 @@ def score_scales(softmax_scale: Float32, softcap: Float32, has_softcap: bool):
     return Float32(1.0), softmax_scale * LOG2_E
 
 
+@cute.jit
+def lse_for_recompute(lse: Float32) -> Float32:
+    """The forward's LSE (natural log) in log2 units, for recomputing P = exp2(S * scale_log2 -
+    LSE_log2) in a backward; a row that saw no key (LSE = -inf) gets +inf, so its P is 0."""
+    return Float32.inf if lse == -Float32.inf else lse * LOG2_E
+
+
 def mn_view(acc: cute.Tensor) -> cute.Tensor:
     """((2, 2), MMA_M, MMA_N) accumulator (sm80 m16n8 C layout) -> ((2, MMA_M), (2, MMA_N)).
 
