@@ -20,7 +20,7 @@ from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask, query_block_range
 from cute_fa.dsl.softmax import lse_for_recompute, mn_view_wgmma, score_scales
 
-from .flash_fwd import acc_as_rs_operand, convert_in_chunks
+from .fragments import acc_as_rs_operand, convert_in_chunks
 from .support import SM90_BWD_DS_BUFFERS, SM90_BWD_Q_STAGES, bwd_can_implement
 from .sync import tma_pipeline
 
