@@ -599,6 +599,9 @@ def run_grid(args: argparse.Namespace) -> int:
     return 0
 
 
+OVERHEAD_ROUNDS = 9
+
+
 def run_overhead(args: argparse.Namespace) -> int:
     """Wall time per call of back-to-back cached calls on a tiny shape (host-bound)."""
     import torch
@@ -615,7 +618,9 @@ def run_overhead(args: argparse.Namespace) -> int:
     )
     errors = ErrorLog()
     case = Case(d, s, causal, 1, 1)
-    rows = []
+    # Rounds interleave the implementations, so that a host that slows down or speeds up during
+    # the run moves every column alike.
+    fns, gpu_us, walls = {}, {}, {}
     for name in names:
         impl = Impl(name)
         try:
@@ -624,21 +629,36 @@ def run_overhead(args: argparse.Namespace) -> int:
                 for _ in range(50):
                     fn()
                 torch.cuda.synchronize()
-                gpu_us = median_ms(fn, args.warmup, args.rep) * 1e3
-                walls = []
-                for _ in range(5):
+                gpu_us[name] = median_ms(fn, args.warmup, args.rep) * 1e3
+            fns[name] = (impl, fn)
+            walls[name] = []
+        except Exception as e:  # noqa: BLE001
+            errors.report(name, case, "fwd", e)
+    for _ in range(OVERHEAD_ROUNDS):
+        for name, (impl, fn) in list(fns.items()):
+            try:
+                with impl.context():
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     for _ in range(args.calls):
                         fn()
                     torch.cuda.synchronize()
-                    walls.append((time.perf_counter() - t0) / args.calls * 1e6)
-            rows.append((IMPL_LABELS[name], f"{statistics.median(walls):.1f}", f"{gpu_us:.1f}"))
-        except Exception as e:  # noqa: BLE001
-            errors.report(name, case, "fwd", e)
+                walls[name].append((time.perf_counter() - t0) / args.calls * 1e6)
+            except Exception as e:  # noqa: BLE001
+                errors.report(name, case, "fwd", e)
+                del fns[name]
+    rows = []
+    for name in names:
+        if walls.get(name):
+            rows.append(
+                (IMPL_LABELS[name], f"{statistics.median(walls[name]):.1f}",
+                 f"{gpu_us[name]:.1f}")
+            )  # fmt: skip
+        else:
             rows.append((IMPL_LABELS[name], "err", "err"))
     print()
-    header = ("impl", "wall us/call (median of 5)", "GPU us/call (do_bench)")
+    wall = f"wall us/call (median of {OVERHEAD_ROUNDS} rounds)"
+    header = ("impl", wall, "GPU us/call (do_bench)")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(3)]
     for j, r in enumerate([header, *rows]):
         print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))

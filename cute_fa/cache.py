@@ -555,10 +555,18 @@ def compile_tvm_ffi(kernel: Any, args: tuple, target: str) -> Any:
     from cutlass.cute.runtime import make_fake_stream
 
     args = (*args[:-1], make_fake_stream(use_tvm_ffi_env_stream=True))
-    with _step("cute.compile"):
-        return cute.compile(
-            kernel, *args, options=f"--gpu-arch {target} --enable-tvm-ffi", no_jit_engine=True
-        )
+    # Tracing allocates millions of short-lived objects, few in cycles: with the collector on,
+    # its generation-2 passes over the DSL's and torch's objects cost 50-100 ms a compile.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with _step("cute.compile"):
+            return cute.compile(
+                kernel, *args, options=f"--gpu-arch {target} --enable-tvm-ffi", no_jit_engine=True
+            )
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def compile_fwd(config) -> Any:
