@@ -195,6 +195,11 @@ SM80_BWD_TILES = {
     256: (64, 64, 8),
 }
 
+# Causal overrides where shared memory holds them: d64 causal 128x128 w8 measured +7-9 % over
+# 64x128 w8 at 2k and 8k on the H200 (docs/bench/2026-11-30-h200-bwd-d64-128x128w8.csv;
+# non-causal +0-1 %, so it keeps the table's tile).
+SM80_BWD_TILES_CAUSAL = {64: (128, 128, 8)}
+
 
 class SettingError(ValueError):
     """A malformed environment setting (raised as is: never a reason to fall back)."""
@@ -220,4 +225,6 @@ def sm80_bwd_tile(head_dim: int, target: str, causal: bool = False) -> tuple[int
             raise SettingError(f"{BWD_TILE_ENV}={override!r}: expected e.g. 64x128w8")
         tile_m, tile_n, num_warps = (int(g) for g in match.groups())
         return tile_m, tile_n, num_warps
+    if causal and head_dim in SM80_BWD_TILES_CAUSAL and SMEM_CAPACITY.get(target, 0) >= 160 * 1024:
+        return SM80_BWD_TILES_CAUSAL[head_dim]
     return SM80_BWD_TILES[head_dim]

@@ -10,10 +10,10 @@ it with the benchmark's method (``cute_fa.bench.median_ms``, inputs rotated past
 TFLOPs per candidate. Nothing is written back: copy a winner into the table by hand, with its
 reason.
 
-``--mode bwd`` does the same for the sm80 backward (``SM80_BWD_TILES``): each candidate runs
-through the real backward (``CUTE_FA_BWD_TILE`` set for the call), its dQ, dK, dV are checked
-against fp32 autograd of the reference on a small problem first, and the whole backward is
-timed beside SDPA FLASH's.
+``--mode bwd`` does the same for the sm80 backward (``SM80_BWD_TILES`` and
+``SM80_BWD_TILES_CAUSAL``): each candidate runs through the real backward
+(``CUTE_FA_BWD_TILE`` set for the call), its dQ, dK, dV are checked against fp32 autograd of
+the reference on a small problem first, and the whole backward is timed beside SDPA FLASH's.
 """
 
 from __future__ import annotations

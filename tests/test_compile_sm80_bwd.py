@@ -35,6 +35,9 @@ HEAD_DIMS = (64, 96, 128, 192, 256)
 # Largest LDL+STL instruction count allowed per head dim of the main kernel (measured: d64 0,
 # d96 4, d128 8, d192 0, d256 0).
 SPILL_BUDGET: dict[int, int] = {64: 0, 96: 8, 128: 16, 192: 0, 256: 0}
+# The d64 causal tile (128 x 128, 8 warps: twice the dK/dV registers a thread) spills a few
+# words; it measured faster than the spill-free 64 x 128 tile anyway (config.py).
+SPILL_BUDGET_BY_TILE: dict[tuple[int, int, int, int], int] = {(64, 128, 128, 8): 32}
 
 Pre = FlashAttentionBackwardPreprocessSm80
 Post = FlashAttentionBackwardPostprocessSm80
@@ -191,7 +194,8 @@ def _check_main(config: BwdConfig) -> None:
     assert counts["LDGSTS"] > 0, "no cp.async (LDGSTS) in the SASS"
     assert counts["HGMMA"] == 0
     assert info["regs"] <= 255
-    budget = SPILL_BUDGET[config.head_dim]
+    tile = (config.head_dim, config.tile_m, config.tile_n, config.num_warps)
+    budget = SPILL_BUDGET_BY_TILE.get(tile, SPILL_BUDGET[config.head_dim])
     assert spills <= budget, f"{spills} LDL/STL (stack {info['stack']} B), budget {budget}"
 
 
