@@ -114,8 +114,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         dK += dS^T Q (RS, commit)
       dS^T -> sdS[:, 64 c : 64 c + 64, i % 2] (transposed element stores); fence.proxy.async;
         named barrier DS_READY (256 threads: both consumers)
-      wait_group 0 (dV, dK complete); fence; issue dQ_c (commit); wait_group 0; release Q[m],
-        dO[m]
+      fence; issue dQ_c (commit) behind dV and dK; wait_group 1 (dV, dK complete): release
+        Q[m], dO[m]; wait_group 0 (dQ_c complete)
       i > 0: wait DQ_EMPTY_WG1 + c (warp 1 has read this consumer's sdQ half of block i - 1)
       dQ_c -> sdQ[:, :, c] (fp32, 8-byte stores); fence.proxy.async; arrive DQ_FULL_WG1 + c
       The two dS buffers: block i + 2 overwrites the buffer of block i only after the DS_READY
@@ -158,8 +158,10 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       block and stores zeros.
     SASS (tests/test_compile_sm90_bwd.py): one warpgroup.arrive per GEMM group (S^T, dP^T,
       dV + dK, dQ: 4 a step; no ptxas serialization), no spills, no stack, at d 64 and 128;
-      dQ leaves by UTMAREDG (no REDG atomics).
-      The dQ GEMM is issued only once dV and dK have completed.
+      dQ leaves by UTMAREDG (no REDG atomics). With dQ split along d its accumulator is
+      64 x d/2 fp32 (d/4 registers a thread), so dQ is issued while dV and dK (and their 16-bit
+      P^T / dS^T registers) are in flight without ptxas serializing the WGMMAs (C7512); with
+      the full 64 x d accumulator d 128 did not fit.
     Not yet: local, softcap, varlen/seqused, deterministic dQ, head_dim_v != head_dim, d other
       than 64 and 128; dS stored with stmatrix, pingpong between the consumers; anything
       measured on a GPU.
@@ -687,15 +689,15 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS_m))
         tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(transposed(sK_dq)))
         acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C(sdQ_c.shape))
-        warpgroup.wait_group(0)
         warpgroup.fence()
         for k in cutlass.range_constexpr(cute.size(tdQrdS.shape[2])):
             mma_dq.set(warpgroup.Field.ACCUMULATE, k != 0)
             cute.gemm(mma_dq, acc_dQ, tdQrdS[None, None, k], tdQrK[None, None, k], acc_dQ)
         warpgroup.commit_group()
-        warpgroup.wait_group(0)
+        warpgroup.wait_group(1)
         pipeline_q.consumer_release(state)
         pipeline_do.consumer_release(state)
+        warpgroup.wait_group(0)
 
         # dQ half -> sdQ once producer warp 1's reduce of the previous block has read it.
         if i > 0:
