@@ -12,6 +12,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from cute_fa.config import BwdConfig
@@ -112,8 +113,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       wait_group 0 (dP^T complete); dS^T = P^T (dP^T - delta[query]); release LSE/delta[m]
       P^T, dS^T -> 16-bit registers (convert_in_chunks); fence; issue dV += P^T dO and
         dK += dS^T Q (RS, commit)
-      dS^T -> sdS[:, 64 c : 64 c + 64, i % 2] (transposed element stores); fence.proxy.async;
-        named barrier DS_READY (256 threads: both consumers)
+      dS^T -> sdS[:, 64 c : 64 c + 64, i % 2] (stmatrix.trans: 16-byte rows of 8 keys);
+        fence.proxy.async; named barrier DS_READY (256 threads: both consumers)
       fence; issue dQ_c (commit) behind dV and dK; wait_group 1 (dV, dK complete): release
         Q[m], dO[m]; wait_group 0 (dQ_c complete)
       i > 0: wait DQ_EMPTY_WG1 + c (warp 1 has read this consumer's sdQ half of block i - 1)
@@ -163,8 +164,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       P^T / dS^T registers) are in flight without ptxas serializing the WGMMAs (C7512); with
       the full 64 x d accumulator d 128 did not fit.
     Not yet: local, softcap, varlen/seqused, deterministic dQ, head_dim_v != head_dim, d other
-      than 64 and 128; dS stored with stmatrix, pingpong between the consumers; anything
-      measured on a GPU.
+      than 64 and 128; the next block's S^T / dP^T issued before this block's dQ completes;
+      pingpong between the consumers; anything measured on a GPU.
     """
 
     arch = 90
@@ -670,12 +671,13 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             cute.gemm(mma_dkv, acc_dK, tdKrdS[None, None, k], tdKrQ[None, None, k, stage], acc_dK)
         warpgroup.commit_group()
 
-        # dS^T -> this consumer's columns of sdS (queries x keys, K-major for the dQ GEMM);
-        # then both consumers' columns are there.
+        # dS^T -> this consumer's columns of sdS (queries x keys, K-major for the dQ GEMM: keys
+        # contiguous, so stmatrix transposes); then both consumers' columns are there.
         sdS_m = sdS[None, None, ds_buffer]
         sdS_c = cute.local_tile(sdS_m, (tm, WG_KEYS), (0, consumer))
         r2s = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), mma_sdp
+            cute.make_copy_atom(StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype),
+            mma_sdp,
         )
         thr_r2s = r2s.get_slice(tidx)
         cute.copy(r2s, thr_r2s.retile(rdS), thr_r2s.partition_D(transposed(sdS_c)))

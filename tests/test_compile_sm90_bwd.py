@@ -129,6 +129,10 @@ def test_sm90_bwd_compiles_for_sm90a(d: int, dtype: str, causal: bool) -> None:
     assert len(re.findall(r"MUFU\.EX2", sass)) == bodies * 32
     assert len(re.findall(r"UTMAREDG\S*\.ADD", sass)) == 2 * (d // 2) // 32
     assert len(re.findall(r"\bREDG", sass)) == 0 and len(re.findall(r"\bATOMG", sass)) == 0
+    # dS^T to smem by stmatrix (x4, transposed: 8 of the 32 dS values of a thread each), no
+    # 16-bit element stores.
+    assert len(re.findall(r"\bSTSM", sass)) == bodies * config.tile_m // 16
+    assert "STS.U16" not in sass
     assert spills == 0 and info["stack"] == 0 and info["local"] == 0
     # 384 threads launch at <= 168 registers; setmaxnreg moves them to 24 / 240.
     assert info["regs"] <= 168
