@@ -476,7 +476,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         m_block_max: Int32,
     ):
         """Producer warp 1: for every visited query block, each consumer's half of dQ from sdQ
-        into dQaccum with a TMA reduce-add (docstring: dQ path). mdQ: (seqlen_q, d) TMA
+        into dQaccum with a TMA reduce-add (docstring: warp roles, warp 1). mdQ: (seqlen_q, d) TMA
         coordinate tensor of this (head, batch); the TMA clips rows past seqlen_q."""
         tm, d = self.tile_m, self.tile_hdim
         dq_cols = d // self.num_consumers
