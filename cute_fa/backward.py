@@ -6,8 +6,8 @@ Launch sequence (all on torch's current CUDA stream, no host sync unless noted):
      (fp32, (b, h, sq, d)); Note [gradient of the LSE] says why dLSE folds into delta;
   2. main kernel (the backward protocol, ``cute_fa.dsl.fake.bwd_fake_args``): dK, dV per query
      head, dK already scaled by softmax_scale; dQ (unscaled) added into dQaccum with atomics
-     (``deterministic=True``: in key-block order, through zeroed int32 semaphores, one per
-     (batch, head, query block); the result is then bitwise reproducible);
+     (sm90: TMA reduce-adds; ``deterministic=True``: in key-block order, through zeroed int32
+     semaphores, one per (batch, head, query block); the result is then bitwise reproducible);
   3. postprocess: ``dQ = (dQaccum * softmax_scale).to(dtype)``;
   4. GQA/MQA: each group of ``h / h_kv`` query heads' dK, dV is summed in fp32 into its kv head
      (``torch.sum(..., dtype=float32)``) and cast back; with ``h == h_kv`` the kernel writes the

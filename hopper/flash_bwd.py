@@ -12,10 +12,11 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from cute_fa.config import BwdConfig
-from cute_fa.dsl.copy import acc_to_smem, elem_ptr, row_store_copy, store_rows
+from cute_fa.dsl.copy import acc_to_smem, row_store_copy, store_rows
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask, query_block_range
 from cute_fa.dsl.softmax import lse_for_recompute, mn_view_wgmma, score_scales
@@ -31,8 +32,13 @@ WG_KEYS = 64  # keys of one consumer warpgroup (the M of its WGMMAs)
 class Barrier(enum.IntEnum):
     """Named barrier ids (0 is __syncthreads)."""
 
-    DS_WG1 = 1  # 128 threads: consumer 0 wrote its dS columns (then: its dK/dV tile) to smem
-    DS_WG2 = 2  # 128 threads: consumer 1 the same
+    EPILOGUE_WG1 = 1  # 128 threads: consumer 0 staged its dK / dV tiles in smem
+    EPILOGUE_WG2 = 2  # 128 threads: consumer 1 the same
+    DS_READY = 3  # 256 threads: both consumers wrote their dS columns of the block to smem
+    DQ_FULL_WG1 = 4  # 160 threads: consumer 0's dQ half is in sdQ (it arrives, warp 1 waits)
+    DQ_FULL_WG2 = 5  # 160 threads: consumer 1 the same
+    DQ_EMPTY_WG1 = 6  # 160 threads: warp 1's reduce has read consumer 0's sdQ half (warp 1
+    DQ_EMPTY_WG2 = 7  # arrives, the consumer waits); 7: the same for consumer 1
 
 
 def transposed(t: cute.Tensor) -> cute.Tensor:
@@ -40,6 +46,11 @@ def transposed(t: cute.Tensor) -> cute.Tensor:
     as (cols, rows, ...)); a K-major WGMMA layout becomes the MN-major one of the other GEMM."""
     modes = [1, 0] + list(range(2, cute.rank(t.layout)))
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+def dq_barrier(first: Barrier, consumer) -> pipeline.NamedBarrier:
+    """The DQ_FULL / DQ_EMPTY barrier of a consumer: its 128 threads and producer warp 1."""
+    return pipeline.NamedBarrier(barrier_id=int(first) + consumer, num_threads=WARPGROUP + 32)
 
 
 class FlashAttentionBackwardSm90(AttentionKernel):
@@ -64,13 +75,20 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       grid = (ceil(max_seqlen_k / tile_n), num_heads, batch): one CTA owns tile_n keys of one
       (query head, batch) and walks the query blocks that see them (causal skips the blocks
       above the diagonal), from the first to the last. P is recomputed from Q, K and the
-      forward's LSE. dQ of each query block is added to the fp32 dQaccum with atomics
-      (red.global.add.f32); the postprocess scales and casts it. GQA: the CTA of query head h
-      reads K/V head h // (h / h_kv) and writes dK/dV of head h; the caller sums each group.
+      forward's LSE. dQ of each query block goes through smem and is added to the fp32
+      dQaccum by TMA reduce-adds (cp.reduce.async.bulk.tensor .add.f32); the postprocess scales
+      and casts it. GQA: the CTA of query head h reads K/V head h // (h / h_kv) and writes dK/dV
+      of head h; the caller sums each group.
     Warp roles (3 warpgroups, 384 threads; launched at <= 168 registers a thread)
-      warpgroup 0: producer. Warp 0 issues the TMA loads (K and V once; Q[m] and dO[m] of each
-        query block) and writes LSE (log2 units) and delta rows of each block to smem with its
-        32 lanes; warps 1-3 idle. setmaxnreg.dec to 24 registers.
+      warpgroup 0: producer. setmaxnreg.dec to 24 registers.
+        warp 0 issues the TMA loads (K and V once; Q[m] and dO[m] of each query block) and
+          writes LSE (log2 units) and delta rows of each block to smem with its 32 lanes.
+        warp 1 (dQ writer): per query block and consumer c, waits for DQ_FULL_WG1 + c, issues
+          the TMA reduce-add of that consumer's half of sdQ into dQaccum, waits until the TMA
+          has read sdQ (cp.async.bulk.wait_group.read 0) and arrives on DQ_EMPTY_WG1 + c
+          (not after the last block: nobody waits for it). At the end it waits for its
+          reduce-adds to complete.
+        warps 2, 3 idle.
       warpgroups 1, 2: consumers 0, 1. Consumer c owns keys [64 c, 64 c + 64) of the tile: its
         dK and dV (64 x d fp32) stay in registers for the whole CTA. setmaxnreg.inc to 240.
     GEMMs of consumer c for query block m (WGMMA, M = its 64 keys except for dQ; "swapped AB":
@@ -80,13 +98,14 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       dP^T = V_c dO^T       SS   (64 x tile_m, k = d)       B: sQ / sdO stage (K-major)
       dV  += P^T dO         RS   (64 x d, k = tile_m)       B: sdO viewed transposed (MN-major)
       dK  += dS^T Q         RS   (64 x d, k = tile_m)       B: sQ viewed transposed (MN-major)
-      dQ_c = dS[:, c] K_c   SS   (tile_m x d, k = 64)       A: this consumer's dS columns in
-                                                            sdS (K-major); B: sK rows of c
-                                                            viewed transposed (MN-major)
-      dQ is split over the consumers along k (keys): each adds its partial dQ_c of the block
-      with its own atomics (both land on the same dQaccum rows; 2 x tile_m x d atomics a block).
-      This needs no barrier between the consumers (each reads only its own dS columns).
-    Per query block m, consumer c (pipeline states advance in lockstep over the q stages)
+      dQ_c = dS K[:, cols c] SS  (tile_m x d/2, k = tile_n) A: all of sdS (K-major); B: the
+                                                            d/2 columns of c of sK, viewed
+                                                            transposed (MN-major)
+      dQ is split over the consumers along d: consumer c computes columns [c d/2, c d/2 + d/2)
+      of the block's dQ over all tile_n keys, so each dQaccum element gets one reduce-add per
+      CTA and block. This needs both consumers' dS columns in sdS (barrier DS_READY).
+    Per query block m (the i-th visited), consumer c (pipeline states advance in lockstep over
+    the q stages)
       wait Q[m]; fence; issue S^T (commit); wait dO[m]; issue dP^T (commit)
       wait LSE/delta[m]; wgmma wait_group 1 (S^T complete)
       mask (causal: always; otherwise only when this consumer's keys cut seqlen_k);
@@ -94,20 +113,30 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       wait_group 0 (dP^T complete); dS^T = P^T (dP^T - delta[query]); release LSE/delta[m]
       P^T, dS^T -> 16-bit registers (convert_in_chunks); fence; issue dV += P^T dO and
         dK += dS^T Q (RS, commit)
-      dS^T -> sdS[:, 64 c : 64 c + 64, m % 2] (transposed element stores); fence.proxy.async;
-        named barrier DS_WG1 + c (128 threads)
-      wait_group 0 (dV, dK complete); fence; issue dQ_c = dS[:, c] K_c (commit); wait_group 0;
-        release Q[m], dO[m]
-      atomics of dQ_c into dQaccum (rows < seqlen_q)
-      The two dS buffers: block m + 2 overwrites the buffer of block m only after the barrier
-      of block m + 1, which every thread of the consumer reaches after its wait of block m.
-    Pipelines (mbarriers; producer -> both consumers)
+      dS^T -> sdS[:, 64 c : 64 c + 64, i % 2] (stmatrix.trans: 16-byte rows of 8 keys);
+        fence.proxy.async; named barrier DS_READY (256 threads: both consumers)
+      fence; issue dQ_c (commit) behind dV and dK; wait_group 1 (dV, dK complete): release
+        Q[m], dO[m]; wait_group 0 (dQ_c complete)
+      i > 0: wait DQ_EMPTY_WG1 + c (warp 1 has read this consumer's sdQ half of block i - 1)
+      dQ_c -> sdQ[:, :, c] (fp32, 8-byte stores); fence.proxy.async; arrive DQ_FULL_WG1 + c
+      The two dS buffers: block i + 2 overwrites the buffer of block i only after the DS_READY
+      barrier of block i + 1, which each consumer reaches after its dQ GEMM of block i (the
+      only reader of that buffer) completed.
+    Pipelines (mbarriers; producer warp 0 -> both consumers)
       pipeline_kv: PipelineTmaAsync, 1 stage, K and V tiles on one barrier, 8 consumer-warp
                    arrivals; loaded once, never released.
       pipeline_q, pipeline_do: PipelineTmaAsync, q_stages = 2, 8 consumer-warp arrivals; a stage
                    is released once the dK (Q) / dV (dO) GEMM of its block has completed.
       pipeline_lse: PipelineAsync, q_stages = 2, 32 producer-lane arrivals (their st.shared of
                    LSE and delta come before their arrive), 256 consumer-thread arrivals.
+    Named barriers (``Barrier``)
+      EPILOGUE_WG1 + c (128): consumer c staged its dK / dV tiles in its rows of sK / sV.
+      DS_READY (256): both consumers wrote their dS columns of the block (and, once after the
+        last block, both finished reading sK, so the epilogue may overwrite it).
+      DQ_FULL_WG1 + c (160): consumer c arrives (128) after writing its sdQ half; warp 1 waits.
+      DQ_EMPTY_WG1 + c (160): warp 1 arrives once its reduce-add has read that half; consumer c
+        waits before writing the next block's dQ. Each is used once per block (EMPTY: blocks
+        1..n-1), in the same order on both sides, so an arrival never meets an older phase.
     Shared memory (swizzled WGMMA layouts, 128-byte swizzle; TMA writes K, V, Q, dO)
       sK, sV (tile_n, d)                 loaded once; at the end consumer c stages its dK / dV
                                          (16-bit) in its own 64 rows of them.
@@ -115,25 +144,28 @@ class FlashAttentionBackwardSm90(AttentionKernel):
                                          the B of dK / dV.
       sLSE, sdPsum (tile_m, q_stages)    fp32: LSE * log2 e and delta of the block's rows.
       sdS (tile_m, tile_n, 2)            16-bit dS, K-major A of dQ.
-      d 64: 97 KiB, d 128: 161 KiB (``support.bwd_smem_bytes``).
-    Epilogue (per consumer): dK *= softmax_scale; dK, dV -> 16-bit -> its rows of sK / sV (only
-      this consumer ever read them) -> named barrier DS_WG1 + c -> 16-byte global stores of
-      keys < seqlen_k.
+      sdQ (tile_m, d / 2, 2)             fp32 dQ, the last mode the consumer (each half one TMA
+                                         reduce source: 128-byte swizzle, 32-column boxes).
+      d 64: 114 KiB, d 128: 194 KiB (``support.bwd_smem_bytes``).
+    Epilogue (per consumer): DS_READY (both consumers are done with sK); dK *= softmax_scale;
+      dK, dV -> 16-bit -> its rows of sK / sV -> named barrier EPILOGUE_WG1 + c -> 16-byte
+      global stores of keys < seqlen_k.
     Out-of-range rows: TMA zero-fills Q and dO rows past seqlen_q and K, V rows past seqlen_k;
       the producer writes LSE = +inf and delta = 0 for rows past seqlen_q and LSE = +inf for rows
       whose forward LSE is -inf (they saw no key): P = 0 and dS = 0 there. Scores of keys past
-      seqlen_k are masked to -inf (P = 0). dQ atomics skip rows past seqlen_q; dK and dV stores
-      skip keys past seqlen_k. A CTA whose key block no query row sees (none with causal and
-      seqlen_q > 0) loads K/V, visits no query block and stores zeros.
+      seqlen_k are masked to -inf (P = 0). The TMA reduce-add clips rows past seqlen_q (dQaccum
+      has exactly seqlen_q rows); dK and dV stores skip keys past seqlen_k. A CTA whose key
+      block no query row sees (none with causal and seqlen_q > 0) loads K/V, visits no query
+      block and stores zeros.
     SASS (tests/test_compile_sm90_bwd.py): one warpgroup.arrive per GEMM group (S^T, dP^T,
-      dV + dK, dQ: 4 a step; no ptxas serialization), no spills, no stack, at d 64 and 128.
-      The dQ GEMM is issued only once dV and dK have completed: with those in flight too
-      (their 16-bit P^T / dS^T registers live) d 128 ran out of registers and ptxas serialized
-      every WGMMA (C7512).
+      dV + dK, dQ: 4 a step; no ptxas serialization), no spills, no stack, at d 64 and 128;
+      dQ leaves by UTMAREDG (no REDG atomics). With dQ split along d its accumulator is
+      64 x d/2 fp32 (d/4 registers a thread), so dQ is issued while dV and dK (and their 16-bit
+      P^T / dS^T registers) are in flight without ptxas serializing the WGMMAs (C7512); with
+      the full 64 x d accumulator d 128 did not fit.
     Not yet: local, softcap, varlen/seqused, deterministic dQ, head_dim_v != head_dim, d other
-      than 64 and 128; dS stored with stmatrix, dQ through smem and a TMA reduce-add, a
-      split of dQ along d (one atomic per element instead of two), pingpong between the
-      consumers; anything measured on a GPU.
+      than 64 and 128; the next block's S^T / dP^T issued before this block's dQ completes;
+      pingpong between the consumers; anything measured on a GPU.
     """
 
     arch = 90
@@ -162,7 +194,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         )  # fmt: skip
         mma_dq = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, k_major, mn_major, Float32, (1, 1, 1),
-            (self.tile_m, self.tile_hdim),
+            (self.tile_m, self.tile_hdim // self.num_consumers),
         )  # fmt: skip
         return mma_sdp, mma_dkv, mma_dq
 
@@ -194,11 +226,13 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         stream: cuda.CUstream,
     ):
         tm, tn, d = self.tile_m, self.tile_n, self.tile_hdim
+        dq_cols = d // self.num_consumers
         # TMA views: (seqlen, d, heads, batch).
         mQ_t, mK_t, mV_t, mdO_t = (
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
             for t in (mQ, mK, mV, mdO)
         )
+        mdQ_t = cute.make_tensor(mdQaccum.iterator, cute.select(mdQaccum.layout, mode=[2, 3, 1, 0]))
         mma_sdp, mma_dkv, mma_dq = self.make_tiled_mmas()
         # sK / sV: the K-major A operand of S^T / dP^T (M = keys); sQ / sdO: the K-major B
         # operand of S^T / dP^T (N = query rows); sdS: the K-major A operand of dQ.
@@ -209,6 +243,10 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         sdS_layout = sm90_utils.make_smem_layout_a(
             LayoutEnum.ROW_MAJOR, (tm, d, tn), self.dtype, self.ds_buffers
         )
+        # sdQ: fp32 (tm, d / 2) per consumer (the last mode), the source of the TMA reduce-add.
+        sdQ_layout = sm90_utils.make_smem_layout_epi(
+            Float32, LayoutEnum.ROW_MAJOR, (tm, dq_cols), self.num_consumers
+        )
         sK_tile = cute.slice_(sK_layout, (None, None, 0))
         sQ_tile = cute.slice_(sQ_layout, (None, None, 0))
         load = cpasync.CopyBulkTensorTileG2SOp()
@@ -216,6 +254,10 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         tma_v, mV_tma = cpasync.make_tiled_tma_atom(load, mV_t, sK_tile, (tn, d))
         tma_q, mQ_tma = cpasync.make_tiled_tma_atom(load, mQ_t, sQ_tile, (tm, d))
         tma_do, mdO_tma = cpasync.make_tiled_tma_atom(load, mdO_t, sQ_tile, (tm, d))
+        tma_dq, mdQ_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ_t,
+            cute.slice_(sdQ_layout, (None, None, 0)), (tm, dq_cols),
+        )  # fmt: skip
         self.tx_kv = 2 * cute.size_in_bytes(self.dtype, sK_tile)
         self.tx_q = cute.size_in_bytes(self.dtype, sQ_tile)
 
@@ -232,15 +274,17 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
         # dK / dV stores: 16 bytes a thread, one warpgroup over a (64, d) tile.
         copy_r2g = row_store_copy(self.dtype, WARPGROUP, d)
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
         grid = (cute.ceil_div(max_seqlen_k, tn), cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
         self.kernel(
-            mQ_tma, mK_tma, mV_tma, mdO_tma, mQ, mK, mLSE, mdPsum, mdQaccum, mdK, mdV,
-            tma_q, tma_k, tma_v, tma_do, softmax_scale, scale_log2,
-            sK_layout, sQ_layout, sdS_layout, mma_sdp, mma_dkv, mma_dq, copy_r2g, SharedStorage,
+            mQ_tma, mK_tma, mV_tma, mdO_tma, mdQ_tma, mQ, mK, mLSE, mdPsum, mdK, mdV,
+            tma_q, tma_k, tma_v, tma_do, tma_dq, softmax_scale, scale_log2,
+            sK_layout, sQ_layout, sdS_layout, sdQ_layout, mma_sdp, mma_dkv, mma_dq, copy_r2g,
+            SharedStorage,
         ).launch(grid=grid, block=[WARPGROUP * (1 + self.num_consumers), 1, 1], stream=stream,
                  min_blocks_per_mp=1)  # fmt: skip
 
@@ -254,22 +298,24 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         mK_tma: cute.Tensor,
         mV_tma: cute.Tensor,
         mdO_tma: cute.Tensor,
+        mdQ_tma: cute.Tensor,
         mQ: cute.Tensor,
         mK: cute.Tensor,
         mLSE: cute.Tensor,
         mdPsum: cute.Tensor,
-        mdQaccum: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
         tma_v: cute.CopyAtom,
         tma_do: cute.CopyAtom,
+        tma_dq: cute.CopyAtom,
         softmax_scale: Float32,
         scale_log2: Float32,
         sK_layout: cute.ComposedLayout,
         sQ_layout: cute.ComposedLayout,
         sdS_layout: cute.ComposedLayout,
+        sdQ_layout: cute.ComposedLayout,
         mma_sdp: cute.TiledMma,
         mma_dkv: cute.TiledMma,
         mma_dq: cute.TiledMma,
@@ -304,6 +350,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
         lse_layout = cute.make_layout((tm, self.q_stages))
         sLSE = storage.sLSE.get_tensor(lse_layout)
         sdPsum = storage.sdPsum.get_tensor(lse_layout)
@@ -326,14 +373,17 @@ class FlashAttentionBackwardSm90(AttentionKernel):
                     pipeline_kv, pipeline_q, pipeline_do, pipeline_lse,
                     n_block, m_block_min, m_block_max, seqlen_q,
                 )  # fmt: skip
+            elif warp_idx == 1:
+                self.reduce_dq(
+                    mdQ_tma[None, None, head, batch], tma_dq, sdQ, m_block_min, m_block_max
+                )
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             consumer = wg_idx - 1
             key_start = n_block * tn + consumer * WG_KEYS
             self.consume(
-                mdQaccum[batch, head, None, None], mdK[batch, None, head, None],
-                mdV[batch, None, head, None],
-                sQ, sdO, sK, sV, sdS, sLSE, sdPsum,
+                mdK[batch, None, head, None], mdV[batch, None, head, None],
+                sQ, sdO, sK, sV, sdS, sdQ, sLSE, sdPsum,
                 pipeline_kv, pipeline_q, pipeline_do, pipeline_lse,
                 mma_sdp, mma_dkv, mma_dq, copy_r2g,
                 consumer, tidx % WARPGROUP, key_start, seqlen_q, seqlen_k,
@@ -417,9 +467,41 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             state.advance()
 
     @cute.jit
+    def reduce_dq(
+        self,
+        mdQ: cute.Tensor,
+        tma_dq: cute.CopyAtom,
+        sdQ: cute.Tensor,
+        m_block_min: Int32,
+        m_block_max: Int32,
+    ):
+        """Producer warp 1: for every visited query block, each consumer's half of dQ from sdQ
+        into dQaccum with a TMA reduce-add (docstring: warp roles, warp 1). mdQ: (seqlen_q, d) TMA
+        coordinate tensor of this (head, batch); the TMA clips rows past seqlen_q."""
+        tm, d = self.tile_m, self.tile_hdim
+        dq_cols = d // self.num_consumers
+        gdQ = cute.local_tile(mdQ, (tm, dq_cols), (None, None))
+        tdQsdQ, tdQgdQ = cpasync.tma_partition(
+            tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
+            cute.group_modes(gdQ, 0, 2),
+        )  # fmt: skip
+        cpasync.prefetch_descriptor(tma_dq)
+        n_blocks = m_block_max - m_block_min
+        for i in cutlass.range(n_blocks, unroll=1):
+            for c in cutlass.range_constexpr(self.num_consumers):
+                dq_barrier(Barrier.DQ_FULL_WG1, c).arrive_and_wait()
+                cute.copy(tma_dq, tdQsdQ[None, c], tdQgdQ[None, m_block_min + i, c])
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.sync_warp()
+                # The consumer waits for this only before its next block's dQ.
+                if i < n_blocks - 1:
+                    dq_barrier(Barrier.DQ_EMPTY_WG1, c).arrive()
+        cute.arch.cp_async_bulk_wait_group(0)
+
+    @cute.jit
     def consume(
         self,
-        mdQaccum: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         sQ: cute.Tensor,
@@ -427,6 +509,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         sK: cute.Tensor,
         sV: cute.Tensor,
         sdS: cute.Tensor,
+        sdQ: cute.Tensor,
         sLSE: cute.Tensor,
         sdPsum: cute.Tensor,
         pipeline_kv: pipeline.PipelineTmaAsync,
@@ -462,11 +545,14 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         pipeline_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                                1))  # fmt: skip
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
-        smem = (sQ, sdO, sK_c, sV_c, sdS, sLSE, sdPsum)
+        # dQ: this consumer's d / 2 columns of K (all tile_n keys), its half of sdQ.
+        sK_dq = cute.local_tile(sK[None, None, 0], (self.tile_n, d // self.num_consumers),
+                                (0, consumer))  # fmt: skip
+        smem = (sQ, sdO, sK_c, sV_c, sdS, sK_dq, sdQ[None, None, consumer], sLSE, sdPsum)
         pipes = (pipeline_q, pipeline_do, pipeline_lse)
         for i in cutlass.range(m_block_max - m_block_min, unroll=1):
-            args = (m_block_min + i, i % self.ds_buffers, state, smem, pipes, mdQaccum, acc_dK,
-                    acc_dV, consumer, tidx, key_start, seqlen_q, seqlen_k, scale_log2)  # fmt: skip
+            args = (m_block_min + i, i, state, smem, pipes, acc_dK, acc_dV, consumer, tidx,
+                    key_start, seqlen_q, seqlen_k, scale_log2)  # fmt: skip
             if cutlass.const_expr(self.causal):
                 self.step(*args, True)
             else:
@@ -478,12 +564,16 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             state.advance()
 
         # Epilogue: dK carries the softmax scale (dS is w.r.t. the scaled scores). Only this
-        # consumer ever read its rows of sK / sV, and its GEMMs have completed.
+        # consumer reads its rows of sV, but both read all of sK (dQ): a DS_READY barrier,
+        # which each consumer reaches after its last dQ GEMM completed, comes first.
+        pipeline.NamedBarrier(
+            barrier_id=int(Barrier.DS_READY), num_threads=self.num_consumers * WARPGROUP
+        ).arrive_and_wait()
         acc_dK.store(acc_dK.load() * softmax_scale)
         for acc, s in ((acc_dK, sK_c), (acc_dV, sV_c)):
             acc_to_smem(acc, mma_dkv, s, tidx)
         pipeline.NamedBarrier(
-            barrier_id=int(Barrier.DS_WG1) + consumer, num_threads=WARPGROUP
+            barrier_id=int(Barrier.EPILOGUE_WG1) + consumer, num_threads=WARPGROUP
         ).arrive_and_wait()
         for m, s in ((mdK, sK_c), (mdV, sV_c)):
             g = cute.local_tile(cute.domain_offset((key_start, 0), m), (WG_KEYS, d), (0, 0))
@@ -493,11 +583,10 @@ class FlashAttentionBackwardSm90(AttentionKernel):
     def step(
         self,
         m_block: Int32,
-        ds_buffer: Int32,
+        i: Int32,
         state: pipeline.PipelineState,
         smem: tuple,
         pipes: tuple,
-        mdQaccum: cute.Tensor,
         acc_dK: cute.Tensor,
         acc_dV: cute.Tensor,
         consumer: Int32,
@@ -508,12 +597,14 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         scale_log2: Float32,
         masked: cutlass.Constexpr[bool],
     ):
-        """Query block m_block against this consumer's 64 keys (docstring: per query block)."""
-        tm, d = self.tile_m, self.tile_hdim
-        sQ, sdO, sK_c, sV_c, sdS, sLSE, sdPsum = smem
+        """Query block m_block (the i-th visited) against this consumer's 64 keys (docstring:
+        per query block)."""
+        tm = self.tile_m
+        sQ, sdO, sK_c, sV_c, sdS, sK_dq, sdQ_c, sLSE, sdPsum = smem
         pipeline_q, pipeline_do, pipeline_lse = pipes
         mma_sdp, mma_dkv, mma_dq = self.make_tiled_mmas()
         stage = state.index
+        ds_buffer = i % self.ds_buffers
 
         # S^T = K_c Q^T and dP^T = V_c dO^T (keys x queries).
         thr_sdp = mma_sdp.get_slice(tidx)
@@ -580,37 +671,44 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             cute.gemm(mma_dkv, acc_dK, tdKrdS[None, None, k], tdKrQ[None, None, k, stage], acc_dK)
         warpgroup.commit_group()
 
-        # dS^T -> this consumer's columns of sdS (queries x keys, K-major for the dQ GEMM).
-        sdS_c = cute.local_tile(sdS[None, None, ds_buffer], (tm, WG_KEYS), (0, consumer))
+        # dS^T -> this consumer's columns of sdS (queries x keys, K-major for the dQ GEMM: keys
+        # contiguous, so stmatrix transposes); then both consumers' columns are there.
+        sdS_m = sdS[None, None, ds_buffer]
+        sdS_c = cute.local_tile(sdS_m, (tm, WG_KEYS), (0, consumer))
         r2s = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), mma_sdp
+            cute.make_copy_atom(StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype),
+            mma_sdp,
         )
         thr_r2s = r2s.get_slice(tidx)
         cute.copy(r2s, thr_r2s.retile(rdS), thr_r2s.partition_D(transposed(sdS_c)))
         cute.arch.fence_view_async_shared()
         pipeline.NamedBarrier(
-            barrier_id=int(Barrier.DS_WG1) + consumer, num_threads=WARPGROUP
+            barrier_id=int(Barrier.DS_READY), num_threads=self.num_consumers * WARPGROUP
         ).arrive_and_wait()
 
-        # dQ_c = dS[:, keys of c] K_c, added to dQaccum.
+        # dQ[:, half c] = dS K[:, half c] (all tile_n keys), issued behind dV and dK.
         thr_dq = mma_dq.get_slice(tidx)
-        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS_c))
-        tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(transposed(sK_c)))
-        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((tm, d)))
-        warpgroup.wait_group(0)
+        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS_m))
+        tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(transposed(sK_dq)))
+        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C(sdQ_c.shape))
         warpgroup.fence()
         for k in cutlass.range_constexpr(cute.size(tdQrdS.shape[2])):
             mma_dq.set(warpgroup.Field.ACCUMULATE, k != 0)
             cute.gemm(mma_dq, acc_dQ, tdQrdS[None, None, k], tdQrK[None, None, k], acc_dQ)
         warpgroup.commit_group()
-        warpgroup.wait_group(0)
+        warpgroup.wait_group(1)
         pipeline_q.consumer_release(state)
         pipeline_do.consumer_release(state)
+        warpgroup.wait_group(0)
 
-        rows_left = seqlen_q - m_block * tm
-        gdQ = cute.local_tile(mdQaccum, (tm, d), (m_block, 0))
-        tdQgdQ = thr_dq.partition_C(gdQ)
-        tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((tm, d)))
-        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            if tdQcdQ[i][0] < rows_left:
-                cute.arch.atomic_add(elem_ptr(tdQgdQ, i).llvm_ptr, acc_dQ[i])
+        # dQ half -> sdQ once producer warp 1's reduce of the previous block has read it.
+        if i > 0:
+            dq_barrier(Barrier.DQ_EMPTY_WG1, consumer).arrive_and_wait()
+        r2s_dq = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64),
+            mma_dq,
+        )
+        thr_r2s_dq = r2s_dq.get_slice(tidx)
+        cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), thr_r2s_dq.partition_D(sdQ_c))
+        cute.arch.fence_view_async_shared()
+        dq_barrier(Barrier.DQ_FULL_WG1, consumer).arrive()

@@ -92,8 +92,9 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
 # blocks tile_m = 64 rows at a time, with
 # S^T = K Q^T and dP^T = V dO^T (64 x 64 fp32: 32 registers each).
 # Shared memory: K, V (tile_n x d, loaded once), SM90_BWD_Q_STAGES of Q and dO (tile_m x d) with
-# their LSE and delta rows (fp32), and two buffers of dS (tile_m x tile_n, 16-bit).
-#   d 64: 32 + 32 + 32 + 32 KiB = 96 KiB;  d 128: 64 + 64 + 32 KiB = 160 KiB (of 227).
+# their LSE and delta rows (fp32), two buffers of dS (tile_m x tile_n, 16-bit) and one fp32 dQ
+# tile (tile_m x d, the source of the TMA reduce-add into dQaccum).
+#   d 64: 32 + 32 + 32 + 16 KiB = 112 KiB;  d 128: 64 + 64 + 32 + 32 KiB = 192 KiB (of 227).
 # --------------------------------------------------------------------------------------------
 SM90_BWD_TILE_M = 64
 SM90_BWD_TILE_N = 128
@@ -110,10 +111,10 @@ def bwd_tile(head_dim: int, causal: bool) -> tuple[int, int, int]:
 
 def bwd_smem_bytes(config: BwdConfig) -> int:
     """Shared memory of the sm90 backward: K, V; the Q, dO, LSE and delta stages; the dS
-    buffers; barriers and the 1024-byte alignment of the tiles."""
+    buffers; the fp32 dQ tile; barriers and the 1024-byte alignment of the tiles."""
     tm, tn, d, dv = config.tile_m, config.tile_n, config.head_dim, config.head_dim_v
     tiles = tn * (d + dv) + SM90_BWD_Q_STAGES * tm * (d + dv) + SM90_BWD_DS_BUFFERS * tm * tn
-    return tiles * 2 + SM90_BWD_Q_STAGES * 2 * tm * 4 + SM90_FWD_SMEM_SLACK
+    return tiles * 2 + SM90_BWD_Q_STAGES * 2 * tm * 4 + tm * d * 4 + SM90_FWD_SMEM_SLACK
 
 
 def bwd_can_implement(config: BwdConfig) -> tuple[bool, str]:

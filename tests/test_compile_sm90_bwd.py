@@ -4,9 +4,10 @@
 on an sm90 GPU); what can be checked here: ``can_implement`` accepts its scope and rejects the rest
 with a reason, and every config in scope (d 64 / 128, no mask / causal, bf16 / fp16) cross-compiles
 for sm_90a to a cubin that holds WGMMA (``HGMMA``, the count of the five GEMMs of a step), TMA loads
-(``UTMALDG``), the fp32 dQ reductions (``REDG.E.ADD.F32``), the register reallocation of the warp
-roles (``USETMAXREG``), one ``WARPGROUP.ARRIVE`` per GEMM group (more means ptxas serialized the
-WGMMAs), no mma.sync, no spills and no stack. Registers are printed (``pytest -rP``).
+(``UTMALDG``), the TMA reduce-adds of dQ (``UTMAREDG``, no per-element ``REDG`` atomics), the
+register reallocation of the warp roles (``USETMAXREG``), one ``WARPGROUP.ARRIVE`` per GEMM
+group (more means ptxas serialized the WGMMAs), no mma.sync, no spills and no stack. Registers
+are printed (``pytest -rP``).
 """
 
 from __future__ import annotations
@@ -115,17 +116,23 @@ def test_sm90_bwd_compiles_for_sm90a(d: int, dtype: str, causal: bool) -> None:
     )
     # Step bodies: causal masks every query block (1 body), otherwise a masked and an unmasked
     # body. Per body: S^T and dP^T (d / 16 WGMMAs of k = 16 each), dV and dK (tile_m / 16),
-    # dQ over the consumer's 64 keys (64 / 16).
+    # the consumer's d / 2 columns of dQ over all tile_n keys (tile_n / 16).
     bodies = 1 if causal else 2
-    per_body = 2 * (d // 16) + 2 * (config.tile_m // 16) + 64 // 16
+    per_body = 2 * (d // 16) + 2 * (config.tile_m // 16) + config.tile_n // 16
     assert counts["HGMMA"] == bodies * per_body, "HGMMA count"
     assert sass.count("WARPGROUP.ARRIVE") == 4 * bodies, "WGMMAs serialized by ptxas"
     assert counts["UTMALDG"] > 0, "no TMA load (UTMALDG) in the SASS"
     assert counts["HMMA"] == 0 and counts["LDGSTS"] == 0
-    # One exp2 per score (64 keys x 64 query rows over 128 threads) and one fp32 reduction per
-    # dQ element of the consumer (64 rows x d over 128 threads) in each body.
+    # One exp2 per score (64 keys x 64 query rows over 128 threads) in each body. dQ leaves
+    # through smem: one TMA reduce-add per 32-column (128-byte swizzle) box of each consumer's
+    # (tile_m, d / 2) half, issued by producer warp 1 (once, not per body); no atomics.
     assert len(re.findall(r"MUFU\.EX2", sass)) == bodies * 32
-    assert len(re.findall(r"REDG\.E\.ADD\.F32", sass)) == bodies * config.tile_m * d // 128
+    assert len(re.findall(r"UTMAREDG\S*\.ADD", sass)) == 2 * (d // 2) // 32
+    assert len(re.findall(r"\bREDG", sass)) == 0 and len(re.findall(r"\bATOMG", sass)) == 0
+    # dS^T to smem by stmatrix (x4, transposed: 8 of the 32 dS values of a thread each), no
+    # 16-bit element stores.
+    assert len(re.findall(r"\bSTSM", sass)) == bodies * config.tile_m // 16
+    assert "STS.U16" not in sass
     assert spills == 0 and info["stack"] == 0 and info["local"] == 0
     # 384 threads launch at <= 168 registers; setmaxnreg moves them to 24 / 240.
     assert info["regs"] <= 168

@@ -102,7 +102,8 @@ def bwd_fake_args(config) -> tuple:
       mLSE (b, h, sq) fp32       the forward's LSE (natural log); -inf for rows seeing no key
       mdPsum (b, h, sq) fp32     delta = rowsum(dO * O), from the preprocess kernel
       mdQaccum (b, h, sq, d) fp32, zeroed before the launch; the kernel atomically adds
-               dS @ K (unscaled) into it; the postprocess multiplies by softmax_scale and casts
+               dS @ K (unscaled) into it (sm90: TMA reduce-adds, which clip at sq rows); the
+               postprocess multiplies by softmax_scale and casts
       mdK  (b, sk, h, d)         one slice per *query* head (GQA: the caller sums groups)
       mdV  (b, sk, h, dv)        the same; dK is written already multiplied by softmax_scale
       softmax_scale, softcap, window_left, window_right (as the forward),
