@@ -37,8 +37,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
     """Exact attention backward (dQ, dK, dV), FA2 design, for every GPU from sm80 up.
 
     Grid and work split
-      grid = (ceil(max_seqlen_k / tile_n), num_heads, batch) (deterministic: (num_heads,
-      batch, ceil(max_seqlen_k / tile_n))): one CTA owns tile_n keys of one
+      grid = (ceil(max_seqlen_k / tile_n), num_heads, batch): one CTA owns tile_n keys of one
       (query head, batch), keeps their dK and dV in registers and walks the query blocks that
       see them (causal/local skip the rest), tile_m rows at a time. P is recomputed from Q, K
       and the forward's LSE: neither S nor P ever goes to global memory. dQ of each query block
@@ -70,12 +69,10 @@ class FlashAttentionBackwardSm80(AttentionKernel):
       spins (ld.acquire.gpu) until the semaphore of (batch, head, m) equals the number of key
       blocks before this one that visit m; barrier; atomics; fence.acq_rel.gpu; barrier;
       thread 0 adds 1 (red.release.gpu). Every element of dQaccum then sums its terms in key
-      block order, whatever the schedule. The grid is (num_heads, batch, key blocks): key
-      blocks slowest, so the CTAs of one key block index of every head start before any of the
-      next index, and a CTA mostly finds its turns already come. The CTA walks its query blocks
-      downward (last first), so that the key blocks of one head that do run together all start
-      on the same last query blocks and each waits only for the atomics of the one before it.
-      Note [deterministic dQ] has the argument.
+      block order, whatever the schedule. The CTA walks its query blocks downward (last
+      first), so that all key blocks start on the same last query blocks and each waits only
+      for the atomics of the one before it, not for it to reach the block. Note
+      [deterministic dQ] has the argument.
     Epilogue: dK *= softmax_scale; dK, dV through sK, sV to global memory.
     Out-of-range rows: Q and dO rows past seqlen_q are zero and their LSE is +inf (P = 0, dS = 0);
       K and V rows past seqlen_k are zero and their scores masked; rows whose forward LSE is -inf
@@ -150,9 +147,6 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         if cutlass.const_expr(mCuSeqlensQ is not None):
             batch = mCuSeqlensQ.shape[0] - 1
         grid = (cute.ceil_div(max_seqlen_k, tn), cute.size(mQ.shape[2]), batch)
-        if cutlass.const_expr(self.deterministic):
-            # Key blocks slowest (Note [deterministic dQ]): (head, batch, key block).
-            grid = (cute.size(mQ.shape[2]), batch, cute.ceil_div(max_seqlen_k, tn))
         self.kernel(
             mQ, mK, mV, mdO, mLSE, mdPsum, mdQaccum, mdK, mdV,
             softmax_scale, score_scale, scale_log2, window_left, window_right,
@@ -199,8 +193,6 @@ class FlashAttentionBackwardSm80(AttentionKernel):
     ):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head, batch = cute.arch.block_idx()
-        if cutlass.const_expr(self.deterministic):
-            head, batch, n_block = cute.arch.block_idx()
         tm, tn, d = self.tile_m, self.tile_n, self.tile_hdim
         offset_q, seqlen_q, offset_k, seqlen_k = seqlen_info(
             batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK
@@ -547,11 +539,3 @@ class FlashAttentionBackwardSm80(AttentionKernel):
 # of one critical section a key block), not for their compute. The turn order stays ascending:
 # descending turns would make a CTA wait for CTAs of higher index, which may not have started
 # when a head has more key blocks than CTAs fit on the GPU.
-# Launch order: with key blocks fastest in the grid, the CTAs that run together are mostly the
-# key blocks of one head, which all need the same query block at once: the chain of turns (one
-# critical section of a few microseconds each, comparable to a block's GEMMs) then paces them,
-# and key block n idles about n critical sections before its first add (0.77x of the default
-# speed at d128 8k). With key blocks slowest (grid (num_heads, batch, key blocks)), the CTAs
-# that run together are a few key block indices of every head; key block n starts after the
-# CTAs of index n - 1 of all heads have, so its turns have mostly come. The deadlock argument
-# holds as before: the CTAs a CTA waits for have a lower z index, so they started earlier.
