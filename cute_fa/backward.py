@@ -45,9 +45,10 @@ from .cache import CompileCache, compile_tvm_ffi, export_tvm_ffi, load_tvm_ffi
 from .config import BwdConfig, SettingError, sm80_bwd_tile, target_for_capability
 from .hopper import support as sm90_support
 
-# ``CUTE_FA_BWD_ARCH=90`` runs the sm90 main kernel (FlashAttentionBackwardSm90: d64/d128,
-# dense, causal or not; checked by tests/test_bwd_sm90_gpu.py, not timed yet, so not the
-# default) between the sm80 preprocess and postprocess; 80 or unset: the sm80 main kernel.
+# Which main kernel runs (Note [backward dispatch]): on sm_90a the sm90 kernel
+# (FlashAttentionBackwardSm90) wherever its can_implement accepts the call, the sm80 kernel
+# for the rest; ``CUTE_FA_BWD_ARCH=80`` or ``=90`` forces one family (NotImplementedError when
+# it cannot run the call). Both use the sm80 preprocess and postprocess.
 BWD_ARCH_ENV = "CUTE_FA_BWD_ARCH"
 
 __all__ = [
@@ -106,32 +107,46 @@ def bwd_config(
     seqused_k: bool = False,
     deterministic: bool = False,
 ) -> BwdConfig:
-    """The main kernel's compile key for a request on ``target`` (sm80 family, tuned tiles;
-    ``CUTE_FA_BWD_ARCH=90``: the sm90 kernel); NotImplementedError naming the reason when the
+    """The main kernel's compile key for a request on ``target``: the sm90 kernel on sm_90a
+    where it implements the request, else the sm80 kernel (Note [backward dispatch];
+    ``CUTE_FA_BWD_ARCH`` forces a family); NotImplementedError naming the reason when the
     kernel cannot implement it."""
     forced = os.environ.get(BWD_ARCH_ENV, "").strip()
     if forced not in ("", "80", "90"):
         raise SettingError(f"{BWD_ARCH_ENV}={forced!r}: expected 80 or 90")
-    arch = 90 if forced == "90" else 80
-    if arch == 90:
-        tile_m, tile_n, num_warps = sm90_support.bwd_tile(head_dim, causal)
-        can_implement, main_name = sm90_support.bwd_can_implement, "FlashAttentionBackwardSm90"
-    else:
-        tile_m, tile_n, num_warps = sm80_bwd_tile(head_dim, target, causal)
-        can_implement, main_name = bwd_can_implement, "FlashAttentionBackwardSm80"
-    config = BwdConfig(
-        arch=arch, target=target, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v,
-        tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, causal=causal, local=local,
-        has_softcap=has_softcap, varlen_q=varlen_q, varlen_k=varlen_k, seqused_q=seqused_q,
-        seqused_k=seqused_k, deterministic=deterministic,
+    flags = dict(
+        target=target, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal,
+        local=local, has_softcap=has_softcap, varlen_q=varlen_q, varlen_k=varlen_k,
+        seqused_q=seqused_q, seqused_k=seqused_k, deterministic=deterministic,
     )  # fmt: skip
-    ok, reason = can_implement(config)
+    if forced == "90" or (forced == "" and target.startswith("sm_90")):
+        tile_m, tile_n, num_warps = sm90_support.bwd_tile(head_dim, causal)
+        config = BwdConfig(arch=90, tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, **flags)
+        ok, reason = sm90_support.bwd_can_implement(config)
+        if ok:
+            return config
+        if forced == "90":
+            raise NotImplementedError(
+                f"cute_fa: no backward kernel implements [{config.name}] on {target}: "
+                f"FlashAttentionBackwardSm90: {reason}"
+            )
+    tile_m, tile_n, num_warps = sm80_bwd_tile(head_dim, target, causal)
+    config = BwdConfig(arch=80, tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, **flags)
+    ok, reason = bwd_can_implement(config)
     if not ok:
         raise NotImplementedError(
             f"cute_fa: no backward kernel implements [{config.name}] on {target}: "
-            f"{main_name}: {reason}"
+            f"FlashAttentionBackwardSm80: {reason}"
         )
     return config
+
+
+# Note [backward dispatch]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# On the H200 the sm90 backward measured 0.93-1.05x SDPA CUDNN and 1.34-1.73x SDPA FLASH at d64
+# and d128 (docs/performance.md), against 0.72-0.81x FLASH for the sm80 kernel, so an sm_90a
+# device runs it wherever it can; what it does not implement yet (d other than 64 and 128,
+# local, softcap, varlen, seqused, deterministic) runs the sm80 kernel, which does all of it.
 
 
 def pre_config(config: BwdConfig, has_dlse: bool):

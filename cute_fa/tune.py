@@ -12,8 +12,9 @@ reason.
 
 ``--mode bwd`` does the same for the sm80 backward (``SM80_BWD_TILES`` and
 ``SM80_BWD_TILES_CAUSAL``): each candidate runs through the real backward
-(``CUTE_FA_BWD_TILE`` set for the call), its dQ, dK, dV are checked against fp32 autograd of
-the reference on a small problem first, and the whole backward is timed beside SDPA FLASH's.
+(``CUTE_FA_BWD_TILE`` set for the call, and ``CUTE_FA_BWD_ARCH=80`` so that Hopper runs it
+too), its dQ, dK, dV are checked against fp32 autograd of the reference on a small problem
+first, and the whole backward is timed beside SDPA FLASH's.
 """
 
 from __future__ import annotations
@@ -172,12 +173,15 @@ def run_bwd(head_dims, seqlens, causals, warmup_ms: float, rep_ms: float) -> lis
 
     import torch
 
+    from .backward import BWD_ARCH_ENV
     from .bench import Impl, Rotation, attention_flops, median_ms, num_input_sets
     from .config import BWD_TILE_ENV, target_for_capability
 
     target = target_for_capability(*torch.cuda.get_device_capability())
     l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
     before = os.environ.get(BWD_TILE_ENV)
+    before_arch = os.environ.get(BWD_ARCH_ENV)
+    os.environ[BWD_ARCH_ENV] = "80"  # the sm80 kernel even where the sm90 one would run
     rows = []
     try:
         for d in head_dims:
@@ -216,10 +220,11 @@ def run_bwd(head_dims, seqlens, causals, warmup_ms: float, rep_ms: float) -> lis
                     print(format_row(row), flush=True)
                     del sets
     finally:
-        if before is None:
-            os.environ.pop(BWD_TILE_ENV, None)
-        else:
-            os.environ[BWD_TILE_ENV] = before
+        for name, value in ((BWD_TILE_ENV, before), (BWD_ARCH_ENV, before_arch)):
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return rows
 
 

@@ -86,9 +86,9 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
 
 # --------------------------------------------------------------------------------------------
 # Backward (FlashAttentionBackwardSm90 in hopper/flash_bwd.py; checked on an H200 by
-# tests/test_bwd_sm90_gpu.py, not timed, not dispatched). One CTA owns tile_n = 128 keys: two
-# consumer warpgroups of 64 keys each (the M = 64 of a WGMMA) hold dK and dV of their keys in
-# registers (2 * 64 * d / 128 fp32 a thread: 64 at d 64, 128 at d 128) and walk the query
+# tests/test_bwd_sm90_gpu.py; dispatched on sm_90a where it applies). One CTA owns tile_n = 128
+# keys: two consumer warpgroups of 64 keys each (the M = 64 of a WGMMA) hold dK and dV of their keys
+# in registers (2 * 64 * d / 128 fp32 a thread: 64 at d 64, 128 at d 128) and walk the query
 # blocks tile_m = 64 rows at a time, with
 # S^T = K Q^T and dP^T = V dO^T (64 x 64 fp32: 32 registers each).
 # Shared memory: K, V (tile_n x d, loaded once), SM90_BWD_Q_STAGES of Q and dO (tile_m x d) with

@@ -1,9 +1,10 @@
 """First GPU check of the sm90 backward main kernel (marker ``gpu``; needs an sm90 device).
 
-``FlashAttentionBackwardSm90`` is not dispatched (``cute_fa/backward.py`` runs the sm80
-backward everywhere), so this module launches the three backward kernels itself, as
-``run_backward`` does: the sm80 preprocess (delta, dQaccum zeroing), the sm90 main kernel and
-the sm80 postprocess (dQ = dQaccum * softmax_scale in the input dtype), then sums dK/dV over
+This module launches the three backward kernels itself, as ``run_backward`` does, so that the sm90
+main kernel is what runs whatever the dispatch (tests/test_bwd_gpu.py goes through ``run_backward``,
+which picks it on sm_90a where it applies): the sm80 preprocess (delta, dQaccum zeroing), the sm90
+main kernel and the sm80 postprocess (dQ = dQaccum * softmax_scale in the input dtype), then sums
+dK/dV over
 GQA groups. The forward is ``cute_fa.flash_attn_func`` (out, LSE). The gradients are compared
 with ``attention_ref``'s as tests/test_bwd_gpu.py does (``check_grads``: fp32 reference, the
 input-dtype baseline, DESIGN.md's tolerance; NaN fails). dK and dV start as NaN, so a key

@@ -1,9 +1,10 @@
 """Compile-only checks of the sm90 backward main kernel (FA3 design) on the CPU, with a SASS read.
 
-``FlashAttentionBackwardSm90`` is not dispatched yet (tests/test_bwd_sm90_gpu.py checks its results
-on an sm90 GPU); what can be checked here: ``can_implement`` accepts its scope and rejects the rest
-with a reason, and every config in scope (d 64 / 128, no mask / causal, bf16 / fp16) cross-compiles
-for sm_90a to a cubin that holds WGMMA (``HGMMA``, the count of the five GEMMs of a step), TMA loads
+``FlashAttentionBackwardSm90`` is the backward on sm_90a where it applies
+(tests/test_bwd_sm90_gpu.py checks its results on an sm90 GPU); what can be checked here:
+``can_implement`` accepts its scope and rejects the rest with a reason, and every config in scope
+(d 64 / 128, no mask / causal, bf16 / fp16) cross-compiles for sm_90a to a cubin that holds
+WGMMA (``HGMMA``, the count of the five GEMMs of a step), TMA loads
 (``UTMALDG``), the TMA reduce-adds of dQ (``UTMAREDG``, no per-element ``REDG`` atomics), the
 register reallocation of the warp roles (``USETMAXREG``), one ``WARPGROUP.ARRIVE`` per GEMM
 group (more means ptxas serialized the WGMMAs), no mma.sync, no spills and no stack. Registers

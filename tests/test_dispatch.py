@@ -117,7 +117,10 @@ def test_new_shapes_give_the_same_compile_key():
 
 
 def test_feature_matrix_is_generated_from_can_implement(monkeypatch):
+    from cute_fa.backward import BWD_ARCH_ENV
+
     monkeypatch.delenv(dispatch.FWD_ARCH_ENV, raising=False)
+    monkeypatch.delenv(BWD_ARCH_ENV, raising=False)
     columns, table, notes = dispatch.feature_matrix()
     assert columns == [TARGETS[c] for c in sorted(TARGETS) if c >= (8, 0)]
     rows = dict(table)
@@ -127,8 +130,11 @@ def test_feature_matrix_is_generated_from_can_implement(monkeypatch):
     assert all(cell.startswith("-(") for cell in rows["bf16, head_dim 80"])
     # The backward tiles need more than the 99 KiB of shared memory of sm86/sm89/sm120.
     for target in ("sm_80", "sm_90a", "sm_100a"):
-        assert rows["backward, head_dim 128"][columns.index(target)] == "sm80"
-        assert rows["backward, causal"][columns.index(target)] == "sm80"
+        family = "sm90" if target == "sm_90a" else "sm80"  # Note [backward dispatch]
+        assert rows["backward, head_dim 128"][columns.index(target)] == family
+        assert rows["backward, causal"][columns.index(target)] == family
+    # What the sm90 backward does not implement yet runs the sm80 kernel on sm_90a.
+    assert rows["backward, deterministic=True"][columns.index("sm_90a")] == "sm80"
     assert rows["backward, head_dim 128"][columns.index("sm_86")].startswith("-(")
     served = [cell.startswith("sm") for cell in rows["backward, deterministic=True"]]
     assert served == [cell.startswith("sm") for cell in rows["backward, head_dim 128"]]
@@ -193,17 +199,19 @@ def test_bwd_tile_override(monkeypatch):
     from cute_fa.backward import bwd_config
     from cute_fa.config import BWD_TILE_ENV, SM80_BWD_TILES
 
+    # The override is the sm80 kernel's tile; on sm_90a d64 runs the sm90 kernel.
     monkeypatch.setenv(BWD_TILE_ENV, "128x128w8")
-    config = bwd_config("sm_90a", "bf16", 64, 64)
+    assert bwd_config("sm_90a", "bf16", 64, 64).arch == 90
+    config = bwd_config("sm_80", "bf16", 64, 64)
     assert (config.tile_m, config.tile_n, config.num_warps) == (128, 128, 8)
     monkeypatch.setenv(BWD_TILE_ENV, "64x100w8")
     with pytest.raises(NotImplementedError, match="64x100 does not fit 8 warps"):
-        bwd_config("sm_90a", "bf16", 64, 64)
+        bwd_config("sm_80", "bf16", 64, 64)
     monkeypatch.setenv(BWD_TILE_ENV, "big")
     with pytest.raises(ValueError, match="CUTE_FA_BWD_TILE"):
-        bwd_config("sm_90a", "bf16", 64, 64)
+        bwd_config("sm_80", "bf16", 64, 64)
     monkeypatch.delenv(BWD_TILE_ENV)
-    config = bwd_config("sm_90a", "bf16", 64, 64)
+    config = bwd_config("sm_80", "bf16", 64, 64)
     assert (config.tile_m, config.tile_n, config.num_warps) == SM80_BWD_TILES[64]
 
 
