@@ -66,13 +66,13 @@ class FlashAttentionBackwardSm80(AttentionKernel):
       dQ = dS K; atomically added to dQaccum          (ldmatrix.trans B)
       barrier (this stage and sP, sdS free: block m + 2 may load into the stage)
     Deterministic mode (config.deterministic): before its dQ atomics for query block m, thread 0
-      spins (ld.acquire.gpu) until the semaphore of (batch, head, m) equals the number of key
-      blocks before this one that visit m; barrier; atomics; fence.acq_rel.gpu; barrier;
-      thread 0 adds 1 (red.release.gpu). Every element of dQaccum then sums its terms in key
-      block order, whatever the schedule. The CTA walks its query blocks downward (last
-      first), so that all key blocks start on the same last query blocks and each waits only
-      for the atomics of the one before it, not for it to reach the block. Note
-      [deterministic dQ] has the argument.
+      spins until the semaphore of (batch, head, m) equals the number of key blocks before this one
+      that visit m (its first relaxed read goes out at the start of the block, behind which the
+      GEMMs run), then fence.acq_rel.gpu (the acquire); barrier; atomics; barrier; thread 0:
+      fence.acq_rel.gpu and adds 1 (the release). Every element of dQaccum then sums its terms in
+      key block order, whatever the schedule. The CTA walks its query blocks downward (last first),
+      so that all key blocks start on the same last query blocks and each waits only for the atomics
+      of the one before it, not for it to reach the block. Note [deterministic dQ] has the argument.
     Epilogue: dK *= softmax_scale; dK, dV through sK, sV to global memory.
     Out-of-range rows: Q and dO rows past seqlen_q are zero and their LSE is +inf (P = 0, dS = 0);
       K and V rows past seqlen_k are zero and their scores masked; rows whose forward LSE is -inf
@@ -359,6 +359,16 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         sP, sdS = smem_tiles[4], smem_tiles[5]
         sLSE, sdPsum = smem_tiles[6][None, stage], smem_tiles[7][None, stage]
         rows_left = seqlen_q - m_block * tm
+        if cutlass.const_expr(self.deterministic):
+            # Thread 0 reads this block's semaphore now; the load's latency hides behind the
+            # GEMMs, and its turn has usually come by then.
+            sem = elem_ptr(q_rows[5], m_block).llvm_ptr
+            turn = n_block - first_key_block(
+                m_block, seqlen_q, seqlen_k, window_left, tm, tn, self.local
+            )
+            sem_count = Int32(-1)
+            if tidx == 0:
+                sem_count = cute.arch.load(sem, Int32, sem="relaxed", scope="gpu")
 
         if cutlass.const_expr(self.q_stages == 2):
             if has_next:
@@ -440,26 +450,25 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((tm, d)))
         if cutlass.const_expr(self.deterministic):
             # Wait for this block's turn: the key blocks before it that see query block
-            # m_block have added their dQ (Note [deterministic dQ]).
-            sem = elem_ptr(q_rows[5], m_block).llvm_ptr
-            turn = n_block - first_key_block(
-                m_block, seqlen_q, seqlen_k, window_left, tm, tn, self.local
-            )
+            # m_block have added their dQ (Note [deterministic dQ]). The first read of the
+            # semaphore went out before the GEMMs; spin (relaxed) only if the turn had not come
+            # then, and a fence makes the last read an acquire.
+            count = sem_count
             if tidx == 0:
-                count = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
                 while count != turn:
-                    count = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
+                    count = cute.arch.load(sem, Int32, sem="relaxed", scope="gpu")
+                cute.arch.fence_acq_rel_gpu()
             barrier.arrive_and_wait()
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
             if tdQcdQ[i][0] < rows_left:
                 cute.arch.atomic_add(elem_ptr(tdQgdQ, i).llvm_ptr, acc_dQ[i])
+        barrier.arrive_and_wait()
         if cutlass.const_expr(self.deterministic):
-            cute.arch.fence_acq_rel_gpu()
-            barrier.arrive_and_wait()
+            # Release: every thread's atomics precede the barrier, the barrier precedes thread
+            # 0's fence, the fence precedes the increment.
             if tidx == 0:
-                cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
-        else:
-            barrier.arrive_and_wait()
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="relaxed", scope="gpu")
 
     @cute.jit
     def load_q_do(
