@@ -138,7 +138,9 @@ def _sm80_config(target: str, request: FwdRequest) -> FwdConfig:
 
 
 def _sm90_config(target: str, request: FwdRequest) -> FwdConfig:
-    tile_m, tile_n, num_warps = sm90_support.fwd_tile(request.head_dim, request.causal)
+    tile_m, tile_n, num_warps = sm90_support.fwd_tile(
+        request.head_dim, request.causal, local=request.local, has_softcap=request.has_softcap
+    )
     flags = {f.name: getattr(request, f.name) for f in fields(request)}
     return FwdConfig(
         arch=90, target=target, tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, **flags

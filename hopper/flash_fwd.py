@@ -21,19 +21,28 @@ from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import OnlineSoftmax, mn_view_wgmma, score_scales
 
 from .fragments import acc_as_rs_operand, convert_in_chunks
-from .support import SM90_FWD_KV_STAGES, fwd_can_implement
+from .support import (
+    SM90_FWD_KV_STAGES,
+    SM90_FWD_REGS,
+    SM90_FWD_WG_M,
+    fwd_can_implement,
+    fwd_num_consumers,
+)
 from .sync import tma_pipeline
 
 WARPGROUP = 128  # threads
 
 
 class Barrier(enum.IntEnum):
-    """Named barrier ids (0 is __syncthreads)."""
+    """Named barrier ids (0 is __syncthreads); consumer c uses EPILOGUE_WG1 + c and
+    SCHEDULER_WG1 + c (c < 3; with two consumers the WG3 ids are unused)."""
 
     EPILOGUE_WG1 = 1  # 128 threads: consumer 0 staged its O tile in smem
     EPILOGUE_WG2 = 2  # 128 threads: consumer 1 staged its O tile in smem
-    SCHEDULER_WG1 = 3  # 256 threads: consumer 0 may issue its GEMMs (pingpong)
-    SCHEDULER_WG2 = 4  # 256 threads: consumer 1 may issue its GEMMs
+    EPILOGUE_WG3 = 3  # 128 threads: consumer 2 staged its O tile in smem
+    SCHEDULER_WG1 = 4  # 256 threads: consumer 0 may issue its GEMMs (pingpong)
+    SCHEDULER_WG2 = 5  # 256 threads: consumer 1 may issue its GEMMs
+    SCHEDULER_WG3 = 6  # 256 threads: consumer 2 may issue its GEMMs
 
 
 class FlashAttentionForwardSm90(AttentionKernel):
@@ -49,20 +58,25 @@ class FlashAttentionForwardSm90(AttentionKernel):
     own, seqused_q / seqused_k); no mask, causal or sliding window (local); softcap or not;
     GQA/MQA (K/V head = head // (heads / kv heads));
     ``hopper/support.py`` rejects everything else with its reason.
-    Tile: tile_m = 128 always; tile_n from ``support.fwd_tile`` (128 for d <= 128, 112 for
-    d 192, 80 for d 256: what fits Q plus two K/V stages in 227 KiB; the reasons are there).
+    Tile: tile_m = 64 * num_consumers query rows, one 64-row slice per consumer warpgroup:
+    128 (two consumers) by default; 192 (three) for d 64 without local or softcap when
+    CUTE_FA_SM90_FWD_TILE_M=192 asks for it (``support.fwd_tile_ms``: what fits 160 registers
+    a consumer thread). tile_n from ``support.fwd_tile`` (128 for d <= 128, 112 for d 192, 80
+    for d 256: what fits Q plus two K/V stages in 227 KiB; the reasons are there).
 
     Grid and work split
       grid = (ceil(max_seqlen_q / tile_m), num_heads, batch) (varlen q: batch =
-      len(cu_seqlens_q) - 1); one CTA owns tile_m = 128 query
+      len(cu_seqlens_q) - 1); one CTA owns tile_m (128 or 192) query
       rows of one (head, batch) and visits its key blocks from the last to the first (the one
       that cuts the seqlen tail or the causal diagonal comes first). Causal grids run query
       blocks in reverse (longest rows first).
-    Warp roles (3 warpgroups, 384 threads; launched at <= 168 registers a thread)
+    Warp roles (1 + num_consumers warpgroups: 384 threads launched at <= 168 registers a
+    thread with two consumers, 512 threads at <= 128 with three; ``support.SM90_FWD_REGS``)
       warpgroup 0: producer. Warp 0 issues every TMA load (Q once, then K[n] and V[n] of each
         key block); warps 1-3 idle. setmaxnreg.dec to 24 registers.
-      warpgroups 1, 2: consumers 0, 1. Consumer c owns query rows [64 c, 64 c + 64) of the
-        tile. setmaxnreg.inc to 240 registers (24 * 128 + 240 * 256 <= 65536).
+      warpgroups 1 .. num_consumers: consumers 0 .. num_consumers - 1. Consumer c owns query
+        rows [64 c, 64 c + 64) of the tile. setmaxnreg.inc to 240 registers with two
+        consumers (24 * 128 + 240 * 256 <= 65536), 160 with three (24 * 128 + 160 * 384).
     Consumer main loop (software-pipelined by one block, P kept in registers)
       step for the first block n_max - 1:  [turn] S = Q K^T [/turn]; wait; softcap; mask;
         softmax; P -> bf16/fp16 registers
@@ -74,28 +88,35 @@ class FlashAttentionForwardSm90(AttentionKernel):
       after the last block:  [turn] O += P V[n_min] [/turn]
       S = Q K^T is WGMMA SS (both operands in smem); O += P V is WGMMA RS (P from registers,
       the C fragment reinterpreted as the A fragment, no data movement).
-    Pingpong ([turn] ... [/turn]): consumer c waits on named barrier SCHEDULER_WG1 + c (256
-      threads) before issuing its GEMMs and arrives on the other consumer's barrier once they
-      are issued, so one consumer's softmax overlaps the other's GEMMs. Consumer 1 arrives on
-      SCHEDULER_WG1 at the start: consumer 0 takes the first turn.
+    Pingpong ([turn] ... [/turn]), round robin over the consumers: consumer c waits on named
+      barrier SCHEDULER_WG1 + c (256 threads: its own 128, which wait, and the 128 of consumer
+      c - 1 mod num_consumers, which arrive) before issuing its GEMMs, and arrives on the
+      barrier of consumer c + 1 mod num_consumers once they are issued, so the other
+      consumers' softmaxes overlap one consumer's GEMMs. The last consumer arrives on
+      SCHEDULER_WG1 at the start: consumer 0 takes the first turn. Every consumer takes the
+      same number of turns (one per visited block, plus the last P V), so the turns run 0, 1,
+      (2,) 0, 1, ... and a barrier never sees a second arrival before its wait; the last
+      consumer's last arrival on SCHEDULER_WG1 (and its first, when the CTA visits no block)
+      is never waited for.
     Shared memory (swizzled WGMMA layouts written by TMA: 128-byte swizzle, 64-byte where the
     contiguous extent is 96 elements)
-      sQ  (64, d, 2): one 64-row half per consumer; reused by that consumer for its O tile
-                      (the first dv columns of it; dv <= d).
+      sQ  (64, d, num_consumers): one 64-row slice per consumer; reused by that consumer for
+                      its O tile (the first dv columns of it; dv <= d).
       sK  (tile_n, d, kv_stages)      K-major B operand of S = Q K^T.
       sV  (dv, tile_n, kv_stages)     V^T viewed MN-major: the B operand of O = P V.
     Pipelines (mbarriers, cutlass.pipeline.PipelineTmaAsync; producer = 1 warp whose TMA
     transaction bytes complete "full"; consumers arrive on "empty" with one thread per warp)
-      pipeline_q:  producer -> both consumers, 1 stage, 8 consumer-warp arrivals; loaded once
-                   (two TMA boxes of 64 x d on one barrier), never released.
-      pipeline_k:  producer -> both consumers, kv_stages = 2, 8 consumer-warp arrivals;
+      pipeline_q:  producer -> every consumer, 1 stage, 4 * num_consumers consumer-warp
+                   arrivals (8 or 12); loaded once (num_consumers TMA boxes of 64 x d on one
+                   barrier), never released.
+      pipeline_k:  producer -> every consumer, kv_stages = 2, 4 * num_consumers arrivals;
                    K[n] is released once S = Q K[n]^T has completed.
-      pipeline_v:  producer -> both consumers, kv_stages = 2, 8 consumer-warp arrivals;
+      pipeline_v:  producer -> every consumer, kv_stages = 2, 4 * num_consumers arrivals;
                    V[n] is released one step later, once O += P V[n] has completed.
     P -> 16-bit registers: converted 8 values at a time (``convert_in_chunks``), so the
       compiler emits packed pair conversions for every tile_n and ptxas keeps the P V WGMMAs
       in one batch (no C7519 serialization; tests/test_compile_sm90.py counts the fences).
-    Epilogue (per consumer): O / l once, O -> 16-bit -> its half of sQ, named barrier
+    Epilogue (per consumer): O / l once, O -> 16-bit -> its slice of sQ, named barrier
       EPILOGUE_WG1 + c (128 threads), 16-byte stores of rows < seqlen_q (gcd(dv / 8, 128)
       threads a row; dv 96: 4 threads of 3 vectors); LSE from the quad leaders. Rows that see
       no key: O = 0, LSE = -inf.
@@ -113,13 +134,13 @@ class FlashAttentionForwardSm90(AttentionKernel):
       stores nothing. seqused_k caps seqlen_k; the rows between seqused_k and the sequence end
       are not inputs (they may hold NaN, and 0 * NaN in P V would reach O), so consumer 0
       zeroes those keys of the first visited block's V stage (``zero_v_tail``; its docstring
-      has the ordering argument) before either consumer's P V GEMM reads it. Their scores are
+      has the ordering argument) before any consumer's P V GEMM reads it. Their scores are
       masked by select, so NaN in K does no harm.
     Intra-warpgroup overlap in the SASS of d 128 (DSL's ptxas): between wgmma wait_group 1 and
       0 sit the row max reductions, the scaling FFMAs and a few of the EX2 (unmasked loop: 4 of
       64, masked loop: 13 of 64); the other EX2 run after the P V GEMM has completed.
-    Masks (cute_fa/dsl/mask.py, Note [bottom-right aligned masks]; block_range per CTA of 128
-      rows, apply_mask per consumer's 64 rows). Key blocks run in up to three loops, last to
+    Masks (cute_fa/dsl/mask.py, Note [bottom-right aligned masks]; block_range per CTA of
+      tile_m rows, apply_mask per consumer's 64 rows). Key blocks run in up to three loops, last to
       first: [start_unmasked, n_max) masked (seqlen_k tail, causal diagonal, right window
       edge; the first block is always here), [start_left_masked, start_unmasked) unmasked, and
       with a window [n_min, start_left_masked) masked again (left window edge). The producer
@@ -137,12 +158,11 @@ class FlashAttentionForwardSm90(AttentionKernel):
 
     def __init__(self, config: FwdConfig):
         super().__init__(config)
-        self.num_consumers = 2
-        self.wg_m = config.tile_m // self.num_consumers  # query rows of one consumer warpgroup
+        self.num_consumers = fwd_num_consumers(config.tile_m)
+        self.wg_m = SM90_FWD_WG_M  # query rows of one consumer warpgroup
         self.num_threads = WARPGROUP * (1 + self.num_consumers)
         self.kv_stages = SM90_FWD_KV_STAGES
-        self.regs_producer = 24
-        self.regs_consumer = 240
+        self.regs_producer, self.regs_consumer = SM90_FWD_REGS[self.num_consumers]
 
     can_implement = staticmethod(fwd_can_implement)
 
@@ -443,7 +463,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
 
         # Key blocks from n_block_max - 1 down. Step j issues, in this consumer's turn,
         # S_j = Q K_j^T and O += P_{j-1} V_{j-1}, then runs the softmax of S_j while the other
-        # consumer issues its GEMMs; one last turn issues O += P V of the final block.
+        # consumers take their turns; one last turn issues O += P V of the final block.
         n_blocks = n_block_max - n_block_min
         rP = cute.make_rmem_tensor(thr_qk.partition_shape_C((wg_m, tile_n)), self.dtype)
         mma = (thr_qk, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_O, rP, tScS)
@@ -451,8 +471,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
         score_args = (score_scale, row_start, seqlen_q, seqlen_k, window_left, window_right)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-        if consumer == 1:
-            self.end_turn(consumer)  # consumer 0 takes the first turn
+        if consumer == self.num_consumers - 1:
+            self.end_turn(consumer)  # the last consumer hands the first turn to consumer 0
         # Blocks [start_unmasked, n_block_max) may cut the seqlen tail, the causal diagonal or
         # the right window edge (the first visited block always counts as such);
         # [start_left_masked, start_unmasked) need no mask; [n_block_min, start_left_masked)
@@ -494,10 +514,10 @@ class FlashAttentionForwardSm90(AttentionKernel):
             self.last_pv(v_state, consumer, mma, pipes)
 
         # Epilogue: O / l once (rows that saw no key: O = 0, LSE = -inf), O -> this consumer's
-        # half of sQ (its WGMMAs have all completed) -> 16-byte global stores.
+        # slice of sQ (its WGMMAs have all completed) -> 16-byte global stores.
         lse = cute.make_rmem_tensor(cute.size(tScS.shape[0]), Float32)
         softmax.finalize(acc_O, lse)
-        # O (wg_m x dv) takes the first dv columns of the consumer's Q half (dv <= d).
+        # O (wg_m x dv) takes the first dv columns of the consumer's Q slice (dv <= d).
         sO = sQ_c
         if cutlass.const_expr(dv != self.tile_hdim):
             sO = cute.local_tile(sQ_c, (wg_m, dv), (0, 0))
@@ -527,10 +547,12 @@ class FlashAttentionForwardSm90(AttentionKernel):
         With seqused_k, the rows between seqused_k and the end of the tensor (or sequence) are
         not inputs and may hold NaN; their P is 0, but 0 * NaN in P V would reach O. The first
         visited block is the only one that holds such rows. Consumer 0 writes the zeros after
-        its first step, before its second turn; consumer 1 reads this stage in its second turn,
-        which starts after consumer 0's second turn has ended (pingpong barriers order the
-        writes, fence.proxy.async makes them visible to the WGMMA's async proxy, and consumer
-        0's own next turn starts with a 256-thread barrier over its 128 threads).
+        its first step, before its second turn; every other consumer reads this stage in its
+        own second turn, which starts after consumer 0's second turn has been issued (round
+        robin: consumer c's turn waits on consumer c - 1's arrival, so transitively on
+        consumer 0's end of its second turn). The pingpong barriers order the writes,
+        fence.proxy.async makes them visible to the WGMMA's async proxy, and consumer 0's own
+        next turn starts with a 256-thread barrier over its 128 threads.
         """
         pipeline_v.consumer_wait(v_state)  # the TMA write of this stage has landed
         sV_stage = sV[None, None, v_state.index]  # (dv, tile_n), dv contiguous
@@ -541,16 +563,19 @@ class FlashAttentionForwardSm90(AttentionKernel):
 
     @cute.jit
     def start_turn(self, consumer: Int32):
-        """Wait until the other consumer has issued its GEMMs (pingpong)."""
+        """Wait until the previous consumer (round robin) has issued its GEMMs (pingpong)."""
         pipeline.NamedBarrier(
             barrier_id=int(Barrier.SCHEDULER_WG1) + consumer, num_threads=2 * WARPGROUP
         ).arrive_and_wait()
 
     @cute.jit
     def end_turn(self, consumer: Int32):
-        """Hand the tensor cores to the other consumer."""
+        """Hand the tensor cores to the next consumer, (consumer + 1) % num_consumers."""
+        next_consumer = consumer + 1
+        if next_consumer == self.num_consumers:
+            next_consumer = 0
         pipeline.NamedBarrier(
-            barrier_id=int(Barrier.SCHEDULER_WG1) + 1 - consumer, num_threads=2 * WARPGROUP
+            barrier_id=int(Barrier.SCHEDULER_WG1) + next_consumer, num_threads=2 * WARPGROUP
         ).arrive()
 
     @cute.jit

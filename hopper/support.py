@@ -10,8 +10,9 @@ import os
 
 from cute_fa.config import SMEM_CAPACITY, BwdConfig, FwdConfig, SettingError
 
-# FlashAttentionForwardSm90 always runs 128 query rows (two consumer warpgroups of 64 rows) and
-# 3 warpgroups (one producer, two consumers); the key block tile_n depends on the head dim:
+# FlashAttentionForwardSm90 runs tile_m query rows a CTA: one producer warpgroup and tile_m / 64
+# consumer warpgroups of 64 query rows each (the M of a WGMMA). The default is tile_m = 128 (two
+# consumers) for every head dim; the key block tile_n depends on the head dim:
 #   d 64, 96, 128: 128 keys. Q + 2 K/V stages are 48 / 72 / 96 KiB of smem; a consumer holds
 #     S (64 fp32 registers a thread), P (32) and O (d / 2) well inside 240 registers.
 #   d 192 (dv 192 or 128): 112 keys. 128 keys would need 48 + 192 = 240 KiB (dv 192), more than
@@ -33,22 +34,86 @@ SM90_FWD_TILE = (SM90_FWD_TILE_M, SM90_FWD_TILE_N[128], SM90_FWD_WARPS)
 # mbarriers and the 1024-byte alignment of the smem tiles.
 SM90_FWD_SMEM_SLACK = 1024
 
+# Query rows of one consumer warpgroup.
+SM90_FWD_WG_M = 64
+# setmaxnreg budgets (producer, consumer) a thread by number of consumer warpgroups: the
+# producer warpgroup gives registers back, the consumers take them (128 * (producer +
+# consumers * consumer) <= 65536, each a multiple of 8).
+#   2 consumers (384 threads, 168 a thread at launch): 24 * 128 + 240 * 256 = 64512.
+#   3 consumers (512 threads, 128 a thread at launch): 24 * 128 + 160 * 384 = 64512.
+SM90_FWD_REGS = {2: (24, 240), 3: (24, 160)}
+# Tiles of 192 query rows (three consumer warpgroups, so that three softmaxes take turns with
+# the GEMMs) by head dim, with the most keys a consumer holds in 160 registers without spills:
+# S (tile_n / 2 fp32 a thread), P (tile_n / 4) and O (dv / 2). Only d 64 fits: at tile_n 128
+# it is S 64 + P 32 + O 32 (the SASS peaks at R157); 144 keys spill (52 LDL/STL), and d 96
+# spills at 128 keys (78), causal even at 96 keys.
+SM90_FWD_TILE_M_3WG = 192
+SM90_FWD_3WG_MAX_TILE_N = {64: 128}
+# Features whose extra registers do not fit three consumers at d 64 / 128 keys: a window
+# (both edges, three loops; 142 LDL/STL) and softcap (the tanh scale; 52 with causal). Calls
+# with them keep 128 query rows.
+SM90_FWD_3WG_FLAGS_OFF = ("local", "has_softcap")
+
 
 # Tuning override: CUTE_FA_SM90_FWD_TILE_N=<keys> (a multiple of 16, at most 256) replaces the
 # key block of every head dim, so a benchmark can compare tiles; the shared-memory check of
 # fwd_can_implement still applies. Read when a launch plan is made.
 TILE_N_ENV = "CUTE_FA_SM90_FWD_TILE_N"
+# Tuning switch: CUTE_FA_SM90_FWD_TILE_M=192 runs three consumer warpgroups (192 query rows a
+# CTA) for the head dims of SM90_FWD_3WG_MAX_TILE_N (d 64); the other head dims keep 128 rows.
+# 128 (or unset) is the default tile of every head dim. Read when a launch plan is made.
+TILE_M_ENV = "CUTE_FA_SM90_FWD_TILE_M"
 
 
-def fwd_tile(head_dim: int, causal: bool) -> tuple[int, int, int]:
-    """(tile_m, tile_n, num_warps) of the sm90 forward for a head dim (dispatch asks this)."""
+def fwd_num_consumers(tile_m: int) -> int:
+    """Consumer warpgroups of a forward tile of ``tile_m`` query rows."""
+    return tile_m // SM90_FWD_WG_M
+
+
+def fwd_num_warps(tile_m: int) -> int:
+    """Warps of a forward CTA: the producer warpgroup and the consumers."""
+    return 4 * (1 + fwd_num_consumers(tile_m))
+
+
+def fwd_tile_ms(head_dim: int, local: bool = False, has_softcap: bool = False) -> tuple[int, ...]:
+    """The query rows a CTA the sm90 forward can run for a head dim and features."""
+    if head_dim in SM90_FWD_3WG_MAX_TILE_N and not (local or has_softcap):
+        return (SM90_FWD_TILE_M, SM90_FWD_TILE_M_3WG)
+    return (SM90_FWD_TILE_M,)
+
+
+def fwd_tile_m(head_dim: int, local: bool = False, has_softcap: bool = False) -> int:
+    """Query rows a CTA: 128, or 192 where CUTE_FA_SM90_FWD_TILE_M asks for it and three
+    consumers fit the head dim and features (``fwd_tile_ms``)."""
+    override = os.environ.get(TILE_M_ENV, "").strip()
+    if override and override not in ("128", str(SM90_FWD_TILE_M_3WG)):
+        raise SettingError(f"{TILE_M_ENV}={override!r}: expected 128 or {SM90_FWD_TILE_M_3WG}")
+    if override and int(override) in fwd_tile_ms(head_dim, local, has_softcap):
+        return int(override)
+    return SM90_FWD_TILE_M
+
+
+def fwd_tile(
+    head_dim: int,
+    causal: bool,
+    tile_m: int | None = None,
+    local: bool = False,
+    has_softcap: bool = False,
+) -> tuple[int, int, int]:
+    """(tile_m, tile_n, num_warps) of the sm90 forward for a head dim (dispatch asks this).
+
+    ``tile_m`` None: the tile dispatch picks (``fwd_tile_m`` of the head dim and features);
+    128 or 192: the tile of that many query rows (``fwd_can_implement`` asks for the config's).
+    """
+    if tile_m is None:
+        tile_m = fwd_tile_m(head_dim, local, has_softcap)
     tile_n = SM90_FWD_TILE_N.get(head_dim, SM90_FWD_TILE[1])
     override = os.environ.get(TILE_N_ENV, "").strip()
     if override:
         if not override.isdigit() or int(override) % 16 or not 16 <= int(override) <= 256:
             raise SettingError(f"{TILE_N_ENV}={override!r}: expected a multiple of 16 up to 256")
         tile_n = int(override)
-    return SM90_FWD_TILE_M, tile_n, SM90_FWD_WARPS
+    return tile_m, tile_n, fwd_num_warps(tile_m)
 
 
 def fwd_smem_bytes(config: FwdConfig, kv_stages: int = SM90_FWD_KV_STAGES) -> int:
@@ -72,11 +137,26 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
             f"head_dim_v {config.head_dim_v} with head_dim {config.head_dim} is not supported "
             f"by the sm90 forward (pairs {SM90_FWD_HEAD_DIM_PAIRS})"
         )
-    tile = fwd_tile(config.head_dim, config.causal)
+    tile_ms = fwd_tile_ms(config.head_dim, config.local, config.has_softcap)
+    if config.tile_m == SM90_FWD_TILE_M_3WG and config.tile_m not in tile_ms:
+        return False, (
+            f"tile_m {config.tile_m} (three consumer warpgroups of {SM90_FWD_REGS[3][1]} "
+            f"registers a thread) runs only head_dim {tuple(SM90_FWD_3WG_MAX_TILE_N)} without "
+            f"{' or '.join(SM90_FWD_3WG_FLAGS_OFF)} (more spills)"
+        )
+    tile_m = config.tile_m if config.tile_m in tile_ms else SM90_FWD_TILE_M
+    tile = fwd_tile(config.head_dim, config.causal, tile_m)
     if (config.tile_m, config.tile_n, config.num_warps) != tile:
         return False, (
-            f"tile {config.tile_m}x{config.tile_n}w{config.num_warps} is not the sm90 forward "
-            f"tile {tile[0]}x{tile[1]}w{tile[2]} of head_dim {config.head_dim}"
+            f"tile {config.tile_m}x{config.tile_n}w{config.num_warps} is not an sm90 forward "
+            f"tile of head_dim {config.head_dim} (tile_m in {tile_ms}: "
+            f"{tile[0]}x{tile[1]}w{tile[2]})"
+        )
+    if tile_m == SM90_FWD_TILE_M_3WG and config.tile_n > SM90_FWD_3WG_MAX_TILE_N[config.head_dim]:
+        return False, (
+            f"tile_n {config.tile_n} with tile_m {tile_m}: three consumer warpgroups hold S, P and "
+            f"O in {SM90_FWD_REGS[3][1]} registers a thread, which fits at most "
+            f"{SM90_FWD_3WG_MAX_TILE_N[config.head_dim]} keys at head_dim {config.head_dim}"
         )
     smem = fwd_smem_bytes(config)
     if smem > SMEM_CAPACITY.get(config.target, 0):

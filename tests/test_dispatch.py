@@ -231,6 +231,32 @@ def test_sm90_tile_override(monkeypatch):
     assert config.tile_n == SM90_FWD_TILE_N[64]
 
 
+def test_sm90_tile_m_switch(monkeypatch):
+    from cute_fa.hopper.support import TILE_M_ENV
+
+    monkeypatch.delenv("CUTE_FA_SM90_FWD_TILE_N", raising=False)
+    monkeypatch.delenv(TILE_M_ENV, raising=False)
+    _, config = dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64))
+    assert (config.tile_m, config.num_warps) == (128, 12)  # the default: two consumers
+    monkeypatch.setenv(TILE_M_ENV, "192")
+    for causal in (False, True):
+        _, config = dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64, causal=causal))
+        assert (config.arch, config.tile_m, config.tile_n, config.num_warps) == (90, 192, 128, 16)
+    # Three consumers only where they fit 160 registers: d64 without a window or softcap.
+    for request in (req(head_dim=64, head_dim_v=64, local=True),
+                    req(head_dim=64, head_dim_v=64, has_softcap=True),
+                    req(head_dim=128, head_dim_v=128)):  # fmt: skip
+        _, config = dispatch.fwd_plan((9, 0), request)
+        assert (config.arch, config.tile_m, config.num_warps) == (90, 128, 12)
+    monkeypatch.setenv(TILE_M_ENV, "128")
+    _, config = dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64))
+    assert config.tile_m == 128
+    for bad in ("256", "64", "big"):
+        monkeypatch.setenv(TILE_M_ENV, bad)
+        with pytest.raises(ValueError, match=TILE_M_ENV):
+            dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64))
+
+
 def test_bwd_arch_override(monkeypatch):
     from cute_fa.backward import BWD_ARCH_ENV, bwd_config, post_config, pre_config
 

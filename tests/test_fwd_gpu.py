@@ -188,6 +188,20 @@ def test_fwd_fp16(d, causal, seqlen_q, seqlen_k):
     run_and_check(2, seqlen_q, seqlen_k, NHEADS, 2, d, dtype=torch.float16, causal=causal)
 
 
+# Query lengths around multiples of 64, 128 and 192: the rows of one consumer warpgroup and of
+# a CTA of two or three of them (CUTE_FA_SM90_FWD_TILE_M=192 runs d64 with 192 rows).
+TILE_EDGE_SEQLENS = [(191, 191), (192, 192), (193, 193), (320, 257), (385, 385), (577, 130)]
+
+
+@pytest.mark.parametrize(
+    "seqlen_q,seqlen_k", TILE_EDGE_SEQLENS, ids=[f"{a}x{b}" for a, b in TILE_EDGE_SEQLENS]
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_fwd_query_tile_edges(d, causal, seqlen_q, seqlen_k):
+    run_and_check(2, seqlen_q, seqlen_k, NHEADS, 2, d, causal=causal)
+
+
 @pytest.mark.parametrize(
     "seqlen_q,seqlen_k",
     [(113, 203), (203, 113), (1000, 1000), (1, 4224)],
@@ -405,17 +419,19 @@ def test_varlen_softcap():
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_varlen_seqused_k(causal):
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_varlen_seqused_k(d, causal):
     """cu_seqlens_k gives each sequence's room; seqused_k how many of those keys count."""
     used_k = [min(lk, u) for lk, u in zip(LENS_K, [300, 5, 64, 0, 0, 17, 0], strict=True)]
-    run_varlen_and_check(LENS_Q, LENS_K, 128, causal=causal, used_k=used_k)
+    run_varlen_and_check(LENS_Q, LENS_K, d, causal=causal, used_k=used_k)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_varlen_seqused_k_nan_past_used(causal):
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_varlen_seqused_k_nan_past_used(d, causal):
     """Key/value rows between seqused_k and the sequence end hold NaN: they must not leak."""
     used_k = [min(lk, u) for lk, u in zip(LENS_K, [200, 5, 64, 0, 0, 10, 0], strict=True)]
-    run_varlen_and_check(LENS_Q, LENS_K, 128, causal=causal, used_k=used_k, nan_past_used_k=True)
+    run_varlen_and_check(LENS_Q, LENS_K, d, causal=causal, used_k=used_k, nan_past_used_k=True)
 
 
 @pytest.mark.parametrize("causal,window", [MASKS[0], MASKS[1], MASKS[3]])
