@@ -11,8 +11,9 @@ import os
 from cute_fa.config import SMEM_CAPACITY, BwdConfig, FwdConfig, SettingError
 
 # FlashAttentionForwardSm90 runs tile_m query rows a CTA: one producer warpgroup and tile_m / 64
-# consumer warpgroups of 64 query rows each (the M of a WGMMA). The default is tile_m = 128 (two
-# consumers) for every head dim; the key block tile_n depends on the head dim:
+# consumer warpgroups of 64 query rows each (the M of a WGMMA). tile_m is 128 (two consumers)
+# except where SM90_FWD_3WG_DEFAULT picks 192 (below); the key block tile_n depends on the head
+# dim:
 #   d 64, 96, 128: 128 keys. Q + 2 K/V stages are 48 / 72 / 96 KiB of smem; a consumer holds
 #     S (64 fp32 registers a thread), P (32) and O (d / 2) well inside 240 registers.
 #   d 192 (dv 192 or 128): 112 keys. 128 keys would need 48 + 192 = 240 KiB (dv 192), more than
@@ -53,6 +54,11 @@ SM90_FWD_3WG_MAX_TILE_N = {64: 128}
 # (both edges, three loops; 142 LDL/STL) and softcap (the tanh scale; 52 with causal). Calls
 # with them keep 128 query rows.
 SM90_FWD_3WG_FLAGS_OFF = ("local", "has_softcap")
+# Where 192 rows are the default: d 64 without a causal mask. On the H200 (bf16, standard grid,
+# same run, docs/performance.md) 192 rows against 128: non-causal +4-7 % at 512 / 1k, +6-16 % at
+# 2k-16k; causal -12 % at 512 / 1k (a third consumer on rows past the diagonal and past the
+# end), +1-16 % at 2k-16k. Causal keeps 128 rows until the choice can depend on the length.
+SM90_FWD_3WG_DEFAULT = (64,)
 
 
 # Tuning override: CUTE_FA_SM90_FWD_TILE_N=<keys> (a multiple of 16, at most 256) replaces the
@@ -61,7 +67,8 @@ SM90_FWD_3WG_FLAGS_OFF = ("local", "has_softcap")
 TILE_N_ENV = "CUTE_FA_SM90_FWD_TILE_N"
 # Tuning switch: CUTE_FA_SM90_FWD_TILE_M=192 runs three consumer warpgroups (192 query rows a
 # CTA) for the head dims of SM90_FWD_3WG_MAX_TILE_N (d 64); the other head dims keep 128 rows.
-# 128 (or unset) is the default tile of every head dim. Read when a launch plan is made.
+# =128 forces two consumers. Unset: SM90_FWD_3WG_DEFAULT decides. Read when a launch plan is
+# made.
 TILE_M_ENV = "CUTE_FA_SM90_FWD_TILE_M"
 
 
@@ -82,14 +89,26 @@ def fwd_tile_ms(head_dim: int, local: bool = False, has_softcap: bool = False) -
     return (SM90_FWD_TILE_M,)
 
 
-def fwd_tile_m(head_dim: int, local: bool = False, has_softcap: bool = False) -> int:
-    """Query rows a CTA: 128, or 192 where CUTE_FA_SM90_FWD_TILE_M asks for it and three
-    consumers fit the head dim and features (``fwd_tile_ms``)."""
+def fwd_tile_m(
+    head_dim: int,
+    tile_n: int,
+    causal: bool = False,
+    local: bool = False,
+    has_softcap: bool = False,
+) -> int:
+    """Query rows a CTA: 192 by default for the head dims of SM90_FWD_3WG_DEFAULT without a
+    causal mask (and keys tile_n that three consumers hold), else 128;
+    CUTE_FA_SM90_FWD_TILE_M=128|192 asks for one where three consumers fit the head dim and
+    features (``fwd_tile_ms``)."""
     override = os.environ.get(TILE_M_ENV, "").strip()
     if override and override not in ("128", str(SM90_FWD_TILE_M_3WG)):
         raise SettingError(f"{TILE_M_ENV}={override!r}: expected 128 or {SM90_FWD_TILE_M_3WG}")
-    if override and int(override) in fwd_tile_ms(head_dim, local, has_softcap):
-        return int(override)
+    tile_ms = fwd_tile_ms(head_dim, local, has_softcap)
+    if override:
+        return int(override) if int(override) in tile_ms else SM90_FWD_TILE_M
+    fits = SM90_FWD_TILE_M_3WG in tile_ms and tile_n <= SM90_FWD_3WG_MAX_TILE_N[head_dim]
+    if head_dim in SM90_FWD_3WG_DEFAULT and not causal and fits:
+        return SM90_FWD_TILE_M_3WG
     return SM90_FWD_TILE_M
 
 
@@ -105,14 +124,14 @@ def fwd_tile(
     ``tile_m`` None: the tile dispatch picks (``fwd_tile_m`` of the head dim and features);
     128 or 192: the tile of that many query rows (``fwd_can_implement`` asks for the config's).
     """
-    if tile_m is None:
-        tile_m = fwd_tile_m(head_dim, local, has_softcap)
     tile_n = SM90_FWD_TILE_N.get(head_dim, SM90_FWD_TILE[1])
     override = os.environ.get(TILE_N_ENV, "").strip()
     if override:
         if not override.isdigit() or int(override) % 16 or not 16 <= int(override) <= 256:
             raise SettingError(f"{TILE_N_ENV}={override!r}: expected a multiple of 16 up to 256")
         tile_n = int(override)
+    if tile_m is None:
+        tile_m = fwd_tile_m(head_dim, tile_n, causal, local, has_softcap)
     return tile_m, tile_n, fwd_num_warps(tile_m)
 
 

@@ -44,7 +44,10 @@ def _config(**changes) -> FwdConfig:
 
 def _tiled_config(d: int, dv: int, **flags) -> FwdConfig:
     """The config dispatch builds for (d, dv) and the flags: the tile of ``fwd_tile``."""
-    tile_m, tile_n, num_warps = fwd_tile(d, flags.get("causal", False))
+    tile_m, tile_n, num_warps = fwd_tile(
+        d, flags.get("causal", False), local=flags.get("local", False),
+        has_softcap=flags.get("has_softcap", False),
+    )  # fmt: skip
     return _config(head_dim=d, head_dim_v=dv, tile_m=tile_m, tile_n=tile_n,
                    num_warps=num_warps, **flags)  # fmt: skip
 

@@ -220,7 +220,8 @@ def test_sm90_tile_override(monkeypatch):
 
     monkeypatch.setenv(TILE_N_ENV, "192")
     _, config = dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64))
-    assert config.arch == 90 and config.tile_n == 192
+    # 192 keys do not fit three consumers: the default falls back to two.
+    assert config.arch == 90 and (config.tile_m, config.tile_n) == (128, 192)
     _, config = dispatch.fwd_plan((9, 0), req(head_dim=256, head_dim_v=256))
     assert config.arch == 80  # 192 keys of d256 do not fit: the sm80 kernel serves it
     monkeypatch.setenv(TILE_N_ENV, "100")
@@ -237,7 +238,9 @@ def test_sm90_tile_m_switch(monkeypatch):
     monkeypatch.delenv("CUTE_FA_SM90_FWD_TILE_N", raising=False)
     monkeypatch.delenv(TILE_M_ENV, raising=False)
     _, config = dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64))
-    assert (config.tile_m, config.num_warps) == (128, 12)  # the default: two consumers
+    assert (config.tile_m, config.num_warps) == (192, 16)  # the d64 default: three consumers
+    _, config = dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64, causal=True))
+    assert (config.tile_m, config.num_warps) == (128, 12)  # causal: two
     monkeypatch.setenv(TILE_M_ENV, "192")
     for causal in (False, True):
         _, config = dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64, causal=causal))
