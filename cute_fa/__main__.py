@@ -78,6 +78,10 @@ def _default_target(arch: str) -> str:
     return ARCH_TARGETS[arch]
 
 
+# A query length past every length threshold of the tile choice (precompile covers both sides).
+LONG_SEQLEN_HINT = 1 << 20
+
+
 def precompile_configs(arch: str, target: str, head_dims, dtypes, variants) -> list:
     """(config or None, label, reason) for every combination; None where unsupported."""
     from .dispatch import FwdRequest, fwd_config_for_target, fwd_kernel_class
@@ -92,6 +96,10 @@ def precompile_configs(arch: str, target: str, head_dims, dtypes, variants) -> l
                 )
                 config, reason = fwd_config_for_target(cls, target, request)
                 plans.append((config, f"{dtype} d{d} {variant}", reason))
+                # A tile that dispatch picks only for long query sequences (sm90 d64 causal).
+                long, _ = fwd_config_for_target(cls, target, request, LONG_SEQLEN_HINT)
+                if long is not None and long != config:
+                    plans.append((long, f"{dtype} d{d} {variant} (long sequences)", ""))
     return plans
 
 

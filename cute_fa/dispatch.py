@@ -129,7 +129,7 @@ def fwd_kernel_class(arch: int) -> type:
     raise NotImplementedError(f"cute_fa has no sm{arch} forward kernel yet")
 
 
-def _sm80_config(target: str, request: FwdRequest) -> FwdConfig:
+def _sm80_config(target: str, request: FwdRequest, seqlen_q: int | None = None) -> FwdConfig:
     tile_m, tile_n, num_warps = sm80_fwd_tile(request.head_dim, target, request.causal)
     flags = {f.name: getattr(request, f.name) for f in fields(request)}
     return FwdConfig(
@@ -137,10 +137,11 @@ def _sm80_config(target: str, request: FwdRequest) -> FwdConfig:
     )
 
 
-def _sm90_config(target: str, request: FwdRequest) -> FwdConfig:
+def _sm90_config(target: str, request: FwdRequest, seqlen_q: int | None = None) -> FwdConfig:
     tile_m, tile_n, num_warps = sm90_support.fwd_tile(
-        request.head_dim, request.causal, local=request.local, has_softcap=request.has_softcap
-    )
+        request.head_dim, request.causal, local=request.local, has_softcap=request.has_softcap,
+        seqlen_q=seqlen_q,
+    )  # fmt: skip
     flags = {f.name: getattr(request, f.name) for f in fields(request)}
     return FwdConfig(
         arch=90, target=target, tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, **flags
@@ -151,11 +152,12 @@ _CONFIG_BUILDERS = {80: _sm80_config, 90: _sm90_config}
 
 
 def fwd_config_for_target(
-    cls: KernelSpec | type, target: str, request: FwdRequest
+    cls: KernelSpec | type, target: str, request: FwdRequest, seqlen_q: int | None = None
 ) -> tuple[FwdConfig | None, str]:
-    """(config, "") when ``cls`` implements ``request`` on ``target``, else (None, reason)."""
+    """(config, "") when ``cls`` implements ``request`` on ``target``, else (None, reason).
+    ``seqlen_q`` (the longest query sequence, when known) may pick the tile."""
     try:
-        config = _CONFIG_BUILDERS[cls.arch](target, request)
+        config = _CONFIG_BUILDERS[cls.arch](target, request, seqlen_q)
     except SettingError:
         raise
     except (NotImplementedError, ValueError) as e:
@@ -165,7 +167,7 @@ def fwd_config_for_target(
 
 
 def _try_plan(
-    capability: tuple[int, int], request: FwdRequest
+    capability: tuple[int, int], request: FwdRequest, seqlen_q: int | None = None
 ) -> tuple[type | None, FwdConfig | None, str]:
     """(class, config, "") of the first kernel that implements ``request``, else (None, None,
     reasons)."""
@@ -173,17 +175,20 @@ def _try_plan(
     target = target_for_capability(*capability)
     reasons = [] if classes else [f"{FWD_ARCH_ENV}={os.environ.get(FWD_ARCH_ENV)} leaves no family"]
     for cls in classes:
-        config, reason = fwd_config_for_target(cls, target, request)
+        config, reason = fwd_config_for_target(cls, target, request, seqlen_q)
         if config is not None:
             return cls, config, ""
         reasons.append(f"{cls.name}: {reason}")
     return None, None, "; ".join(reasons)
 
 
-def fwd_plan(capability: tuple[int, int], request: FwdRequest) -> tuple[type, FwdConfig]:
-    """Kernel class and compile key for ``request`` on a device of ``capability``."""
+def fwd_plan(
+    capability: tuple[int, int], request: FwdRequest, seqlen_q: int | None = None
+) -> tuple[type, FwdConfig]:
+    """Kernel class and compile key for ``request`` on a device of ``capability``;
+    ``seqlen_q`` (the longest query sequence of the call, when known) may pick the tile."""
     capability = tuple(capability)
-    cls, config, reasons = _try_plan(capability, request)
+    cls, config, reasons = _try_plan(capability, request, seqlen_q)
     if cls is None:
         raise NotImplementedError(
             f"cute_fa: no forward kernel implements [{request.describe()}] on "

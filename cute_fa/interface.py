@@ -548,7 +548,10 @@ def _make_plan(
     no_work = math.prod(out_shape) == 0 or k.numel() == 0
     # Dispatch (NotImplementedError) even when there is nothing to launch; compile only when
     # there is.
-    _, config = dispatch.fwd_plan(_capability(device), shapes.request)
+    # The tile may depend on the query length (dense: seqlen_q; varlen: this first call's
+    # max_seqlen_q, which the plan then keeps for every call of its signature).
+    seqlen_hint = max_seqlen_q if shapes.varlen_q else shapes.seqlen_q
+    _, config = dispatch.fwd_plan(_capability(device), shapes.request, seqlen_hint)
     kernel = None if no_work else _compiled_kernel(config)
     wl, wr = _kernel_window(local, window_left, window_right)
     plan = _Plan(

@@ -57,8 +57,10 @@ SM90_FWD_3WG_FLAGS_OFF = ("local", "has_softcap")
 # Where 192 rows are the default: d 64 without a causal mask. On the H200 (bf16, standard grid,
 # same run, docs/performance.md) 192 rows against 128: non-causal +4-7 % at 512 / 1k, +6-16 % at
 # 2k-16k; causal -12 % at 512 / 1k (a third consumer on rows past the diagonal and past the
-# end), +1-16 % at 2k-16k. Causal keeps 128 rows until the choice can depend on the length.
+# end), +1-16 % at 2k-16k. So causal calls take 192 rows from 2048 query rows up (the plan of
+# a call knows its longest query sequence; without it, 128).
 SM90_FWD_3WG_DEFAULT = (64,)
+SM90_FWD_3WG_CAUSAL_MIN_SEQLEN = 2048
 
 
 # Tuning override: CUTE_FA_SM90_FWD_TILE_N=<keys> (a multiple of 16, at most 256) replaces the
@@ -95,9 +97,11 @@ def fwd_tile_m(
     causal: bool = False,
     local: bool = False,
     has_softcap: bool = False,
+    seqlen_q: int | None = None,
 ) -> int:
     """Query rows a CTA: 192 by default for the head dims of SM90_FWD_3WG_DEFAULT without a
-    causal mask (and keys tile_n that three consumers hold), else 128;
+    causal mask, or causal with ``seqlen_q`` (the call's longest query sequence) of at least
+    SM90_FWD_3WG_CAUSAL_MIN_SEQLEN (and keys tile_n that three consumers hold), else 128;
     CUTE_FA_SM90_FWD_TILE_M=128|192 asks for one where three consumers fit the head dim and
     features (``fwd_tile_ms``)."""
     override = os.environ.get(TILE_M_ENV, "").strip()
@@ -107,7 +111,8 @@ def fwd_tile_m(
     if override:
         return int(override) if int(override) in tile_ms else SM90_FWD_TILE_M
     fits = SM90_FWD_TILE_M_3WG in tile_ms and tile_n <= SM90_FWD_3WG_MAX_TILE_N[head_dim]
-    if head_dim in SM90_FWD_3WG_DEFAULT and not causal and fits:
+    long_rows = seqlen_q is not None and seqlen_q >= SM90_FWD_3WG_CAUSAL_MIN_SEQLEN
+    if head_dim in SM90_FWD_3WG_DEFAULT and fits and (not causal or long_rows):
         return SM90_FWD_TILE_M_3WG
     return SM90_FWD_TILE_M
 
@@ -118,6 +123,7 @@ def fwd_tile(
     tile_m: int | None = None,
     local: bool = False,
     has_softcap: bool = False,
+    seqlen_q: int | None = None,
 ) -> tuple[int, int, int]:
     """(tile_m, tile_n, num_warps) of the sm90 forward for a head dim (dispatch asks this).
 
@@ -131,7 +137,7 @@ def fwd_tile(
             raise SettingError(f"{TILE_N_ENV}={override!r}: expected a multiple of 16 up to 256")
         tile_n = int(override)
     if tile_m is None:
-        tile_m = fwd_tile_m(head_dim, tile_n, causal, local, has_softcap)
+        tile_m = fwd_tile_m(head_dim, tile_n, causal, local, has_softcap, seqlen_q)
     return tile_m, tile_n, fwd_num_warps(tile_m)
 
 

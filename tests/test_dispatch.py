@@ -241,6 +241,13 @@ def test_sm90_tile_m_switch(monkeypatch):
     assert (config.tile_m, config.num_warps) == (192, 16)  # the d64 default: three consumers
     _, config = dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64, causal=True))
     assert (config.tile_m, config.num_warps) == (128, 12)  # causal: two
+    # Causal with long query sequences: three (the plan passes the call's query length).
+    causal64 = req(head_dim=64, head_dim_v=64, causal=True)
+    assert dispatch.fwd_plan((9, 0), causal64, 2047)[1].tile_m == 128
+    assert dispatch.fwd_plan((9, 0), causal64, 2048)[1].tile_m == 192
+    assert dispatch.fwd_plan((9, 0), req(head_dim=128, head_dim_v=128), 8192)[1].tile_m == 128
+    plans = cli.precompile_configs("sm90", "sm_90a", [64], ["bf16"], ["causal"])
+    assert sorted(config.tile_m for config, _, _ in plans) == [128, 192]
     monkeypatch.setenv(TILE_M_ENV, "192")
     for causal in (False, True):
         _, config = dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64, causal=causal))
