@@ -212,7 +212,10 @@ def test_bwd_config_uses_the_tile_table() -> None:
     from cute_fa.backward import bwd_config
 
     for d in HEAD_DIMS:
-        config = bwd_config("sm_90a", "bf16", d, d, causal=True)
-        assert (config.tile_m, config.tile_n, config.num_warps) == sm80_bwd_tile(d, "sm_90a", True)
+        config = bwd_config("sm_80", "bf16", d, d, causal=True)
+        assert (config.tile_m, config.tile_n, config.num_warps) == sm80_bwd_tile(d, "sm_80", True)
+        # On sm_90a the sm90 kernel serves d64/d128 (Note [backward dispatch]), sm80 the rest.
+        family = 90 if d in (64, 128) else 80
+        assert bwd_config("sm_90a", "bf16", d, d, causal=True).arch == family
     with pytest.raises(NotImplementedError, match="head_dim"):
         bwd_config("sm_90a", "bf16", 80, 80)
