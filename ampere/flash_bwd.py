@@ -548,3 +548,5 @@ class FlashAttentionBackwardSm80(AttentionKernel):
 # of one critical section a key block), not for their compute. The turn order stays ascending:
 # descending turns would make a CTA wait for CTAs of higher index, which may not have started
 # when a head has more key blocks than CTAs fit on the GPU.
+# The sm90 backward (hopper/flash_bwd.py) keeps this protocol: the same semaphores, walk and
+# turns, taken by its dQ writer warp around the TMA reduce-adds of a block.
