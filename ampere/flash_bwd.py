@@ -586,3 +586,6 @@ class FlashAttentionBackwardSm80(AttentionKernel):
 # is a successor that waits up to one block longer for its turn, which matters only between
 # the few key blocks of a head that run at the same time. The late release waits for nothing
 # (it comes before the block's own wait for its turn), so it adds no dependency.
+# The sm90 backward (hopper/flash_bwd.py) keeps the semaphores, the downward walk and the
+# turns, taken by its dQ writer warp around the TMA reduce-adds of a block (with its grid key
+# blocks fastest and the release right after the block's reduce-adds).

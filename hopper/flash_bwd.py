@@ -16,9 +16,9 @@ from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from cute_fa.config import BwdConfig
-from cute_fa.dsl.copy import acc_to_smem, row_store_copy, store_rows
+from cute_fa.dsl.copy import acc_to_smem, elem_ptr, row_store_copy, store_rows
 from cute_fa.dsl.kernel import AttentionKernel
-from cute_fa.dsl.mask import apply_mask, query_block_range
+from cute_fa.dsl.mask import apply_mask, first_key_block, query_block_range
 from cute_fa.dsl.softmax import lse_for_recompute, mn_view_wgmma, score_scales
 
 from .fragments import acc_as_rs_operand, convert_in_chunks
@@ -67,15 +67,16 @@ class FlashAttentionBackwardSm90(AttentionKernel):
     are.
 
     Scope so far: bf16 or fp16; head_dim = head_dim_v in (64, 128); dense (no varlen, no
-    seqused); no mask or causal; GQA (K/V head = head // (heads / kv heads)). ``hopper/support.py
-    bwd_can_implement`` rejects the rest with its reason: local, softcap, varlen, seqused and
-    deterministic (``mdQsemaphore`` is not supported yet).
+    seqused); no mask or causal; GQA (K/V head = head // (heads / kv heads)); deterministic dQ
+    (``mdQsemaphore``, see "Deterministic dQ" below). ``hopper/support.py bwd_can_implement``
+    rejects the rest with its reason: local, softcap, varlen and seqused.
     Tile: tile_n = 128 keys a CTA, tile_m = 64 query rows a step (``support.bwd_tile``).
 
     Grid and work split
       grid = (ceil(max_seqlen_k / tile_n), num_heads, batch): one CTA owns tile_n keys of one
       (query head, batch) and walks the query blocks that see them (causal skips the blocks
-      above the diagonal), from the first to the last. P is recomputed from Q, K and the
+      above the diagonal), from the first to the last (deterministic mode: from the last to the
+      first; ``query_block``). P is recomputed from Q, K and the
       forward's LSE. dQ of each query block goes through smem and is added to the fp32
       dQaccum by TMA reduce-adds (cp.reduce.async.bulk.tensor .add.f32); the postprocess scales
       and casts it. GQA: the CTA of query head h reads K/V head h // (h / h_kv) and writes dK/dV
@@ -88,7 +89,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
           the TMA reduce-add of that consumer's half of sdQ into dQaccum, waits until the TMA
           has read sdQ (cp.async.bulk.wait_group.read 0) and arrives on DQ_EMPTY_WG1 + c
           (not after the last block: nobody waits for it). At the end it waits for its
-          reduce-adds to complete.
+          reduce-adds to complete. Deterministic mode: it also waits for the block's turn
+          before, and passes the turn on after (below).
         warps 2, 3 idle.
       warpgroups 1, 2: consumers 0, 1. Consumer c owns keys [64 c, 64 c + 64) of the tile: its
         dK and dV (64 x d fp32) stay in registers for the whole CTA. setmaxnreg.inc to 240.
@@ -158,15 +160,44 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       has exactly seqlen_q rows); dK and dV stores skip keys past seqlen_k. A CTA whose key
       block no query row sees (none with causal and seqlen_q > 0) loads K/V, visits no query
       block and stores zeros.
+    Deterministic dQ (config.deterministic; the sm80 kernel's protocol, Note [deterministic dQ]
+    in ampere/flash_bwd.py: each dQaccum element gets its terms in ascending key block order)
+      mdQsemaphore (batch, head, query block) int32, zeroed by the caller. Every CTA walks its
+      query blocks downward (all four roles: ``query_block``). Only producer warp 1 touches the
+      semaphores; for query block m, with turn = n_block - first_key_block(m) (= n_block: no
+      window), it
+        1. before DQ_FULL of consumer 0 (so the spin overlaps the consumers' GEMMs of m): lane
+           0 reads the semaphore (ld.relaxed.gpu) until it equals turn, then fence.acq_rel.gpu
+           (with the read: the acquire); __syncwarp; fence.proxy.async.global (the reduce-adds
+           below are async-proxy operations: ordered after the generic acquire);
+        2. for c = 0, 1 as without determinism: wait DQ_FULL + c, reduce-add, wait_group.read 0,
+           arrive DQ_EMPTY + c (the consumers are released as soon as sdQ was read, never held
+           for the semaphore);
+        3. cp.async.bulk.wait_group 0 (without .read: both reduce-adds' writes are complete and
+           visible to the issuing thread); fence.proxy.async.global (those async-proxy writes
+           ordered before the generic operations that follow); __syncwarp; lane 0:
+           fence.acq_rel.gpu, red.relaxed.gpu.add 1 (fence + write: the release). One
+           increment a block, after both halves.
+      A CTA of key block n waits only for the increments of key blocks first_key_block(m) ..
+      n - 1 of the same (batch, head), CTAs of lower index that the hardware started first
+      (grid x fastest), and their turns never depend on higher key blocks: no deadlock, even
+      with more CTAs than fit the GPU. The consumers never wait on a semaphore; they wait for
+      warp 1 only through DQ_EMPTY, i.e. when they are a whole block ahead of its turn (one
+      sdQ buffer). Walking downward, every key block starts at the same last query blocks, so
+      key block n waits for n - 1's reduce-adds (a wavefront), not for n - 1 to reach m.
     SASS (tests/test_compile_sm90_bwd.py): one warpgroup.arrive per GEMM group (S^T, dP^T,
       dV + dK, dQ: 4 a step; no ptxas serialization), no spills, no stack, at d 64 and 128;
       dQ leaves by UTMAREDG (no REDG atomics). With dQ split along d its accumulator is
       64 x d/2 fp32 (d/4 registers a thread), so dQ is issued while dV and dK (and their 16-bit
       P^T / dS^T registers) are in flight without ptxas serializing the WGMMAs (C7512); with
-      the full 64 x d accumulator d 128 did not fit.
-    Not yet: local, softcap, varlen/seqused, deterministic dQ, head_dim_v != head_dim, d other
+      the full 64 x d accumulator d 128 did not fit. Deterministic mode adds only warp 1's
+      handshake: the LDG.E.STRONG.GPU spin, two MEMBAR.ALL.GPU (acquire, release), two
+      FENCE.VIEW.ASYNC.G and one REDG.E.ADD.S32.STRONG.GPU (the increment); the consumers'
+      code, registers (168 at launch) and the absence of spills are unchanged.
+    Not yet: local, softcap, varlen/seqused, head_dim_v != head_dim, d other
       than 64 and 128; the next block's S^T / dP^T issued before this block's dQ completes;
-      pingpong between the consumers; anything measured on a GPU.
+      pingpong between the consumers; a second sdQ buffer (deterministic mode would hold the
+      consumers less); deterministic mode measured on a GPU.
     """
 
     arch = 90
@@ -180,6 +211,15 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         self.ds_buffers = SM90_BWD_DS_BUFFERS
         self.regs_producer = 24
         self.regs_consumer = 240
+        self.deterministic = config.deterministic
+
+    def query_block(self, i: Int32, m_block_min: Int32, m_block_max: Int32) -> Int32:
+        """The i-th query block a CTA visits: ascending from m_block_min, or in deterministic
+        mode downward from m_block_max - 1 (Note [deterministic dQ] in ampere/flash_bwd.py).
+        Producer warps 0 and 1 and both consumers walk the same order."""
+        if cutlass.const_expr(self.deterministic):
+            return m_block_max - 1 - i
+        return m_block_min + i
 
     def make_tiled_mmas(self) -> tuple[cute.TiledMma, cute.TiledMma, cute.TiledMma]:
         """(S^T and dP^T: SS; dV and dK: A from registers, B MN-major; dQ: SS, B MN-major), one
@@ -283,7 +323,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         grid = (cute.ceil_div(max_seqlen_k, tn), cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
         self.kernel(
             mQ_tma, mK_tma, mV_tma, mdO_tma, mdQ_tma, mQ, mK, mLSE, mdPsum, mdK, mdV,
-            tma_q, tma_k, tma_v, tma_do, tma_dq, softmax_scale, scale_log2,
+            mdQsemaphore, tma_q, tma_k, tma_v, tma_do, tma_dq, softmax_scale, scale_log2,
             sK_layout, sQ_layout, sdS_layout, sdQ_layout, mma_sdp, mma_dkv, mma_dq, copy_r2g,
             SharedStorage,
         ).launch(grid=grid, block=[WARPGROUP * (1 + self.num_consumers), 1, 1], stream=stream,
@@ -306,6 +346,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         mdPsum: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
+        mdQsemaphore: cute.Tensor | None,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
         tma_v: cute.CopyAtom,
@@ -375,9 +416,12 @@ class FlashAttentionBackwardSm90(AttentionKernel):
                     n_block, m_block_min, m_block_max, seqlen_q,
                 )  # fmt: skip
             elif warp_idx == 1:
+                det = cutlass.const_expr(self.deterministic)
+                sem = mdQsemaphore[batch, head, None] if det else None
                 self.reduce_dq(
-                    mdQ_tma[None, None, head, batch], tma_dq, sdQ, m_block_min, m_block_max
-                )
+                    mdQ_tma[None, None, head, batch], tma_dq, sdQ, sem, n_block, m_block_min,
+                    m_block_max, seqlen_q, seqlen_k,
+                )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             consumer = wg_idx - 1
@@ -445,7 +489,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         for i in cutlass.range(m_block_max - m_block_min, unroll=1):
-            m_block = m_block_min + i
+            m_block = self.query_block(i, m_block_min, m_block_max)
             pipeline_q.producer_acquire(state)
             cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, state.index],
                       tma_bar_ptr=pipeline_q.producer_get_barrier(state))  # fmt: skip
@@ -473,12 +517,18 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         mdQ: cute.Tensor,
         tma_dq: cute.CopyAtom,
         sdQ: cute.Tensor,
+        mdQsemaphore: cute.Tensor | None,
+        n_block: Int32,
         m_block_min: Int32,
         m_block_max: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
     ):
         """Producer warp 1: for every visited query block, each consumer's half of dQ from sdQ
         into dQaccum with a TMA reduce-add (docstring: warp roles, warp 1). mdQ: (seqlen_q, d) TMA
-        coordinate tensor of this (head, batch); the TMA clips rows past seqlen_q."""
+        coordinate tensor of this (head, batch); the TMA clips rows past seqlen_q.
+        mdQsemaphore: (query blocks,) int32 of this (batch, head), deterministic mode only: the
+        block's two reduce-adds wait for its turn and pass it on (docstring: deterministic)."""
         tm, d = self.tile_m, self.tile_hdim
         dq_cols = d // self.num_consumers
         gdQ = cute.local_tile(mdQ, (tm, dq_cols), (None, None))
@@ -489,16 +539,64 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         cpasync.prefetch_descriptor(tma_dq)
         n_blocks = m_block_max - m_block_min
         for i in cutlass.range(n_blocks, unroll=1):
+            m_block = self.query_block(i, m_block_min, m_block_max)
+            if cutlass.const_expr(self.deterministic):
+                # Before the consumers' dQ is there: the spin overlaps their GEMMs.
+                self.wait_dq_turn(mdQsemaphore, m_block, n_block, seqlen_q, seqlen_k)
             for c in cutlass.range_constexpr(self.num_consumers):
                 dq_barrier(Barrier.DQ_FULL_WG1, c).arrive_and_wait()
-                cute.copy(tma_dq, tdQsdQ[None, c], tdQgdQ[None, m_block_min + i, c])
+                cute.copy(tma_dq, tdQsdQ[None, c], tdQgdQ[None, m_block, c])
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.sync_warp()
                 # The consumer waits for this only before its next block's dQ.
                 if i < n_blocks - 1:
                     dq_barrier(Barrier.DQ_EMPTY_WG1, c).arrive()
+            if cutlass.const_expr(self.deterministic):
+                self.pass_dq_turn(mdQsemaphore, m_block)
         cute.arch.cp_async_bulk_wait_group(0)
+
+    @cute.jit
+    def wait_dq_turn(
+        self,
+        mdQsemaphore: cute.Tensor,
+        m_block: Int32,
+        n_block: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+    ):
+        """Warp 1, deterministic mode: return once the key blocks before this one that visit
+        query block m_block have added their dQ (the semaphore counts them), with their
+        reduce-adds ordered before this warp's next ones (docstring: deterministic)."""
+        # No window (can_implement rejects local): every key block up to this one visits m.
+        turn = n_block - first_key_block(
+            m_block, seqlen_q, seqlen_k, Int32(0), self.tile_m, self.tile_n, False
+        )
+        if cute.arch.lane_idx() == 0:
+            sem = elem_ptr(mdQsemaphore, m_block).llvm_ptr
+            count = cute.arch.load(sem, Int32, sem="relaxed", scope="gpu")
+            while count != turn:
+                count = cute.arch.load(sem, Int32, sem="relaxed", scope="gpu")
+            # Acquire: the last (relaxed) read, then the fence.
+            cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_warp()
+        # The next reduce-adds go through the async proxy: order them after the acquire.
+        cute.arch.fence_proxy("async.global")
+
+    @cute.jit
+    def pass_dq_turn(self, mdQsemaphore: cute.Tensor, m_block: Int32):
+        """Warp 1, deterministic mode: once both reduce-adds of query block m_block have
+        written dQaccum, add 1 to its semaphore (the release; docstring: deterministic)."""
+        # Without .read: the reduce-adds' writes are complete, not just their reads of sdQ.
+        cute.arch.cp_async_bulk_wait_group(0)
+        # The writes were made by the async proxy: order them before this warp's generic
+        # operations, then the whole warp before lane 0's release.
+        cute.arch.fence_proxy("async.global")
+        cute.arch.sync_warp()
+        if cute.arch.lane_idx() == 0:
+            cute.arch.fence_acq_rel_gpu()
+            sem = elem_ptr(mdQsemaphore, m_block).llvm_ptr
+            cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="relaxed", scope="gpu")
 
     @cute.jit
     def consume(
@@ -552,7 +650,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         smem = (sQ, sdO, sK_c, sV_c, sdS, sK_dq, sdQ[None, None, consumer], sLSE, sdPsum)
         pipes = (pipeline_q, pipeline_do, pipeline_lse)
         for i in cutlass.range(m_block_max - m_block_min, unroll=1):
-            args = (m_block_min + i, i, state, smem, pipes, acc_dK, acc_dV, consumer, tidx,
+            m_block = self.query_block(i, m_block_min, m_block_max)
+            args = (m_block, i, state, smem, pipes, acc_dK, acc_dV, consumer, tidx,
                     key_start, seqlen_q, seqlen_k, scale_log2)  # fmt: skip
             if cutlass.const_expr(self.causal):
                 self.step(*args, True)

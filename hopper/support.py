@@ -200,6 +200,8 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
 # their LSE and delta rows (fp32), two buffers of dS (tile_m x tile_n, 16-bit) and one fp32 dQ
 # tile (tile_m x d, the source of the TMA reduce-add into dQaccum).
 #   d 64: 32 + 32 + 32 + 16 KiB = 112 KiB;  d 128: 64 + 64 + 32 + 32 KiB = 192 KiB (of 227).
+# deterministic=True needs nothing more: the dQ writer warp spins on the caller's int32 semaphores
+# (one per batch, head and tile_m query block) before its reduce-adds (the kernel's docstring).
 # --------------------------------------------------------------------------------------------
 SM90_BWD_TILE_M = 64
 SM90_BWD_TILE_N = 128
@@ -241,8 +243,6 @@ def bwd_can_implement(config: BwdConfig) -> tuple[bool, str]:
     for flag in ("local", "has_softcap", "varlen_q", "varlen_k", "seqused_q", "seqused_k"):
         if getattr(config, flag):
             return False, f"{flag} is not supported by the sm90 backward yet"
-    if config.deterministic:
-        return False, "deterministic (the dQ semaphores) is not supported by the sm90 backward yet"
     smem = bwd_smem_bytes(config)
     if smem > SMEM_CAPACITY.get(config.target, 0):
         return False, f"tiles need {smem} B of shared memory, more than {config.target} has"

@@ -9,7 +9,8 @@ GQA groups. The forward is ``cute_fa.flash_attn_func`` (out, LSE). The gradients
 with ``attention_ref``'s as tests/test_bwd_gpu.py does (``check_grads``: fp32 reference, the
 input-dtype baseline, DESIGN.md's tolerance; NaN fails). dK and dV start as NaN, so a key
 row the kernel does not write fails; dQaccum must start at zero (the preprocess zeroes it) for
-the atomics.
+the atomics. ``deterministic=True`` passes zeroed semaphores and must give the same bytes on every
+run.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ def _main_kernel(config):
     return _MAIN[config]
 
 
-def sm90_backward(dout, q, k, v, out, lse, softmax_scale, causal):
-    """(dq, dk, dv) through preprocess (sm80), the sm90 main kernel and postprocess (sm80)."""
+def sm90_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False):
+    """(dq, dk, dv) through preprocess (sm80), the sm90 main kernel and postprocess (sm80);
+    ``deterministic``: dQ added in key-block order through zeroed semaphores."""
     from cute_fa.hopper.support import bwd_tile
 
     from cute_fa.backward import bwd_post_cache, bwd_pre_cache, post_config, pre_config
@@ -59,7 +61,8 @@ def sm90_backward(dout, q, k, v, out, lse, softmax_scale, causal):
     b, sq, h, d = q.shape
     sk, h_kv = k.shape[1], k.shape[2]
     tile_m, tile_n, num_warps = bwd_tile(d, causal)
-    config = BwdConfig(90, "sm_90a", dtype, d, d, tile_m, tile_n, num_warps, causal=causal)
+    config = BwdConfig(90, "sm_90a", dtype, d, d, tile_m, tile_n, num_warps, causal=causal,
+                       deterministic=deterministic)  # fmt: skip
     prepost = config.replace(arch=80)  # the pre/postprocess kernels are the sm80 ones
     pre = bwd_pre_cache().get(pre_config(prepost, False))
     post = bwd_post_cache().get(post_config(prepost))
@@ -68,9 +71,13 @@ def sm90_backward(dout, q, k, v, out, lse, softmax_scale, causal):
     pre(out, dout, None, delta, dq_accum)
     dk = torch.full((b, sk, h, d), float("nan"), dtype=q.dtype, device=q.device)
     dv = torch.full((b, sk, h, d), float("nan"), dtype=q.dtype, device=q.device)
+    semaphores = None
+    if deterministic:  # one per (batch, head, query block), zeroed
+        blocks = -(-sq // tile_m)
+        semaphores = torch.zeros((b, h, blocks), dtype=torch.int32, device=q.device)
     _main_kernel(config)(
         q, k, v, dout, lse, delta, dq_accum, dk, dv, softmax_scale, 0.0, 0, 0, sk,
-        None, None, None, None, None,
+        None, None, None, None, semaphores,
     )  # fmt: skip
     dq = torch.empty_like(q)
     post(dq_accum, dq, softmax_scale)
@@ -101,3 +108,49 @@ def test_sm90_bwd(d, dtype, causal, h_kv, seqlen_q, seqlen_k):
     grads = sm90_backward(dout, q, k, v, out, lse, scale, causal)
     torch.cuda.synchronize()
     check_grads(grads, q, k, v, dout, causal=causal)
+
+
+DETERMINISTIC_SEQLENS = [(1000, 1000), (113, 203), (203, 113), (1000, 17), (17, 1000)]
+
+
+@pytest.mark.parametrize(
+    "seqlen_q,seqlen_k", DETERMINISTIC_SEQLENS, ids=[f"{a}x{b}" for a, b in DETERMINISTIC_SEQLENS]
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_sm90_bwd_deterministic(d, causal, seqlen_q, seqlen_k):
+    """deterministic=True: correct, and the same bytes on every run (dQ is the one that could
+    differ; dK and dV are per CTA)."""
+    b, h, h_kv, dtype = 2, 4, 2, torch.bfloat16
+    q, k, v = (
+        torch.randn(b, s, hh, d, device="cuda", dtype=dtype)
+        for s, hh in ((seqlen_q, h), (seqlen_k, h_kv), (seqlen_k, h_kv))
+    )
+    out, lse = cute_fa.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    dout = torch.randn_like(out)
+    scale = d**-0.5
+    grads = sm90_backward(dout, q, k, v, out, lse, scale, causal, deterministic=True)
+    check_grads(grads, q, k, v, dout, causal=causal)
+    for _ in range(3):
+        again = sm90_backward(dout, q, k, v, out, lse, scale, causal, deterministic=True)
+        for g, g2, name in zip(grads, again, ("dq", "dk", "dv"), strict=True):
+            assert torch.equal(g.view(torch.int16), g2.view(torch.int16)), f"{name} differs"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_bwd_deterministic_more_ctas_than_fit(causal):
+    """More CTAs than the GPU holds at once (2 x 8 heads x 32 key blocks at d 128, one CTA an SM):
+    CTAs wait only for CTAs of lower key block, which started earlier, so this must finish; the
+    bytes are the same on every run and through flash_attn_func's own dispatch."""
+    b, h, s, d, dtype = 2, 8, 4096, 128, torch.bfloat16
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(3))
+    out, lse = cute_fa.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    dout = torch.randn_like(out)
+    grads = sm90_backward(dout, q, k, v, out, lse, d**-0.5, causal, deterministic=True)
+    again = sm90_backward(dout, q, k, v, out, lse, d**-0.5, causal, deterministic=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out2, _ = cute_fa.flash_attn_func(*leaves, causal=causal, deterministic=True)
+    dispatched = torch.autograd.grad(out2, leaves, dout)
+    for g, g2, g3, name in zip(grads, again, dispatched, ("dq", "dk", "dv"), strict=True):
+        assert torch.equal(g.view(torch.int16), g2.view(torch.int16)), f"{name} differs"
+        assert torch.equal(g.view(torch.int16), g3.view(torch.int16)), f"{name} (dispatch)"

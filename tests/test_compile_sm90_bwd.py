@@ -3,12 +3,13 @@
 ``FlashAttentionBackwardSm90`` is the backward on sm_90a where it applies
 (tests/test_bwd_sm90_gpu.py checks its results on an sm90 GPU); what can be checked here:
 ``can_implement`` accepts its scope and rejects the rest with a reason, and every config in scope
-(d 64 / 128, no mask / causal, bf16 / fp16) cross-compiles for sm_90a to a cubin that holds
-WGMMA (``HGMMA``, the count of the five GEMMs of a step), TMA loads
+(d 64 / 128, no mask / causal, bf16 / fp16, deterministic or not) cross-compiles for sm_90a to a
+cubin that holds WGMMA (``HGMMA``, the count of the five GEMMs of a step), TMA loads
 (``UTMALDG``), the TMA reduce-adds of dQ (``UTMAREDG``, no per-element ``REDG`` atomics), the
 register reallocation of the warp roles (``USETMAXREG``), one ``WARPGROUP.ARRIVE`` per GEMM
-group (more means ptxas serialized the WGMMAs), no mma.sync, no spills and no stack. Registers
-are printed (``pytest -rP``).
+group (more means ptxas serialized the WGMMAs), no mma.sync, no spills and no stack; the
+deterministic variant adds only producer warp 1's semaphore handshake (a strong spin load, GPU-scope
+fences, async-proxy fences and one ``REDG`` increment). Registers are printed (``pytest -rP``).
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ def _config(d: int = 128, dtype: str = "bf16", **changes) -> BwdConfig:
         ({"varlen_k": True}, "varlen_k"),
         ({"seqused_q": True}, "seqused_q"),
         ({"seqused_k": True}, "seqused_k"),
-        ({"deterministic": True}, "deterministic"),
     ],
 )
 def test_sm90_bwd_can_implement_rejects_with_reason(changes: dict, needle: str) -> None:
@@ -61,11 +61,12 @@ def test_sm90_bwd_can_implement_rejects_with_reason(changes: dict, needle: str) 
     assert not ok and needle in reason
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("d", SM90_BWD_HEAD_DIMS)
-def test_sm90_bwd_can_implement_accepts(d: int, dtype: str, causal: bool) -> None:
-    config = _config(d, dtype, causal=causal)
+def test_sm90_bwd_can_implement_accepts(d: int, dtype: str, causal: bool, deterministic) -> None:
+    config = _config(d, dtype, causal=causal, deterministic=deterministic)
     assert bwd_can_implement(config) == (True, "")
     assert bwd_smem_bytes(config) <= SMEM_CAPACITY["sm_90a"]
 
@@ -73,8 +74,8 @@ def test_sm90_bwd_can_implement_accepts(d: int, dtype: str, causal: bool) -> Non
 def test_sm90_bwd_kernel_rejects_at_construction() -> None:
     from cute_fa.hopper.flash_bwd import FlashAttentionBackwardSm90
 
-    with pytest.raises(NotImplementedError, match="deterministic"):
-        FlashAttentionBackwardSm90(_config(deterministic=True))
+    with pytest.raises(NotImplementedError, match="local"):
+        FlashAttentionBackwardSm90(_config(local=True))
 
 
 def _compile(config: BwdConfig) -> dict:
@@ -96,18 +97,22 @@ def _compile(config: BwdConfig) -> dict:
 
 
 COMPILE_CASES = [
-    pytest.param(64, "bf16", False, id="d64"),
-    pytest.param(64, "bf16", True, id="d64-causal"),
-    pytest.param(128, "bf16", False, id="d128"),
-    pytest.param(128, "bf16", True, id="d128-causal"),
-    pytest.param(128, "fp16", True, id="d128-fp16-causal"),
+    pytest.param(64, "bf16", False, False, id="d64"),
+    pytest.param(64, "bf16", True, False, id="d64-causal"),
+    pytest.param(128, "bf16", False, False, id="d128"),
+    pytest.param(128, "bf16", True, False, id="d128-causal"),
+    pytest.param(128, "fp16", True, False, id="d128-fp16-causal"),
+    pytest.param(64, "bf16", False, True, id="d64-det"),
+    pytest.param(64, "bf16", True, True, id="d64-causal-det"),
+    pytest.param(128, "bf16", False, True, id="d128-det"),
+    pytest.param(128, "bf16", True, True, id="d128-causal-det"),
 ]
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("d, dtype, causal", COMPILE_CASES)
-def test_sm90_bwd_compiles_for_sm90a(d: int, dtype: str, causal: bool) -> None:
-    config = _config(d, dtype, causal=causal)
+@pytest.mark.parametrize("d, dtype, causal, deterministic", COMPILE_CASES)
+def test_sm90_bwd_compiles_for_sm90a(d: int, dtype: str, causal: bool, deterministic) -> None:
+    config = _config(d, dtype, causal=causal, deterministic=deterministic)
     info = _compile(config)
     counts, sass = info["sass_counts"], info["sass_text"]
     spills = counts["LDL"] + counts["STL"]
@@ -129,7 +134,19 @@ def test_sm90_bwd_compiles_for_sm90a(d: int, dtype: str, causal: bool) -> None:
     # (tile_m, d / 2) half, issued by producer warp 1 (once, not per body); no atomics.
     assert len(re.findall(r"MUFU\.EX2", sass)) == bodies * 32
     assert len(re.findall(r"UTMAREDG\S*\.ADD", sass)) == 2 * (d // 2) // 32
-    assert len(re.findall(r"\bREDG", sass)) == 0 and len(re.findall(r"\bATOMG", sass)) == 0
+    assert len(re.findall(r"\bATOMG", sass)) == 0
+    if deterministic:
+        # Warp 1's turn (hopper/flash_bwd.py, docstring: deterministic dQ): the semaphore spin
+        # (strong GPU-scope loads), acquire and release fences (MEMBAR.ALL.GPU), async-proxy
+        # fences of global memory after the acquire and after the reduce-adds completed, and
+        # one integer REDG, the increment; no float atomics.
+        assert re.findall(r"\bREDG\S*", sass) == ["REDG.E.ADD.S32.STRONG.GPU"]
+        assert len(re.findall(r"\bLDG\.E\.STRONG\.GPU", sass)) >= 1
+        assert len(re.findall(r"MEMBAR\.ALL\.GPU", sass)) == 2
+        assert len(re.findall(r"FENCE\.VIEW\.ASYNC\.G\b", sass)) == 2
+    else:
+        assert len(re.findall(r"\bREDG", sass)) == 0
+        assert "MEMBAR.ALL.GPU" not in sass and "LDG.E.STRONG" not in sass
     # dS^T to smem by stmatrix (x4, transposed: 8 of the 32 dS values of a thread each), no
     # 16-bit element stores.
     assert len(re.findall(r"\bSTSM", sass)) == bodies * config.tile_m // 16

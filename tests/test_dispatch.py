@@ -133,8 +133,8 @@ def test_feature_matrix_is_generated_from_can_implement(monkeypatch):
         family = "sm90" if target == "sm_90a" else "sm80"  # Note [backward dispatch]
         assert rows["backward, head_dim 128"][columns.index(target)] == family
         assert rows["backward, causal"][columns.index(target)] == family
-    # What the sm90 backward does not implement yet runs the sm80 kernel on sm_90a.
-    assert rows["backward, deterministic=True"][columns.index("sm_90a")] == "sm80"
+    # The sm90 backward does deterministic dQ too (semaphores in its dQ writer warp).
+    assert rows["backward, deterministic=True"][columns.index("sm_90a")] == "sm90"
     assert rows["backward, head_dim 128"][columns.index("sm_86")].startswith("-(")
     served = [cell.startswith("sm") for cell in rows["backward, deterministic=True"]]
     assert served == [cell.startswith("sm") for cell in rows["backward, head_dim 128"]]
