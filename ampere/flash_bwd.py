@@ -37,8 +37,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
     """Exact attention backward (dQ, dK, dV), FA2 design, for every GPU from sm80 up.
 
     Grid and work split
-      grid = (ceil(max_seqlen_k / tile_n), num_heads, batch) (deterministic: (num_heads,
-      batch, ceil(max_seqlen_k / tile_n))): one CTA owns tile_n keys of one
+      grid = (ceil(max_seqlen_k / tile_n), num_heads, batch): one CTA owns tile_n keys of one
       (query head, batch), keeps their dK and dV in registers and walks the query blocks that
       see them (causal/local skip the rest), tile_m rows at a time. P is recomputed from Q, K
       and the forward's LSE: neither S nor P ever goes to global memory. dQ of each query block
@@ -69,16 +68,11 @@ class FlashAttentionBackwardSm80(AttentionKernel):
     Deterministic mode (config.deterministic): before its dQ atomics for query block m, thread 0
       spins until the semaphore of (batch, head, m) equals the number of key blocks before this one
       that visit m (its first relaxed read goes out at the start of the block, behind which the
-      GEMMs run), then fence.acq_rel.gpu (the acquire); barrier; atomics; barrier. The release
-      comes one block later: in the next block, once its S and dP GEMMs are issued (the atomics
-      have completed by then), thread 0 runs fence.acq_rel.gpu and adds 1 to the semaphore of
-      the previous block; after the last block, right away. Every element of dQaccum then sums
-      its terms in key block order, whatever the schedule. The grid is (num_heads, batch, key
-      blocks): key blocks slowest, so the CTAs of one key block index of every head start
-      before any of the next index, and a CTA mostly finds its turns already come. The CTA
-      walks its query blocks downward (last first), so that the key blocks of one head that do
-      run together all start on the same last query blocks. Note [deterministic dQ] has the
-      argument.
+      GEMMs run), then fence.acq_rel.gpu (the acquire); barrier; atomics; barrier; thread 0:
+      fence.acq_rel.gpu and adds 1 (the release). Every element of dQaccum then sums its terms in
+      key block order, whatever the schedule. The CTA walks its query blocks downward (last first),
+      so that all key blocks start on the same last query blocks and each waits only for the atomics
+      of the one before it, not for it to reach the block. Note [deterministic dQ] has the argument.
     Epilogue: dK *= softmax_scale; dK, dV through sK, sV to global memory.
     Out-of-range rows: Q and dO rows past seqlen_q are zero and their LSE is +inf (P = 0, dS = 0);
       K and V rows past seqlen_k are zero and their scores masked; rows whose forward LSE is -inf
@@ -153,9 +147,6 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         if cutlass.const_expr(mCuSeqlensQ is not None):
             batch = mCuSeqlensQ.shape[0] - 1
         grid = (cute.ceil_div(max_seqlen_k, tn), cute.size(mQ.shape[2]), batch)
-        if cutlass.const_expr(self.deterministic):
-            # Key blocks slowest (Note [deterministic dQ]): (head, batch, key block).
-            grid = (cute.size(mQ.shape[2]), batch, cute.ceil_div(max_seqlen_k, tn))
         self.kernel(
             mQ, mK, mV, mdO, mLSE, mdPsum, mdQaccum, mdK, mdV,
             softmax_scale, score_scale, scale_log2, window_left, window_right,
@@ -202,8 +193,6 @@ class FlashAttentionBackwardSm80(AttentionKernel):
     ):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head, batch = cute.arch.block_idx()
-        if cutlass.const_expr(self.deterministic):
-            head, batch, n_block = cute.arch.block_idx()
         tm, tn, d = self.tile_m, self.tile_n, self.tile_hdim
         offset_q, seqlen_q, offset_k, seqlen_k = seqlen_info(
             batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK
@@ -314,7 +303,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
             cute.arch.cp_async_commit_group()
         for i in cutlass.range(num_blocks, unroll=1):
             args = (
-                q_rows, smem_tiles, m_first + m_step * i, m_step, i + 1 < num_blocks, i > 0,
+                q_rows, smem_tiles, m_first + m_step * i, m_step, i + 1 < num_blocks,
                 i % self.q_stages, n_block,
                 seqlen_q, seqlen_k,
                 score_scale, scale_log2, window_left, window_right, copy_g2s,
@@ -328,10 +317,6 @@ class FlashAttentionBackwardSm80(AttentionKernel):
                     self.step_bwd(*args, True)
                 else:
                     self.step_bwd(*args, False)
-
-        if cutlass.const_expr(self.deterministic):
-            # The last block's release (its atomics precede its closing barrier).
-            self.release_dq(q_rows[5], m_first + m_step * (num_blocks - 1), tidx)
 
         # dK carries the softmax scale (dS is w.r.t. the scaled scores); sK and sV are free
         # after the last block's closing barrier.
@@ -347,7 +332,6 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         m_block: Int32,
         m_step: cutlass.Constexpr[int],
         has_next: cutlass.Boolean,
-        has_prev: cutlass.Boolean,
         stage: Int32,
         n_block: Int32,
         seqlen_q: Int32,
@@ -421,9 +405,6 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         acc_dP.fill(0.0)
         self.mma_ss(mma_sdp, acc_S, sQ, sK, ldsm, ldsm, tidx)
         self.mma_ss(mma_sdp, acc_dP, sdO, sV, ldsm, ldsm, tidx)
-        if cutlass.const_expr(self.deterministic):
-            if has_prev:  # the previous block's dQ atomics are done by now: its release
-                self.release_dq(q_rows[5], m_block - m_step, tidx)
 
         dtanh = None
         if cutlass.const_expr(self.has_softcap):
@@ -482,16 +463,12 @@ class FlashAttentionBackwardSm80(AttentionKernel):
             if tdQcdQ[i][0] < rows_left:
                 cute.arch.atomic_add(elem_ptr(tdQgdQ, i).llvm_ptr, acc_dQ[i])
         barrier.arrive_and_wait()
-
-    @cute.jit
-    def release_dq(self, semaphores: cute.Tensor, m_block: Int32, tidx: Int32):
-        """Deterministic mode: this key block's dQ of query block ``m_block`` is added; pass
-        the turn on. Every thread's atomics precede a CTA barrier, which precedes thread 0's
-        fence, which precedes the increment (the release)."""
-        if tidx == 0:
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.red(elem_ptr(semaphores, m_block).llvm_ptr, Int32(1), op="add",
-                          dtype=Int32, sem="relaxed", scope="gpu")  # fmt: skip
+        if cutlass.const_expr(self.deterministic):
+            # Release: every thread's atomics precede the barrier, the barrier precedes thread
+            # 0's fence, the fence precedes the increment.
+            if tidx == 0:
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="relaxed", scope="gpu")
 
     @cute.jit
     def load_q_do(
@@ -571,21 +548,5 @@ class FlashAttentionBackwardSm80(AttentionKernel):
 # of one critical section a key block), not for their compute. The turn order stays ascending:
 # descending turns would make a CTA wait for CTAs of higher index, which may not have started
 # when a head has more key blocks than CTAs fit on the GPU.
-# Launch order: with key blocks fastest in the grid, the CTAs that run together are mostly the
-# key blocks of one head, which all need the same query block at once: the chain of turns (one
-# critical section of a few microseconds each, comparable to a block's GEMMs) then paces them,
-# and key block n idles about n critical sections before its first add (0.77x of the default
-# speed at d128 8k). With key blocks slowest (grid (num_heads, batch, key blocks)), the CTAs
-# that run together are a few key block indices of every head; key block n starts after the
-# CTAs of index n - 1 of all heads have, so its turns have mostly come. The deadlock argument
-# holds as before: the CTAs a CTA waits for have a lower z index, so they started earlier.
-# Release one block late: the fence before the increment waits until the block's 64 x 128
-# atomics have completed; right after the atomics that stalled thread 0's warp, and with it
-# the CTA at its next barrier, for about a fifth of each block (both changes above alone left
-# the cost at 0.75x). Half a block later the atomics are done and the fence is cheap. The price
-# is a successor that waits up to one block longer for its turn, which matters only between
-# the few key blocks of a head that run at the same time. The late release waits for nothing
-# (it comes before the block's own wait for its turn), so it adds no dependency.
 # The sm90 backward (hopper/flash_bwd.py) keeps the semaphores, the downward walk and the
-# turns, taken by its dQ writer warp around the TMA reduce-adds of a block (with its grid key
-# blocks fastest and the release right after the block's reduce-adds).
+# turns, taken by its dQ writer warp around the TMA reduce-adds of a block.
