@@ -586,9 +586,9 @@ class FlashAttentionForwardSm90(AttentionKernel):
         _, tiled_mma_pv = self.make_tiled_mmas()
         tOrP = acc_as_rs_operand(rP)
         tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+        tOrV_stage = tOrV[None, None, None, v_stage]  # sliced once: fewer address computations
         for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
-            cute.gemm(tiled_mma_pv, acc_O, tOrP[None, None, k], tOrV[None, None, k, v_stage],
-                      acc_O)  # fmt: skip
+            cute.gemm(tiled_mma_pv, acc_O, tOrP[None, None, k], tOrV_stage[None, None, k], acc_O)
 
     @cute.jit
     def step(
@@ -618,10 +618,10 @@ class FlashAttentionForwardSm90(AttentionKernel):
             pipeline_v.consumer_wait(v_state)
         self.start_turn(consumer)
         warpgroup.fence()
+        tSrK_stage = tSrK[None, None, None, k_state.index]  # sliced once, as in gemm_pv
         for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
             tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, k != 0)
-            cute.gemm(tiled_mma_qk, acc_S, tSrQ[None, None, k], tSrK[None, None, k, k_state.index],
-                      acc_S)  # fmt: skip
+            cute.gemm(tiled_mma_qk, acc_S, tSrQ[None, None, k], tSrK_stage[None, None, k], acc_S)
         warpgroup.commit_group()
         if cutlass.const_expr(not is_first):
             self.gemm_pv(mma, v_state.index)
