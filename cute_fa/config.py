@@ -71,6 +71,10 @@ class FwdConfig:
     varlen_k: bool = False  # cu_seqlens_k given
     seqused_q: bool = False
     seqused_k: bool = False
+    # Tuning variants of the sm90 kernel (hopper/support.py switches); the defaults are the
+    # kernel's own choice and leave the name unchanged.
+    kv_stages: int = 0  # K/V smem stages; 0: the kernel's default
+    defer_rescale: bool = False  # O rescale and P conversion just before the next P V
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -91,6 +95,10 @@ class FwdConfig:
         ]
         if self.has_softcap:
             flags.append("softcap")
+        if getattr(self, "kv_stages", 0):  # (BwdConfig shares this name and has neither field)
+            flags.append(f"kv{self.kv_stages}")
+        if getattr(self, "defer_rescale", False):
+            flags.append("defer")
         dv = "" if self.head_dim_v == self.head_dim else f"x{self.head_dim_v}"
         return (
             f"fwd_sm{self.arch}_{self.target}_{self.dtype}_d{self.head_dim}{dv}"

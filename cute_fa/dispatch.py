@@ -143,8 +143,10 @@ def _sm90_config(target: str, request: FwdRequest, seqlen_q: int | None = None) 
         seqlen_q=seqlen_q,
     )  # fmt: skip
     flags = {f.name: getattr(request, f.name) for f in fields(request)}
-    return FwdConfig(
-        arch=90, target=target, tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, **flags
+    return sm90_support.fwd_tuned(
+        FwdConfig(
+            arch=90, target=target, tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, **flags
+        )
     )
 
 

@@ -22,10 +22,10 @@ from cute_fa.dsl.softmax import OnlineSoftmax, mn_view_wgmma, score_scales
 
 from .fragments import acc_as_rs_operand, convert_in_chunks
 from .support import (
-    SM90_FWD_KV_STAGES,
     SM90_FWD_REGS,
     SM90_FWD_WG_M,
     fwd_can_implement,
+    fwd_kv_stages,
     fwd_num_consumers,
 )
 from .sync import tma_pipeline
@@ -110,10 +110,12 @@ class FlashAttentionForwardSm90(AttentionKernel):
       pipeline_q:  producer -> every consumer, 1 stage, 4 * num_consumers consumer-warp
                    arrivals (8 or 12); loaded once (num_consumers TMA boxes of 64 x d on one
                    barrier), never released.
-      pipeline_k:  producer -> every consumer, kv_stages = 2, 4 * num_consumers arrivals;
+      pipeline_k:  producer -> every consumer, kv_stages, 4 * num_consumers arrivals;
                    K[n] is released once S = Q K[n]^T has completed.
-      pipeline_v:  producer -> every consumer, kv_stages = 2, 4 * num_consumers arrivals;
+      pipeline_v:  producer -> every consumer, kv_stages, 4 * num_consumers arrivals;
                    V[n] is released one step later, once O += P V[n] has completed.
+      kv_stages = 2; config.kv_stages = 3 (CUTE_FA_SM90_FWD_KV_STAGES=3, ``support.fwd_tuned``)
+      gives 3 where they fit in shared memory (d 64 to 128 at 128 keys; 225 KiB at d 128).
     P -> 16-bit registers: converted 8 values at a time (``convert_in_chunks``), so the
       compiler emits packed pair conversions for every tile_n and ptxas keeps the P V WGMMAs
       in one batch (no C7519 serialization; tests/test_compile_sm90.py counts the fences).
@@ -139,7 +141,18 @@ class FlashAttentionForwardSm90(AttentionKernel):
       masked by select, so NaN in K does no harm.
     Intra-warpgroup overlap in the SASS of d 128 (DSL's ptxas): between wgmma wait_group 1 and
       0 sit the row max reductions, the scaling FFMAs and a few of the EX2 (unmasked loop: 4 of
-      64, masked loop: 13 of 64); the other EX2 run after the P V GEMM has completed.
+      66, masked loop: 5 of 66, the 2 of the rescale factors included); the other EX2 run after
+      the P V GEMM has completed. ptxas places the wait (WARPGROUP.DEPBAR) right after the last
+      SHFL before it, and the P conversions, which write the registers the in-flight P V reads,
+      need it early. config.defer_rescale (CUTE_FA_SM90_FWD_DEFER_RESCALE=1) changes
+      the step: P stays fp32 in acc_S (kept across steps) and the rescale factors in ``corr``;
+      the O rescale and the P conversion of block j run at the start of the next step (or of
+      the last P V), before its turn; one shuffle of the row sums (``after_exponentials``)
+      anchors the wait after every exponential. SASS: 66 of 66 EX2 inside the window in both
+      loops of d 128, 42 of 42 at d 256 (causal: 58-66 of 66, 40-42 of 42; d 64 with three
+      consumers: 64 and 66 of 66). The wait itself
+      stays in the step: a commit group still in flight at the loop's back edge makes ptxas
+      serialize every WGMMA.
     Masks (cute_fa/dsl/mask.py, Note [bottom-right aligned masks]; block_range per CTA of
       tile_m rows, apply_mask per consumer's 64 rows). Key blocks run in up to three loops, last to
       first: [start_unmasked, n_max) masked (seqlen_k tail, causal diagonal, right window
@@ -151,6 +164,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
     Softcap (compile-time flag; the value is a runtime argument): right after S is complete,
       s -> tanh(s * softmax_scale / softcap) (MUFU.TANH), with the exponent's scale
       softcap * log2(e); both scales come from the shared ``score_scales`` (as in sm80).
+    Neither tuning switch is part of the compile key (FwdConfig); support.py says how to
+      compare them.
     Not yet: TMA-store epilogue, head_dim_v != head_dim other than 192 x 128, tuned
       tile shapes and stage counts, persistent scheduling.
     """
@@ -162,7 +177,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
         self.num_consumers = fwd_num_consumers(config.tile_m)
         self.wg_m = SM90_FWD_WG_M  # query rows of one consumer warpgroup
         self.num_threads = WARPGROUP * (1 + self.num_consumers)
-        self.kv_stages = SM90_FWD_KV_STAGES
+        self.kv_stages = fwd_kv_stages(config)
+        self.defer_rescale = config.defer_rescale
         self.regs_producer, self.regs_consumer = SM90_FWD_REGS[self.num_consumers]
 
     can_implement = staticmethod(fwd_can_implement)
@@ -467,7 +483,13 @@ class FlashAttentionForwardSm90(AttentionKernel):
         # consumers take their turns; one last turn issues O += P V of the final block.
         n_blocks = n_block_max - n_block_min
         rP = cute.make_rmem_tensor(thr_qk.partition_shape_C((wg_m, tile_n)), self.dtype)
-        mma = (thr_qk, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_O, rP, tScS)
+        # With defer_rescale, S/P of the last softmaxed block (fp32) and its O rescale factors
+        # live across steps: P goes to 16 bits, and O is rescaled, right before its P V issue.
+        acc_S, corr = None, None
+        if cutlass.const_expr(self.defer_rescale):
+            acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((wg_m, tile_n)))
+            corr = cute.make_rmem_tensor(softmax.num_rows, Float32)
+        mma = (thr_qk, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_O, rP, tScS, acc_S, corr)
         pipes = (pipeline_k, pipeline_v)
         score_args = (score_scale, row_start, seqlen_q, seqlen_k, window_left, window_right)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
@@ -512,7 +534,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
                 k_state.advance()
                 v_state.advance()
         if n_blocks > 0:
-            self.last_pv(v_state, consumer, mma, pipes)
+            self.last_pv(v_state, softmax, consumer, mma, pipes)
 
         # Epilogue: O / l once (rows that saw no key: O = 0, LSE = -inf), O -> this consumer's
         # slice of sQ (its WGMMAs have all completed) -> 16-byte global stores.
@@ -580,15 +602,41 @@ class FlashAttentionForwardSm90(AttentionKernel):
         ).arrive()
 
     @cute.jit
+    def prepare_pv(self, softmax: OnlineSoftmax, mma: tuple):
+        """defer_rescale, before O += P V of the last softmaxed block is issued: O *= the
+        factors of its softmax, P (fp32, in acc_S) -> 16-bit registers (rP). The P V GEMM
+        before has completed (wait_group 0 at the end of the previous step): no WGMMA reads rP
+        or accumulates into O any more."""
+        acc_O, rP, acc_S, corr = mma[6], mma[7], mma[9], mma[10]
+        softmax.rescale(acc_O, corr)
+        convert_in_chunks(rP, acc_S)
+
+    @cute.jit
+    def after_exponentials(self, softmax: OnlineSoftmax):
+        """Scheduling anchor for the wgmma wait_group 0 that follows (defer_rescale).
+
+        ptxas places a WARPGROUP.DEPBAR no earlier than the last SHFL before it in program
+        order, and otherwise as early as it can (the d128 SASS without this: 4 of 66 MUFU.EX2
+        of the unmasked loop before the wait). One butterfly shuffle of each row's partial sum,
+        which depends on every exponential of the row, added times 0, puts all of them before
+        the wait (66 of 66). x + a * 0 is x: a is the partial sum of the same row in the
+        neighbouring lane of the quad, finite and >= 0 (sums of exp2 of values <= 0); the
+        compiler cannot fold it (a * 0 is NaN for an infinite a).
+        """
+        for r in cutlass.range_constexpr(softmax.num_rows):
+            other = cute.arch.shuffle_sync_bfly(softmax.row_sum[r], offset=1)
+            softmax.row_sum[r] = softmax.row_sum[r] + other * 0.0
+
+    @cute.jit
     def gemm_pv(self, mma: tuple, v_stage: Int32):
         """O += P V with P from registers (issue only)."""
         tOrV, acc_O, rP = mma[5], mma[6], mma[7]
         _, tiled_mma_pv = self.make_tiled_mmas()
         tOrP = acc_as_rs_operand(rP)
         tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+        tOrV_stage = tOrV[None, None, None, v_stage]  # sliced once: fewer address computations
         for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
-            cute.gemm(tiled_mma_pv, acc_O, tOrP[None, None, k], tOrV[None, None, k, v_stage],
-                      acc_O)  # fmt: skip
+            cute.gemm(tiled_mma_pv, acc_O, tOrP[None, None, k], tOrV_stage[None, None, k], acc_O)
 
     @cute.jit
     def step(
@@ -608,20 +656,24 @@ class FlashAttentionForwardSm90(AttentionKernel):
         unless ``is_first``), softcap (when compiled in), mask (``masked``: the block may cut
         the seqlen tail, the causal diagonal or a window edge), online softmax, P -> registers
         (16-bit) for the next step."""
-        thr_qk, _, _, tSrQ, tSrK, _, acc_O, rP, tScS = mma
+        thr_qk, _, _, tSrQ, tSrK, _, acc_O, rP, tScS, acc_S, corr = mma
         tiled_mma_qk, _ = self.make_tiled_mmas()
         pipeline_k, pipeline_v = pipes
         score_scale, row_start, seqlen_q, seqlen_k, window_left, window_right = score_args
-        acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.wg_m, self.tile_n)))
+        if cutlass.const_expr(self.defer_rescale):
+            if cutlass.const_expr(not is_first):
+                self.prepare_pv(softmax, mma)  # of the previous block, before acc_S is reused
+        else:
+            acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.wg_m, self.tile_n)))
         pipeline_k.consumer_wait(k_state)
         if cutlass.const_expr(not is_first):
             pipeline_v.consumer_wait(v_state)
         self.start_turn(consumer)
         warpgroup.fence()
+        tSrK_stage = tSrK[None, None, None, k_state.index]  # sliced once, as in gemm_pv
         for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
             tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, k != 0)
-            cute.gemm(tiled_mma_qk, acc_S, tSrQ[None, None, k], tSrK[None, None, k, k_state.index],
-                      acc_S)  # fmt: skip
+            cute.gemm(tiled_mma_qk, acc_S, tSrQ[None, None, k], tSrK_stage[None, None, k], acc_S)
         warpgroup.commit_group()
         if cutlass.const_expr(not is_first):
             self.gemm_pv(mma, v_state.index)
@@ -642,7 +694,17 @@ class FlashAttentionForwardSm90(AttentionKernel):
                 seqlen_q, seqlen_k, window_left, window_right, self.causal, self.local,
             )  # fmt: skip
         check_inf = masked and (self.causal or self.local)
-        if cutlass.const_expr(is_first):
+        if cutlass.const_expr(self.defer_rescale):
+            # P stays fp32 in acc_S and the factors in corr until the next P V issue
+            # (prepare_pv): after wait_group 0 nothing in this step writes acc_O or rP. (The
+            # wait stays in this step: ptxas serializes every WGMMA when a commit group is
+            # still in flight at the loop's back edge.)
+            softmax.step(acc_S, None, is_first, check_inf, corr)
+            if cutlass.const_expr(not is_first):
+                self.after_exponentials(softmax)
+                warpgroup.wait_group(0)
+                pipeline_v.consumer_release(v_state)
+        elif cutlass.const_expr(is_first):
             softmax.step(acc_S, acc_O, True, check_inf)
         else:
             corr = cute.make_rmem_tensor(softmax.num_rows, Float32)
@@ -650,12 +712,22 @@ class FlashAttentionForwardSm90(AttentionKernel):
             warpgroup.wait_group(0)
             pipeline_v.consumer_release(v_state)
             softmax.rescale(acc_O, corr)
-        convert_in_chunks(rP, acc_S)
+        if cutlass.const_expr(not self.defer_rescale):
+            convert_in_chunks(rP, acc_S)
 
     @cute.jit
-    def last_pv(self, v_state: pipeline.PipelineState, consumer: Int32, mma: tuple, pipes: tuple):
+    def last_pv(
+        self,
+        v_state: pipeline.PipelineState,
+        softmax: OnlineSoftmax,
+        consumer: Int32,
+        mma: tuple,
+        pipes: tuple,
+    ):
         """O += P V of the last visited key block, in this consumer's turn."""
         pipeline_v = pipes[1]
+        if cutlass.const_expr(self.defer_rescale):
+            self.prepare_pv(softmax, mma)
         pipeline_v.consumer_wait(v_state)
         self.start_turn(consumer)
         warpgroup.fence()

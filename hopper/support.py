@@ -74,6 +74,51 @@ TILE_N_ENV = "CUTE_FA_SM90_FWD_TILE_N"
 TILE_M_ENV = "CUTE_FA_SM90_FWD_TILE_M"
 
 
+# Tuning switch: CUTE_FA_SM90_FWD_KV_STAGES=2|3, the stages of the K and V rings. 3 applies where
+# Q and three K/V stages fit in shared memory (fwd_kv_stages; d 64 to 128 at 128 keys: 225 KiB at
+# d 128), else the ring keeps 2. Unset: 2 (SM90_FWD_KV_STAGES). Read when a launch plan is made.
+KV_STAGES_ENV = "CUTE_FA_SM90_FWD_KV_STAGES"
+SM90_FWD_KV_STAGE_CHOICES = (2, 3)
+# Tuning switch: CUTE_FA_SM90_FWD_DEFER_RESCALE=1 moves the rescale of O and the conversion of P
+# to 16 bits of key block j from the end of its step to just before O += P_j V_j is issued (the
+# start of the next step, or the last P V). Between wgmma wait_group 1 and 0 nothing then writes
+# the registers the in-flight P V GEMM reads (P) or accumulates (O), so ptxas can keep the
+# exponentials of block j before the wait (flash_fwd.py, class docstring). =0 or unset: the
+# order of the default. Read when a launch plan is made.
+DEFER_RESCALE_ENV = "CUTE_FA_SM90_FWD_DEFER_RESCALE"
+
+# Both switches become fields of the compile key (FwdConfig.kv_stages, .defer_rescale; see
+# fwd_tuned), so a kernel compiled under one setting is never served under the other.
+
+
+def _env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The value of a tuning switch ("" when unset); SettingError when it is not in ``choices``."""
+    value = os.environ.get(name, "").strip()
+    if value and value not in choices:
+        raise SettingError(f"{name}={value!r}: expected one of {', '.join(choices)}")
+    return value
+
+
+def fwd_kv_stages(config: FwdConfig) -> int:
+    """K/V stages of the sm90 forward for ``config``: ``config.kv_stages`` when set, else
+    SM90_FWD_KV_STAGES."""
+    return config.kv_stages or SM90_FWD_KV_STAGES
+
+
+def fwd_tuned(config: FwdConfig) -> FwdConfig:
+    """``config`` with the tuning switches applied (dispatch calls this): the K/V stages of
+    CUTE_FA_SM90_FWD_KV_STAGES where Q and that many stages fit in shared memory, and
+    CUTE_FA_SM90_FWD_DEFER_RESCALE. Defaults leave the config (and its name) unchanged."""
+    value = _env_choice(KV_STAGES_ENV, tuple(str(s) for s in SM90_FWD_KV_STAGE_CHOICES))
+    stages = int(value) if value else SM90_FWD_KV_STAGES
+    if fwd_smem_bytes(config, stages) > SMEM_CAPACITY.get(config.target, 0):
+        stages = SM90_FWD_KV_STAGES
+    defer = _env_choice(DEFER_RESCALE_ENV, ("0", "1")) == "1"
+    return config.replace(
+        kv_stages=0 if stages == SM90_FWD_KV_STAGES else stages, defer_rescale=defer
+    )
+
+
 def fwd_num_consumers(tile_m: int) -> int:
     """Consumer warpgroups of a forward tile of ``tile_m`` query rows."""
     return tile_m // SM90_FWD_WG_M
@@ -183,7 +228,7 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
             f"O in {SM90_FWD_REGS[3][1]} registers a thread, which fits at most "
             f"{SM90_FWD_3WG_MAX_TILE_N[config.head_dim]} keys at head_dim {config.head_dim}"
         )
-    smem = fwd_smem_bytes(config)
+    smem = fwd_smem_bytes(config, fwd_kv_stages(config))
     if smem > SMEM_CAPACITY.get(config.target, 0):
         return False, f"tiles need {smem} B of shared memory, more than {config.target} has"
     return True, ""

@@ -15,6 +15,8 @@ import re
 
 import pytest
 from cute_fa.hopper.support import (
+    DEFER_RESCALE_ENV,
+    KV_STAGES_ENV,
     SM90_FWD_3WG_MAX_TILE_N,
     SM90_FWD_HEAD_DIM_PAIRS,
     SM90_FWD_REGS,
@@ -22,12 +24,14 @@ from cute_fa.hopper.support import (
     SM90_FWD_TILE_M_3WG,
     TILE_N_ENV,
     fwd_can_implement,
+    fwd_kv_stages,
     fwd_num_consumers,
     fwd_smem_bytes,
     fwd_tile,
+    fwd_tuned,
 )
 
-from cute_fa.config import SMEM_CAPACITY, FwdConfig
+from cute_fa.config import SMEM_CAPACITY, FwdConfig, SettingError
 from cute_fa.dispatch import FWD_ARCH_ENV, SM90_FWD, fwd_kernel_class, fwd_kernel_classes
 from cute_fa.sass import compile_and_inspect
 
@@ -198,7 +202,88 @@ def test_sm90_three_consumers_only_where_they_fit(monkeypatch) -> None:
     assert not ok and "160 registers" in reason
 
 
-def _check_compiled(config: FwdConfig, capfd) -> None:
+MALFORMED = [(KV_STAGES_ENV, "4"), (KV_STAGES_ENV, "three"), (DEFER_RESCALE_ENV, "yes"),
+             (DEFER_RESCALE_ENV, "2")]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, value", MALFORMED)
+def test_sm90_fwd_switches_reject_malformed_values(monkeypatch, name: str, value: str) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SettingError, match=name):
+        fwd_tuned(_tiled_config(128, 128))
+
+
+def test_sm90_fwd_kv_stages_where_they_fit(monkeypatch) -> None:
+    monkeypatch.delenv(TILE_N_ENV, raising=False)
+    monkeypatch.delenv(KV_STAGES_ENV, raising=False)
+    monkeypatch.delenv(DEFER_RESCALE_ENV, raising=False)
+    config = fwd_tuned(_tiled_config(128, 128))
+    assert config == _tiled_config(128, 128) and fwd_kv_stages(config) == 2  # defaults: no change
+    monkeypatch.setenv(KV_STAGES_ENV, "3")
+    monkeypatch.setenv(DEFER_RESCALE_ENV, "1")
+    # Q + 3 stages: d 64 / 96 / 128 at 128 keys fit in 227 KiB; d 192 and 256 keep 2.
+    for (d, dv), stages in zip(SM90_FWD_HEAD_DIM_PAIRS, (3, 3, 3, 2, 2, 2), strict=True):
+        config = fwd_tuned(_tiled_config(d, dv))
+        assert fwd_kv_stages(config) == stages and config.defer_rescale, (d, dv)
+        assert fwd_can_implement(config) == (True, "")
+        assert fwd_smem_bytes(config, stages) <= SMEM_CAPACITY["sm_90a"]
+        # The switches are part of the compile key: another name, another cache entry.
+        assert config.name != _tiled_config(d, dv).name and "defer" in config.name
+
+
+# Tuning switches (compile-time variants): (switch, value, d, tile_m or None, flags).
+CAUSAL_SEQUSED_K = {"causal": True, "seqused_k": True}
+SWITCH_CASES = [
+    pytest.param(DEFER_RESCALE_ENV, "1", 128, None, {}, id="defer-d128"),
+    pytest.param(DEFER_RESCALE_ENV, "1", 256, None, {}, id="defer-d256"),
+    pytest.param(DEFER_RESCALE_ENV, "1", 128, None, CAUSAL_SEQUSED_K, id="defer-d128-causal-squk"),
+    pytest.param(DEFER_RESCALE_ENV, "1", 256, None, {"causal": True}, id="defer-d256-causal"),
+    pytest.param(DEFER_RESCALE_ENV, "1", 128, None, LOCAL_SOFTCAP, id="defer-d128-local-softcap"),
+    pytest.param(DEFER_RESCALE_ENV, "1", 64, SM90_FWD_TILE_M_3WG, {}, id="defer-d64-3wg"),
+    pytest.param(KV_STAGES_ENV, "3", 128, None, {}, id="stages3-d128"),
+    pytest.param(KV_STAGES_ENV, "3", 128, None, {"causal": True}, id="stages3-d128-causal"),
+    pytest.param(KV_STAGES_ENV, "3", 64, SM90_FWD_TILE_M_3WG, {}, id="stages3-d64-3wg"),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name, value, d, tile_m, flags", SWITCH_CASES)
+def test_sm90_fwd_switch_compiles(monkeypatch, capfd, name, value, d, tile_m, flags) -> None:
+    monkeypatch.delenv(TILE_N_ENV, raising=False)
+    monkeypatch.setenv(name, value)
+    if tile_m is None:
+        config = _tiled_config(d, d, **flags)
+    else:
+        tile_m, tile_n, num_warps = fwd_tile(d, flags.get("causal", False), tile_m)
+        config = _config(head_dim=d, head_dim_v=d, tile_m=tile_m, tile_n=tile_n,
+                         num_warps=num_warps, **flags)  # fmt: skip
+    config = fwd_tuned(config)
+    sass = _check_compiled(config, capfd)
+    if name == DEFER_RESCALE_ENV and not flags:
+        # The exponentials of a loop step (tile_n / 2 of P, 2 of the rescale factors) sit
+        # between wgmma wait_group 1 and wait_group 0 (class docstring): all of them at d128 and
+        # d256, at least those of P with three consumers (d64: 64 and 66 of 66).
+        inside = _exponentials_in_overlap_window(sass)
+        assert inside and all(n >= config.tile_n // 2 for n in inside), inside
+        if config.tile_m == 128:
+            assert all(n == config.tile_n // 2 + 2 for n in inside), inside
+
+
+def _exponentials_in_overlap_window(sass: str) -> list[int]:
+    """MUFU.EX2 between each ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` and the next ``0x0``."""
+    counts, inside = [], None
+    for line in sass.splitlines():
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            inside = 0
+        elif inside is not None and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:
+            counts.append(inside)
+            inside = None
+        elif inside is not None and "MUFU.EX2" in line:
+            inside += 1
+    return counts
+
+
+def _check_compiled(config: FwdConfig, capfd) -> str:
     """Compile ``config`` for sm_90a and check its SASS (see the module docstring)."""
     d = config.head_dim
     info = compile_and_inspect(config)
@@ -226,7 +311,7 @@ def _check_compiled(config: FwdConfig, capfd) -> None:
     tanh = len(re.findall(r"MUFU\.TANH", sass))
     assert tanh == ((loops + 1) * config.tile_n // 2 if config.has_softcap else 0), "MUFU.TANH"
     assert info["spills"] == 0 and info["stack"] == 0 and info["local"] == 0
-    assert fwd_smem_bytes(config) <= SMEM_CAPACITY["sm_90a"]
+    assert fwd_smem_bytes(config, fwd_kv_stages(config)) <= SMEM_CAPACITY["sm_90a"]
     # 128 threads a warpgroup: at most 65536 / threads registers at launch (168 with two
     # consumers, 128 with three), then setmaxnreg moves them.
     num_consumers = fwd_num_consumers(config.tile_m)
@@ -245,3 +330,4 @@ def _check_compiled(config: FwdConfig, capfd) -> None:
     # The WGMMA serialization warnings (C7510-C7520: wgmma serialized for some reason) never
     # appear (the WARPGROUP.ARRIVE count above sees the effect, this the warning itself).
     assert not re.search(r"C75(1\d|20)", out + err), "ptxas serialized WGMMAs"
+    return sass
