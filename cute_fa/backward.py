@@ -143,7 +143,7 @@ def bwd_config(
 
 # Note [backward dispatch]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
-# On the H200 the sm90 backward measured 0.93-1.05x SDPA CUDNN and 1.34-1.73x SDPA FLASH at d64
+# On the H200 the sm90 backward measured 0.91-1.15x SDPA CUDNN and 1.35-1.76x SDPA FLASH at d64
 # and d128 (docs/performance.md), against 0.72-0.81x FLASH for the sm80 kernel, so an sm_90a
 # device runs it wherever it can; what it does not implement yet (d other than 64 and 128,
 # local, softcap, varlen, seqused) runs the sm80 kernel, which does all of it. deterministic=True

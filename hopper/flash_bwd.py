@@ -59,7 +59,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
     Dispatched on sm_90a wherever ``can_implement`` accepts the call (Note [backward dispatch]
     in cute_fa/backward.py); the sm80 backward runs the rest. tests/test_bwd_sm90_gpu.py and
     tests/test_bwd_gpu.py check its gradients on an H200 (d64/d128, bf16/fp16, causal or not,
-    MHA/GQA, lengths 1..1000); on the H200 it measured 0.93-1.05x SDPA CUDNN's backward
+    MHA/GQA, lengths 1..1000); on the H200 it measured 0.91-1.15x SDPA CUDNN's backward
     (docs/performance.md).
     tests/test_compile_sm90_bwd.py cross-compiles it for sm_90a and reads its SASS (HGMMA, no
     spills, no stack). It takes the backward protocol of ``bwd_fake_args`` and reuses
