@@ -21,7 +21,7 @@ from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask, first_key_block, query_block_range
 from cute_fa.dsl.softmax import lse_for_recompute, mn_view_wgmma, score_scales
 
-from .fragments import acc_as_rs_operand, convert_in_chunks
+from .fragments import acc_as_rs_operand, convert_in_chunks, gemm_over_k
 from .support import SM90_BWD_DS_BUFFERS, SM90_BWD_Q_STAGES, bwd_can_implement
 from .sync import tma_pipeline
 
@@ -716,15 +716,11 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         acc_dP = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((WG_KEYS, tm)))
         pipeline_q.consumer_wait(state)
         warpgroup.fence()
-        for k in cutlass.range_constexpr(cute.size(tSrK.shape[2])):
-            mma_sdp.set(warpgroup.Field.ACCUMULATE, k != 0)
-            cute.gemm(mma_sdp, acc_S, tSrK[None, None, k], tSrQ[None, None, k, stage], acc_S)
+        gemm_over_k(mma_sdp, acc_S, tSrK, tSrQ, zero_init=True, b_stage=stage)
         warpgroup.commit_group()
         pipeline_do.consumer_wait(state)
         warpgroup.fence()
-        for k in cutlass.range_constexpr(cute.size(tSrV.shape[2])):
-            mma_sdp.set(warpgroup.Field.ACCUMULATE, k != 0)
-            cute.gemm(mma_sdp, acc_dP, tSrV[None, None, k], tSrdO[None, None, k, stage], acc_dP)
+        gemm_over_k(mma_sdp, acc_dP, tSrV, tSrdO, zero_init=True, b_stage=stage)
         warpgroup.commit_group()
         pipeline_lse.consumer_wait(state)
 
@@ -764,11 +760,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         tdVrP = acc_as_rs_operand(rP)
         tdKrdS = acc_as_rs_operand(rdS)
         warpgroup.fence()
-        mma_dkv.set(warpgroup.Field.ACCUMULATE, True)
-        for k in cutlass.range_constexpr(cute.size(tdVrP.shape[2])):
-            cute.gemm(mma_dkv, acc_dV, tdVrP[None, None, k], tdVrdO[None, None, k, stage], acc_dV)
-        for k in cutlass.range_constexpr(cute.size(tdKrdS.shape[2])):
-            cute.gemm(mma_dkv, acc_dK, tdKrdS[None, None, k], tdKrQ[None, None, k, stage], acc_dK)
+        gemm_over_k(mma_dkv, acc_dV, tdVrP, tdVrdO, zero_init=False, b_stage=stage)
+        gemm_over_k(mma_dkv, acc_dK, tdKrdS, tdKrQ, zero_init=False, b_stage=stage)
         warpgroup.commit_group()
 
         # dS^T -> this consumer's columns of sdS (queries x keys, K-major for the dQ GEMM: keys
@@ -792,9 +785,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(transposed(sK_dq)))
         acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C(sdQ_c.shape))
         warpgroup.fence()
-        for k in cutlass.range_constexpr(cute.size(tdQrdS.shape[2])):
-            mma_dq.set(warpgroup.Field.ACCUMULATE, k != 0)
-            cute.gemm(mma_dq, acc_dQ, tdQrdS[None, None, k], tdQrK[None, None, k], acc_dQ)
+        gemm_over_k(mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True)
         warpgroup.commit_group()
         warpgroup.wait_group(1)
         pipeline_q.consumer_release(state)

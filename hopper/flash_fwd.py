@@ -20,7 +20,7 @@ from cute_fa.dsl.mask import apply_mask, block_range
 from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import OnlineSoftmax, mn_view_wgmma, score_scales
 
-from .fragments import acc_as_rs_operand, convert_in_chunks
+from .fragments import acc_as_rs_operand, convert_in_chunks, gemm_over_k
 from .support import (
     SM90_FWD_REGS,
     SM90_FWD_WG_M,
@@ -633,10 +633,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
         tOrV, acc_O, rP = mma[5], mma[6], mma[7]
         _, tiled_mma_pv = self.make_tiled_mmas()
         tOrP = acc_as_rs_operand(rP)
-        tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
         tOrV_stage = tOrV[None, None, None, v_stage]  # sliced once: fewer address computations
-        for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
-            cute.gemm(tiled_mma_pv, acc_O, tOrP[None, None, k], tOrV_stage[None, None, k], acc_O)
+        gemm_over_k(tiled_mma_pv, acc_O, tOrP, tOrV_stage, zero_init=False)
 
     @cute.jit
     def step(
@@ -671,9 +669,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         self.start_turn(consumer)
         warpgroup.fence()
         tSrK_stage = tSrK[None, None, None, k_state.index]  # sliced once, as in gemm_pv
-        for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
-            tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, k != 0)
-            cute.gemm(tiled_mma_qk, acc_S, tSrQ[None, None, k], tSrK_stage[None, None, k], acc_S)
+        gemm_over_k(tiled_mma_qk, acc_S, tSrQ, tSrK_stage, zero_init=True)
         warpgroup.commit_group()
         if cutlass.const_expr(not is_first):
             self.gemm_pv(mma, v_state.index)

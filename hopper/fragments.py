@@ -1,11 +1,33 @@
-"""Register-fragment helpers shared by the sm90 kernels: a WGMMA accumulator reused, in 16 bits,
-as the register A operand of the next WGMMA (P V in the forward, P^T dO and dS^T Q in the
-backward)."""
+"""WGMMA helpers shared by the sm90 kernels: issuing one GEMM over the k slices of its fragments,
+and a WGMMA accumulator reused, in 16 bits, as the register A operand of the next WGMMA (P V in
+the forward, P^T dO and dS^T Q in the backward)."""
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+from cutlass.cute.nvgpu import warpgroup
+
+
+def gemm_over_k(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,
+    tA: cute.Tensor,
+    tB: cute.Tensor,
+    zero_init: bool,
+    b_stage=None,
+) -> None:
+    """acc = A B (``zero_init``: the first k slice overwrites acc) or acc += A B: one WGMMA per
+    k slice of the fragments, issue only (the caller fences before and commits after).
+    ``b_stage``: the smem stage of B, its last mode; None when ``tB`` has no stage mode (already
+    sliced). Runs at trace time: the loop unrolls."""
+    if not zero_init:
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+    for k in range(cute.size(tA.shape[2])):
+        if zero_init:
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+        tB_k = tB[None, None, k] if b_stage is None else tB[None, None, k, b_stage]
+        cute.gemm(tiled_mma, acc, tA[None, None, k], tB_k, acc)
 
 
 @cute.jit
