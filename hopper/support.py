@@ -194,12 +194,20 @@ def fwd_smem_bytes(config: FwdConfig, kv_stages: int = SM90_FWD_KV_STAGES) -> in
         + SM90_FWD_SMEM_SLACK  # fmt: skip
 
 
+def _arch_mismatch(config: FwdConfig | BwdConfig) -> str:
+    """Why an sm90 kernel cannot take ``config`` for its family or target ("" when it can)."""
+    if config.arch != 90:
+        return f"config is for sm{config.arch}, this kernel is sm90"
+    if not config.target.startswith("sm_90"):
+        return f"target {config.target} is not sm_90a (TMA and WGMMA need sm_90a)"
+    return ""
+
+
 def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
     """(True, "") when FlashAttentionForwardSm90 implements ``config``, else (False, why)."""
-    if config.arch != 90:
-        return False, f"config is for sm{config.arch}, this kernel is sm90"
-    if not config.target.startswith("sm_90"):
-        return False, f"target {config.target} is not sm_90a (TMA and WGMMA need sm_90a)"
+    why = _arch_mismatch(config)
+    if why:
+        return False, why
     if config.head_dim not in SM90_FWD_HEAD_DIMS:
         return False, f"head_dim {config.head_dim} not in {SM90_FWD_HEAD_DIMS} (sm90 forward)"
     if (config.head_dim, config.head_dim_v) not in SM90_FWD_HEAD_DIM_PAIRS:
@@ -271,10 +279,9 @@ def bwd_smem_bytes(config: BwdConfig) -> int:
 
 def bwd_can_implement(config: BwdConfig) -> tuple[bool, str]:
     """(True, "") when FlashAttentionBackwardSm90 implements ``config``, else (False, why)."""
-    if config.arch != 90:
-        return False, f"config is for sm{config.arch}, this kernel is sm90"
-    if not config.target.startswith("sm_90"):
-        return False, f"target {config.target} is not sm_90a (TMA and WGMMA need sm_90a)"
+    why = _arch_mismatch(config)
+    if why:
+        return False, why
     if config.head_dim not in SM90_BWD_HEAD_DIMS:
         return False, f"head_dim {config.head_dim} not in {SM90_BWD_HEAD_DIMS} (sm90 backward)"
     if config.head_dim_v != config.head_dim:
