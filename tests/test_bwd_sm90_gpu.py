@@ -87,6 +87,17 @@ def sm90_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=
     return dq, dk, dv
 
 
+def forward_inputs(d, dtype, causal, h, h_kv, seqlen_q, seqlen_k, b=2):
+    """Random q, k, v (batch b, h query heads, h_kv key/value heads), the forward's out and LSE
+    through cute_fa, and a random dout."""
+    q, k, v = (
+        torch.randn(b, s, hh, d, device="cuda", dtype=dtype)
+        for s, hh in ((seqlen_q, h), (seqlen_k, h_kv), (seqlen_k, h_kv))
+    )
+    out, lse = cute_fa.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    return q, k, v, out, lse, torch.randn_like(out)
+
+
 SEQLENS = [(128, 128), (64, 64), (1, 1), (17, 17), (113, 203), (203, 113), (1000, 1000),
            (1000, 17), (17, 1000)]  # fmt: skip
 
@@ -97,13 +108,7 @@ SEQLENS = [(128, 128), (64, 64), (1, 1), (17, 17), (113, 203), (203, 113), (1000
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
 def test_sm90_bwd(d, dtype, causal, h_kv, seqlen_q, seqlen_k):
-    b, h = 2, 4
-    q, k, v = (
-        torch.randn(b, s, hh, d, device="cuda", dtype=dtype)
-        for s, hh in ((seqlen_q, h), (seqlen_k, h_kv), (seqlen_k, h_kv))
-    )
-    out, lse = cute_fa.flash_attn_func(q, k, v, causal=causal, return_lse=True)
-    dout = torch.randn_like(out)
+    q, k, v, out, lse, dout = forward_inputs(d, dtype, causal, 4, h_kv, seqlen_q, seqlen_k)
     scale = d**-0.5
     grads = sm90_backward(dout, q, k, v, out, lse, scale, causal)
     torch.cuda.synchronize()
@@ -121,13 +126,7 @@ DETERMINISTIC_SEQLENS = [(1000, 1000), (113, 203), (203, 113), (1000, 17), (17, 
 def test_sm90_bwd_deterministic(d, causal, seqlen_q, seqlen_k):
     """deterministic=True: correct, and the same bytes on every run (dQ is the one that could
     differ; dK and dV are per CTA)."""
-    b, h, h_kv, dtype = 2, 4, 2, torch.bfloat16
-    q, k, v = (
-        torch.randn(b, s, hh, d, device="cuda", dtype=dtype)
-        for s, hh in ((seqlen_q, h), (seqlen_k, h_kv), (seqlen_k, h_kv))
-    )
-    out, lse = cute_fa.flash_attn_func(q, k, v, causal=causal, return_lse=True)
-    dout = torch.randn_like(out)
+    q, k, v, out, lse, dout = forward_inputs(d, torch.bfloat16, causal, 4, 2, seqlen_q, seqlen_k)
     scale = d**-0.5
     grads = sm90_backward(dout, q, k, v, out, lse, scale, causal, deterministic=True)
     check_grads(grads, q, k, v, dout, causal=causal)
@@ -142,10 +141,8 @@ def test_sm90_bwd_deterministic_more_ctas_than_fit(causal):
     """More CTAs than the GPU holds at once (2 x 8 heads x 32 key blocks at d 128, one CTA an SM):
     CTAs wait only for CTAs of lower key block, which started earlier, so this must finish; the
     bytes are the same on every run and through flash_attn_func's own dispatch."""
-    b, h, s, d, dtype = 2, 8, 4096, 128, torch.bfloat16
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(3))
-    out, lse = cute_fa.flash_attn_func(q, k, v, causal=causal, return_lse=True)
-    dout = torch.randn_like(out)
+    d = 128
+    q, k, v, out, lse, dout = forward_inputs(d, torch.bfloat16, causal, 8, 8, 4096, 4096)
     grads = sm90_backward(dout, q, k, v, out, lse, d**-0.5, causal, deterministic=True)
     again = sm90_backward(dout, q, k, v, out, lse, d**-0.5, causal, deterministic=True)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
