@@ -11,7 +11,12 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from cute_fa.dsl.copy import elem_ptr
 from cute_fa.dsl.kernel import AttentionKernel
-from cute_fa.dsl.mask import apply_mask, first_key_block, query_block_range
+from cute_fa.dsl.mask import (
+    apply_mask,
+    first_key_block,
+    query_block_range,
+    visited_query_block,
+)
 from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import lse_for_recompute, mn_view, score_scales
 
@@ -292,11 +297,10 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
 
-        # Query blocks in ascending order; deterministic mode walks them downward (Note
-        # [deterministic dQ]: the turn order is ascending key blocks, so no CTA waits for
-        # another to reach a block it visits late).
+        # Query blocks in ascending order; deterministic mode walks them downward
+        # (visited_query_block).
         m_step = -1 if cutlass.const_expr(self.deterministic) else 1
-        m_first = m_block_max - 1 if cutlass.const_expr(self.deterministic) else m_block_min
+        m_first = visited_query_block(0, m_block_min, m_block_max, self.deterministic)
         num_blocks = m_block_max - m_block_min
         if cutlass.const_expr(self.q_stages == 2):
             self.load_q_do(q_rows, smem_tiles, m_first, 0, seqlen_q, copy_g2s, tidx)

@@ -18,7 +18,12 @@ from cutlass.tensor_utils.layout import LayoutEnum
 from cute_fa.config import BwdConfig
 from cute_fa.dsl.copy import acc_to_smem, elem_ptr, row_store_copy, store_rows
 from cute_fa.dsl.kernel import AttentionKernel
-from cute_fa.dsl.mask import apply_mask, first_key_block, query_block_range
+from cute_fa.dsl.mask import (
+    apply_mask,
+    first_key_block,
+    query_block_range,
+    visited_query_block,
+)
 from cute_fa.dsl.softmax import lse_for_recompute, mn_view_wgmma, score_scales
 
 from .fragments import acc_as_rs_operand, convert_in_chunks, gemm_over_k
@@ -214,12 +219,9 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         self.deterministic = config.deterministic
 
     def query_block(self, i: Int32, m_block_min: Int32, m_block_max: Int32) -> Int32:
-        """The i-th query block a CTA visits: ascending from m_block_min, or in deterministic
-        mode downward from m_block_max - 1 (Note [deterministic dQ] in ampere/flash_bwd.py).
-        Producer warps 0 and 1 and both consumers walk the same order."""
-        if cutlass.const_expr(self.deterministic):
-            return m_block_max - 1 - i
-        return m_block_min + i
+        """The i-th query block a CTA visits (``visited_query_block``: downward in deterministic
+        mode). Producer warps 0 and 1 and both consumers walk the same order."""
+        return visited_query_block(i, m_block_min, m_block_max, self.deterministic)
 
     def make_tiled_mmas(self) -> tuple[cute.TiledMma, cute.TiledMma, cute.TiledMma]:
         """(S^T and dP^T: SS; dV and dK: A from registers, B MN-major; dQ: SS, B MN-major), one

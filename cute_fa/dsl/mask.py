@@ -92,6 +92,14 @@ def query_block_range(
     return m_min, m_max
 
 
+def visited_query_block(i: Int32, m_block_min: Int32, m_block_max: Int32, downward: bool) -> Int32:
+    """The i-th query block a key block's CTA visits in ``query_block_range``: ascending from
+    m_block_min, or ``downward`` from m_block_max - 1 (the backwards' deterministic mode, Note
+    [deterministic dQ] in ampere/flash_bwd.py: with turns in ascending key-block order, no key
+    block then waits for another to reach a block that one visits late)."""
+    return m_block_max - 1 - i if downward else m_block_min + i
+
+
 @cute.jit
 def first_key_block(
     m_block: Int32,
