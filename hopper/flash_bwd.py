@@ -24,6 +24,7 @@ from cute_fa.dsl.mask import (
     query_block_range,
     visited_query_block,
 )
+from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import lse_for_recompute, mn_view_wgmma, score_scales
 
 from .fragments import acc_as_rs_operand, convert_in_chunks, gemm_over_k
@@ -44,6 +45,9 @@ class Barrier(enum.IntEnum):
     DQ_FULL_WG2 = 5  # 160 threads: consumer 1 the same
     DQ_EMPTY_WG1 = 6  # 160 threads: warp 1's reduce has read consumer 0's sdQ half (warp 1
     DQ_EMPTY_WG2 = 7  # arrives, the consumer waits); 7: the same for consumer 1
+    KV_TAIL_WG1 = 8  # 128 threads, seqused_k: consumer 0 zeroed its K / V rows past seqlen_k
+    KV_TAIL_WG2 = 9  # consumer 1 the same
+    Q_TAIL = 10  # 256 threads, seqused_q: both consumers zeroed the Q / dO rows past seqlen_q
 
 
 def transposed(t: cute.Tensor) -> cute.Tensor:
@@ -63,25 +67,27 @@ class FlashAttentionBackwardSm90(AttentionKernel):
 
     Dispatched on sm_90a wherever ``can_implement`` accepts the call (Note [backward dispatch]
     in cute_fa/backward.py); the sm80 backward runs the rest. tests/test_bwd_sm90_gpu.py and
-    tests/test_bwd_gpu.py check its gradients on an H200 (d64/d128, bf16/fp16, causal or not,
-    MHA/GQA, lengths 1..1000); on the H200 it measured 0.91-1.15x SDPA CUDNN's backward
-    (docs/performance.md).
+    tests/test_bwd_gpu.py check its gradients on an H200 (d64/d128, bf16/fp16, causal, windows,
+    softcap, MHA/GQA, varlen with empty sequences and NaN past seqused, lengths 0..1000); on the
+    H200 it measured 0.91-1.15x SDPA CUDNN's backward (dense; docs/performance.md).
     tests/test_compile_sm90_bwd.py cross-compiles it for sm_90a and reads its SASS (HGMMA, no
     spills, no stack). It takes the backward protocol of ``bwd_fake_args`` and reuses
     the sm80 preprocess (delta, dQaccum zeroing) and postprocess (dQ conversion) kernels as they
     are.
 
-    Scope so far: bf16 or fp16; head_dim = head_dim_v in (64, 128); dense (no varlen, no
-    seqused); no mask or causal; GQA (K/V head = head // (heads / kv heads)); deterministic dQ
-    (``mdQsemaphore``, see "Deterministic dQ" below). ``hopper/support.py bwd_can_implement``
-    rejects the rest with its reason: local, softcap, varlen and seqused.
+    Scope: bf16 or fp16; head_dim = head_dim_v in (64, 128); dense or varlen (cu_seqlens_q /
+    cu_seqlens_k, each on its own; seqused_q / seqused_k); no mask, causal or sliding window
+    (local; Note [bottom-right aligned masks] in cute_fa/dsl/mask.py); softcap; GQA (K/V head =
+    head // (heads / kv heads)); deterministic dQ (``mdQsemaphore``, see "Deterministic dQ"
+    below). ``hopper/support.py bwd_can_implement`` rejects other head dims with its reason.
     Tile: tile_n = 128 keys a CTA, tile_m = 64 query rows a step (``support.bwd_tile``).
 
     Grid and work split
-      grid = (ceil(max_seqlen_k / tile_n), num_heads, batch): one CTA owns tile_n keys of one
-      (query head, batch) and walks the query blocks that see them (causal skips the blocks
-      above the diagonal), from the first to the last (deterministic mode: from the last to the
-      first; ``query_block``). P is recomputed from Q, K and the
+      grid = (ceil(max_seqlen_k / tile_n), num_heads, batch) (varlen q: batch =
+      len(cu_seqlens_q) - 1): one CTA owns tile_n keys of one (query head, batch) and walks the
+      query blocks that see them (``query_block_range``: causal skips the blocks above the
+      diagonal, a window those outside its band), from the first to the last (deterministic
+      mode: from the last to the first; ``query_block``). P is recomputed from Q, K and the
       forward's LSE. dQ of each query block goes through smem and is added to the fp32
       dQaccum by TMA reduce-adds (cp.reduce.async.bulk.tensor .add.f32); the postprocess scales
       and casts it. GQA: the CTA of query head h reads K/V head h // (h / h_kv) and writes dK/dV
@@ -116,9 +122,11 @@ class FlashAttentionBackwardSm90(AttentionKernel):
     the q stages)
       wait Q[m]; fence; issue S^T (commit); wait dO[m]; issue dP^T (commit)
       wait LSE/delta[m]; wgmma wait_group 1 (S^T complete)
-      mask (causal: always; otherwise only when this consumer's keys cut seqlen_k);
-        P^T = exp2(S^T * scale * log2 e - LSE_log2[query])
-      wait_group 0 (dP^T complete); dS^T = P^T (dP^T - delta[query]); release LSE/delta[m]
+      softcap: S^T = tanh(S^T * softmax_scale / softcap), keeping 1 - tanh^2 (fp32 registers)
+      mask (causal / local: always; otherwise only when this consumer's keys cut seqlen_k);
+        P^T = exp2(S^T * scale_log2 - LSE_log2[query]) (softcap: scale_log2 = softcap log2 e)
+      wait_group 0 (dP^T complete); dS^T = P^T (dP^T - delta[query]) (softcap: times
+        1 - tanh^2); release LSE/delta[m]
       P^T, dS^T -> 16-bit registers (convert_in_chunks); fence; issue dV += P^T dO and
         dK += dS^T Q (RS, commit)
       dS^T -> sdS[:, 64 c : 64 c + 64, i % 2] (stmatrix.trans: 16-byte rows of 8 keys);
@@ -145,6 +153,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       DQ_EMPTY_WG1 + c (160): warp 1 arrives once its reduce-add has read that half; consumer c
         waits before writing the next block's dQ. Each is used once per block (EMPTY: blocks
         1..n-1), in the same order on both sides, so an arrival never meets an older phase.
+      KV_TAIL_WG1 + c (128), seqused_k: consumer c zeroed its K / V rows past seqlen_k.
+      Q_TAIL (256), seqused_q: both consumers zeroed the tail block's Q / dO rows.
     Shared memory (swizzled WGMMA layouts, 128-byte swizzle; TMA writes K, V, Q, dO)
       sK, sV (tile_n, d)                 loaded once; at the end consumer c stages its dK / dV
                                          (16-bit) in its own 64 rows of them.
@@ -158,19 +168,31 @@ class FlashAttentionBackwardSm90(AttentionKernel):
     Epilogue (per consumer): DS_READY (both consumers are done with sK); dK *= softmax_scale;
       dK, dV -> 16-bit -> its rows of sK / sV -> named barrier EPILOGUE_WG1 + c -> 16-byte
       global stores of keys < seqlen_k.
-    Out-of-range rows: TMA zero-fills Q and dO rows past seqlen_q and K, V rows past seqlen_k;
-      the producer writes LSE = +inf and delta = 0 for rows past seqlen_q and LSE = +inf for rows
-      whose forward LSE is -inf (they saw no key): P = 0 and dS = 0 there. Scores of keys past
-      seqlen_k are masked to -inf (P = 0). The TMA reduce-add clips rows past seqlen_q (dQaccum
-      has exactly seqlen_q rows); dK and dV stores skip keys past seqlen_k. A CTA whose key
-      block no query row sees (none with causal and seqlen_q > 0) loads K/V, visits no query
-      block and stores zeros.
+    Varlen: every TMA coordinate tensor (Q, dO, K, V, dQaccum) and the LSE, delta, dK, dV
+      views are shifted (cute.domain_offset) to the sequence's first row; a CTA whose key block
+      starts at or past seqlen_k (the grid covers the longest sequence) does nothing.
+    Out-of-range rows: dense, TMA zero-fills Q and dO rows past seqlen_q and K, V rows past
+      seqlen_k; packed varlen, those rows are the next sequence's (finite inputs). Either way
+      the producer writes LSE = +inf and delta = 0 for rows past seqlen_q and LSE = +inf for
+      rows whose forward LSE is -inf (they saw no key): P = 0 and dS = 0 there. Scores of keys
+      past seqlen_k are masked to -inf by select (P = 0). The TMA reduce-add clips rows past
+      the tensor (dense: seqlen_q); packed varlen, the tail block's rows past seqlen_q add
+      exact zeros (dS = 0) to the next sequence's dQaccum rows, which changes no value (and no
+      bit: dQaccum starts at +0 and x + 0 = x, so deterministic mode stays bitwise
+      stable). dK and dV stores skip keys past seqlen_k. A CTA whose key block no query row
+      sees (none with causal and seqlen_q > 0) loads K/V, visits no query block and stores
+      zeros.
+    seqused: rows between seqused and the end of the tensor (or sequence) are not inputs and
+      may hold NaN, and 0 * NaN in a GEMM would spread. seqused_k: each consumer zeroes its K
+      and V rows past seqlen_k in smem once (``zero_kv_tail``); seqused_q: the two consumers
+      zero the Q and dO rows past seqlen_q of the stage of the block holding seqlen_q
+      (``zero_q_tail``) before either issues a GEMM on it.
     Deterministic dQ (config.deterministic; the sm80 kernel's protocol, Note [deterministic dQ]
     in ampere/flash_bwd.py: each dQaccum element gets its terms in ascending key block order)
       mdQsemaphore (batch, head, query block) int32, zeroed by the caller. Every CTA walks its
       query blocks downward (all four roles: ``query_block``). Only producer warp 1 touches the
-      semaphores; for query block m, with turn = n_block - first_key_block(m) (= n_block: no
-      window), it
+      semaphores; for query block m, with turn = n_block - first_key_block(m) (= n_block without
+      a window; with one, the first key block whose band reaches m), it
         1. before DQ_FULL of consumer 0 (so the spin overlaps the consumers' GEMMs of m): lane
            0 reads the semaphore (ld.relaxed.gpu) until it equals turn, then fence.acq_rel.gpu
            (with the read: the acquire); __syncwarp; fence.proxy.async.global (the reduce-adds
@@ -199,10 +221,9 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       handshake: the LDG.E.STRONG.GPU spin, two MEMBAR.ALL.GPU (acquire, release), two
       FENCE.VIEW.ASYNC.G and one REDG.E.ADD.S32.STRONG.GPU (the increment); the consumers'
       code, registers (168 at launch) and the absence of spills are unchanged.
-    Not yet: local, softcap, varlen/seqused, head_dim_v != head_dim, d other
-      than 64 and 128; the next block's S^T / dP^T issued before this block's dQ completes;
-      pingpong between the consumers; a second sdQ buffer (deterministic mode would hold the
-      consumers less); deterministic mode measured on a GPU.
+    Not yet: head_dim_v != head_dim, d other than 64 and 128; the next block's S^T / dP^T
+      issued before this block's dQ completes; pingpong between the consumers; a second sdQ
+      buffer (deterministic mode would hold the consumers less).
     """
 
     arch = 90
@@ -322,12 +343,16 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         # dK / dV stores: 16 bytes a thread, one warpgroup over a (64, d) tile.
         copy_r2g = row_store_copy(self.dtype, WARPGROUP, d)
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
-        grid = (cute.ceil_div(max_seqlen_k, tn), cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
+        batch = cute.size(mQ.shape[0])
+        if cutlass.const_expr(mCuSeqlensQ is not None):
+            batch = mCuSeqlensQ.shape[0] - 1
+        grid = (cute.ceil_div(max_seqlen_k, tn), cute.size(mQ.shape[2]), batch)
         self.kernel(
             mQ_tma, mK_tma, mV_tma, mdO_tma, mdQ_tma, mQ, mK, mLSE, mdPsum, mdK, mdV,
-            mdQsemaphore, tma_q, tma_k, tma_v, tma_do, tma_dq, softmax_scale, scale_log2,
-            sK_layout, sQ_layout, sdS_layout, sdQ_layout, mma_sdp, mma_dkv, mma_dq, copy_r2g,
-            SharedStorage,
+            mdQsemaphore, tma_q, tma_k, tma_v, tma_do, tma_dq, softmax_scale, score_scale,
+            scale_log2, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
+            mSeqUsedK, sK_layout, sQ_layout, sdS_layout, sdQ_layout, mma_sdp, mma_dkv, mma_dq,
+            copy_r2g, SharedStorage,
         ).launch(grid=grid, block=[WARPGROUP * (1 + self.num_consumers), 1, 1], stream=stream,
                  min_blocks_per_mp=1)  # fmt: skip
 
@@ -355,7 +380,14 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         tma_do: cute.CopyAtom,
         tma_dq: cute.CopyAtom,
         softmax_scale: Float32,
+        score_scale: Float32,
         scale_log2: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedQ: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
         sK_layout: cute.ComposedLayout,
         sQ_layout: cute.ComposedLayout,
         sdS_layout: cute.ComposedLayout,
@@ -399,43 +431,55 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         sLSE = storage.sLSE.get_tensor(lse_layout)
         sdPsum = storage.sdPsum.get_tensor(lse_layout)
 
-        seqlen_q = Int32(mQ.shape[1])
-        seqlen_k = Int32(mK.shape[1])
-        # Query blocks that see any key of this block (Note [bottom-right aligned masks]).
-        m_block_min, m_block_max = query_block_range(
-            n_block, seqlen_q, seqlen_k, Int32(0), Int32(0), tm, tn, self.causal, False
+        offset_q, seqlen_q, offset_k, seqlen_k = seqlen_info(
+            batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK
         )
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
-        if wg_idx == 0:
-            cute.arch.setmaxregister_decrease(self.regs_producer)
-            if warp_idx == 0:
-                self.load(
-                    mQ_tma[None, None, head, batch], mdO_tma[None, None, head, batch],
-                    mK_tma[None, None, head_kv, batch], mV_tma[None, None, head_kv, batch],
-                    mLSE[batch, head, None], mdPsum[batch, head, None],
-                    tma_q, tma_do, tma_k, tma_v, sQ, sdO, sK, sV, sLSE, sdPsum,
-                    pipeline_kv, pipeline_q, pipeline_do, pipeline_lse,
-                    n_block, m_block_min, m_block_max, seqlen_q,
-                )  # fmt: skip
-            elif warp_idx == 1:
-                det = cutlass.const_expr(self.deterministic)
-                sem = mdQsemaphore[batch, head, None] if det else None
-                self.reduce_dq(
-                    mdQ_tma[None, None, head, batch], tma_dq, sdQ, sem, n_block, m_block_min,
-                    m_block_max, seqlen_q, seqlen_k,
-                )  # fmt: skip
-        else:
-            cute.arch.setmaxregister_increase(self.regs_consumer)
-            consumer = wg_idx - 1
-            key_start = n_block * tn + consumer * WG_KEYS
-            self.consume(
-                mdK[batch, None, head, None], mdV[batch, None, head, None],
-                sQ, sdO, sK, sV, sdS, sdQ, sLSE, sdPsum,
-                pipeline_kv, pipeline_q, pipeline_do, pipeline_lse,
-                mma_sdp, mma_dkv, mma_dq, copy_r2g,
-                consumer, tidx % WARPGROUP, key_start, seqlen_q, seqlen_k,
-                m_block_min, m_block_max, softmax_scale, scale_log2,
+        # A key block past this sequence's keys (varlen: the grid covers the longest): no work.
+        if n_block * tn < seqlen_k:
+            # Query blocks that see any key of this block (Note [bottom-right aligned masks]).
+            m_block_min, m_block_max = query_block_range(
+                n_block, seqlen_q, seqlen_k, window_left, window_right, tm, tn, self.causal,
+                self.local,
             )  # fmt: skip
+            head_kv = head // (mQ.shape[2] // mK.shape[2])
+            # Varlen tensors have one batch entry; a sequence starts at its cu_seqlens row.
+            qb = 0 if cutlass.const_expr(mCuSeqlensQ is not None) else batch
+            kb = 0 if cutlass.const_expr(mCuSeqlensK is not None) else batch
+            mask_args = (seqlen_q, seqlen_k, window_left, window_right)
+            if wg_idx == 0:
+                cute.arch.setmaxregister_decrease(self.regs_producer)
+                if warp_idx == 0:
+                    self.load(
+                        cute.domain_offset((offset_q, 0), mQ_tma[None, None, head, qb]),
+                        cute.domain_offset((offset_q, 0), mdO_tma[None, None, head, qb]),
+                        cute.domain_offset((offset_k, 0), mK_tma[None, None, head_kv, kb]),
+                        cute.domain_offset((offset_k, 0), mV_tma[None, None, head_kv, kb]),
+                        cute.domain_offset((offset_q,), mLSE[qb, head, None]),
+                        cute.domain_offset((offset_q,), mdPsum[qb, head, None]),
+                        tma_q, tma_do, tma_k, tma_v, sQ, sdO, sK, sV, sLSE, sdPsum,
+                        pipeline_kv, pipeline_q, pipeline_do, pipeline_lse,
+                        n_block, m_block_min, m_block_max, seqlen_q,
+                    )  # fmt: skip
+                elif warp_idx == 1:
+                    det = cutlass.const_expr(self.deterministic)
+                    sem = mdQsemaphore[batch, head, None] if det else None
+                    self.reduce_dq(
+                        cute.domain_offset((offset_q, 0), mdQ_tma[None, None, head, qb]),
+                        tma_dq, sdQ, sem, n_block, m_block_min, m_block_max, mask_args,
+                    )  # fmt: skip
+            else:
+                cute.arch.setmaxregister_increase(self.regs_consumer)
+                consumer = wg_idx - 1
+                key_start = n_block * tn + consumer * WG_KEYS
+                self.consume(
+                    cute.domain_offset((offset_k, 0), mdK[kb, None, head, None]),
+                    cute.domain_offset((offset_k, 0), mdV[kb, None, head, None]),
+                    sQ, sdO, sK, sV, sdS, sdQ, sLSE, sdPsum,
+                    pipeline_kv, pipeline_q, pipeline_do, pipeline_lse,
+                    mma_sdp, mma_dkv, mma_dq, copy_r2g,
+                    consumer, tidx % WARPGROUP, key_start, mask_args,
+                    m_block_min, m_block_max, softmax_scale, score_scale, scale_log2,
+                )  # fmt: skip
 
     @cute.jit
     def load(
@@ -523,8 +567,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         n_block: Int32,
         m_block_min: Int32,
         m_block_max: Int32,
-        seqlen_q: Int32,
-        seqlen_k: Int32,
+        mask_args: tuple,
     ):
         """Producer warp 1: for every visited query block, each consumer's half of dQ from sdQ
         into dQaccum with a TMA reduce-add (docstring: warp roles, warp 1). mdQ: (seqlen_q, d) TMA
@@ -544,7 +587,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             m_block = self.query_block(i, m_block_min, m_block_max)
             if cutlass.const_expr(self.deterministic):
                 # Before the consumers' dQ is there: the spin overlaps their GEMMs.
-                self.wait_dq_turn(mdQsemaphore, m_block, n_block, seqlen_q, seqlen_k)
+                self.wait_dq_turn(mdQsemaphore, m_block, n_block, mask_args)
             for c in cutlass.range_constexpr(self.num_consumers):
                 dq_barrier(Barrier.DQ_FULL_WG1, c).arrive_and_wait()
                 cute.copy(tma_dq, tdQsdQ[None, c], tdQgdQ[None, m_block, c])
@@ -564,15 +607,15 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         mdQsemaphore: cute.Tensor,
         m_block: Int32,
         n_block: Int32,
-        seqlen_q: Int32,
-        seqlen_k: Int32,
+        mask_args: tuple,
     ):
         """Warp 1, deterministic mode: return once the key blocks before this one that visit
         query block m_block have added their dQ (the semaphore counts them), with their
         reduce-adds ordered before this warp's next ones (docstring: deterministic)."""
-        # No window (can_implement rejects local): every key block up to this one visits m.
+        # The key blocks that visit m_block are first_key_block(m_block) .. its last one.
+        seqlen_q, seqlen_k, window_left, _ = mask_args
         turn = n_block - first_key_block(
-            m_block, seqlen_q, seqlen_k, Int32(0), self.tile_m, self.tile_n, False
+            m_block, seqlen_q, seqlen_k, window_left, self.tile_m, self.tile_n, self.local
         )
         if cute.arch.lane_idx() == 0:
             sem = elem_ptr(mdQsemaphore, m_block).llvm_ptr
@@ -624,11 +667,11 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         consumer: Int32,
         tidx: Int32,
         key_start: Int32,
-        seqlen_q: Int32,
-        seqlen_k: Int32,
+        mask_args: tuple,
         m_block_min: Int32,
         m_block_max: Int32,
         softmax_scale: Float32,
+        score_scale: Float32,
         scale_log2: Float32,
     ):
         """Consumer warpgroup: dK and dV of its 64 keys over every visited query block, its
@@ -641,10 +684,14 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         acc_dV = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((WG_KEYS, d)))
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
+        seqlen_k = mask_args[1]
         keys_left = seqlen_k - key_start
 
         pipeline_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                                1))  # fmt: skip
+        if cutlass.const_expr(self.config.seqused_k):
+            if keys_left < WG_KEYS:
+                self.zero_kv_tail(sK_c, sV_c, cutlass.max(keys_left, 0), consumer, tidx)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         # dQ: this consumer's d / 2 columns of K (all tile_n keys), its half of sdQ.
         sK_dq = cute.local_tile(sK[None, None, 0], (self.tile_n, d // self.num_consumers),
@@ -654,8 +701,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         for i in cutlass.range(m_block_max - m_block_min, unroll=1):
             m_block = self.query_block(i, m_block_min, m_block_max)
             args = (m_block, i, state, smem, pipes, acc_dK, acc_dV, consumer, tidx,
-                    key_start, seqlen_q, seqlen_k, scale_log2)  # fmt: skip
-            if cutlass.const_expr(self.causal):
+                    key_start, mask_args, score_scale, scale_log2)  # fmt: skip
+            if cutlass.const_expr(self.causal or self.local):
                 self.step(*args, True)
             else:
                 # Without causal only keys past seqlen_k need the mask.
@@ -682,6 +729,56 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             store_rows(s, g, keys_left, copy_r2g, tidx)
 
     @cute.jit
+    def zero_kv_tail(
+        self, sK_c: cute.Tensor, sV_c: cute.Tensor, valid: Int32, consumer: Int32, tidx: Int32
+    ):
+        """seqused_k: zero this consumer's K and V rows [valid, 64) (loaded, never released).
+
+        Rows between seqused_k and the end of the tensor (or sequence) are not inputs and may
+        hold NaN; their scores are masked (P = 0), but 0 * NaN in dP^T = V dO^T and in
+        dQ = dS K would spread. S^T / dP^T read only this consumer's rows (its own barrier
+        KV_TAIL_WG1 + c orders the zeros before them); the other consumer reads them in its dQ
+        GEMM only after the block's DS_READY barrier, which this consumer reaches later.
+        """
+        d = self.tile_hdim
+        for idx in cutlass.range(tidx, (WG_KEYS - valid) * d, WARPGROUP, unroll=1):
+            sK_c[valid + idx // d, idx % d] = self.dtype(0.0)
+            sV_c[valid + idx // d, idx % d] = self.dtype(0.0)
+        cute.arch.fence_proxy("async.shared", space="cta")  # generic writes, WGMMA reads
+        pipeline.NamedBarrier(
+            barrier_id=int(Barrier.KV_TAIL_WG1) + consumer, num_threads=WARPGROUP
+        ).arrive_and_wait()
+
+    @cute.jit
+    def zero_q_tail(
+        self,
+        sQ: cute.Tensor,
+        sdO: cute.Tensor,
+        pipeline_q: pipeline.PipelineTmaAsync,
+        pipeline_do: pipeline.PipelineTmaAsync,
+        state: pipeline.PipelineState,
+        valid: Int32,
+        consumer: Int32,
+        tidx: Int32,
+    ):
+        """seqused_q: zero the Q and dO rows [valid, tile_m) of this stage, half by each
+        consumer, before either issues a GEMM on it (barrier Q_TAIL, both consumers: they
+        visit the same blocks, and only the block holding seqlen_q takes this path). Rows past
+        seqused_q may hold NaN; their P and dS are 0, but 0 * NaN in the GEMMs would spread.
+        The TMA writes of the stage have landed (waited here; the step's own wait then passes
+        at once)."""
+        pipeline_q.consumer_wait(state)
+        pipeline_do.consumer_wait(state)
+        d, tm = self.tile_hdim, self.tile_m
+        sQ_s, sdO_s = sQ[None, None, state.index], sdO[None, None, state.index]
+        threads = self.num_consumers * WARPGROUP
+        for idx in cutlass.range(consumer * WARPGROUP + tidx, (tm - valid) * d, threads, unroll=1):
+            sQ_s[valid + idx // d, idx % d] = self.dtype(0.0)
+            sdO_s[valid + idx // d, idx % d] = self.dtype(0.0)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        pipeline.NamedBarrier(barrier_id=int(Barrier.Q_TAIL), num_threads=threads).arrive_and_wait()
+
+    @cute.jit
     def step(
         self,
         m_block: Int32,
@@ -694,8 +791,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         consumer: Int32,
         tidx: Int32,
         key_start: Int32,
-        seqlen_q: Int32,
-        seqlen_k: Int32,
+        mask_args: tuple,
+        score_scale: Float32,
         scale_log2: Float32,
         masked: cutlass.Constexpr[bool],
     ):
@@ -707,6 +804,11 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         mma_sdp, mma_dkv, mma_dq = self.make_tiled_mmas()
         stage = state.index
         ds_buffer = i % self.ds_buffers
+        if cutlass.const_expr(self.config.seqused_q):
+            rows_left = mask_args[0] - m_block * tm
+            if rows_left < tm:
+                self.zero_q_tail(sQ, sdO, pipeline_q, pipeline_do, state, rows_left, consumer,
+                                 tidx)  # fmt: skip
 
         # S^T = K_c Q^T and dP^T = V_c dO^T (keys x queries).
         thr_sdp = mma_sdp.get_slice(tidx)
@@ -737,9 +839,18 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         dP = qk_view(acc_dP)
         num_q = cute.size(S.shape[0])
         warpgroup.wait_group(1)
+        dtanh = None
+        if cutlass.const_expr(self.has_softcap):
+            # S = tanh(s * softmax_scale / softcap) (the softcap factor is in scale_log2); dS
+            # is multiplied by its derivative 1 - tanh^2 below.
+            t = cute.math.tanh(acc_S.load() * score_scale, fastmath=True)
+            acc_S.store(t)
+            dtanh = cute.make_fragment_like(acc_S, Float32)
+            dtanh.store(1.0 - t * t)
         if cutlass.const_expr(masked):
+            seqlen_q, seqlen_k, window_left, window_right = mask_args
             apply_mask(S, tScS, m_block * tm, key_start, seqlen_q, seqlen_k,
-                       Int32(0), Int32(0), self.causal, False)  # fmt: skip
+                       window_left, window_right, self.causal, self.local)  # fmt: skip
         for r in cutlass.range_constexpr(num_q):
             lse_log2 = sLSE[tScS[r, 0][0], stage]
             S[r, None].store(
@@ -750,6 +861,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             dpsum = sdPsum[tScS[r, 0][0], stage]
             dP[r, None].store(S[r, None].load() * (dP[r, None].load() - dpsum))
         pipeline_lse.consumer_release(state)
+        if cutlass.const_expr(self.has_softcap):
+            acc_dP.store(acc_dP.load() * dtanh.load())
 
         # dV += P^T dO, dK += dS^T Q (A from registers).
         rP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((WG_KEYS, tm)), self.dtype)

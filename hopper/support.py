@@ -292,9 +292,6 @@ def bwd_can_implement(config: BwdConfig) -> tuple[bool, str]:
             f"tile {config.tile_m}x{config.tile_n}w{config.num_warps} is not the sm90 backward "
             f"tile {tile[0]}x{tile[1]}w{tile[2]}"
         )
-    for flag in ("local", "has_softcap", "varlen_q", "varlen_k", "seqused_q", "seqused_k"):
-        if getattr(config, flag):
-            return False, f"{flag} is not supported by the sm90 backward yet"
     smem = bwd_smem_bytes(config)
     if smem > SMEM_CAPACITY.get(config.target, 0):
         return False, f"tiles need {smem} B of shared memory, more than {config.target} has"

@@ -20,7 +20,8 @@ seconds; pre/postprocess compiles are per (dtype, head dim, dLSE) and take well 
 bf16 batched d in {64, 96, 128, 192, 256} x {no mask, causal, local} = 15; softcap: causal d in
 {64, 128, 256} and local d128 = 4; fp16: causal d64 and no-mask d128 = 2; varlen (cu_seqlens q
 and k): d128 x {no mask, causal, local} and causal d64 = 4; seqused: varlen causal seqused_k and
-varlen seqused_q at d128 = 2. 27 in all.
+varlen seqused_q at d128 = 2; both seqused with NaN past them: d in {64, 128, 256} x {no mask,
+causal} = 6. 33 in all.
 """
 
 from __future__ import annotations
@@ -370,13 +371,26 @@ LENS_K = [300, 17, 129, 1, 0, 17, 0, 200]
 def run_varlen_bwd_and_check(
     lens_q, lens_k, d, *, causal=False, window=(None, None), softcap=0.0, used_q=None,
     used_k=None, h=NHEADS, h_kv=2, pass_max_seqlen_k=True, deterministic=False,
+    nan_unused=False,
 ):  # fmt: skip
     """Packed varlen forward + backward; each sequence's gradients are checked on their own
-    against attention_ref; rows past seqused_q and keys past seqused_k get zero gradients."""
+    against attention_ref; rows past seqused_q and keys past seqused_k get zero gradients.
+    ``nan_unused``: those rows of q, k, v and dout hold NaN (they are not inputs)."""
     total_q, total_k = sum(lens_q), sum(lens_k)
     q = _randn(total_q, h, d, scale=softcap / 4 if softcap else 1.0)
     k, v = _randn(total_k, h_kv, d), _randn(total_k, h_kv, d)
     cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    unused_q, unused_k = [], []  # (start, end) row ranges past seqused
+    for i, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=True)):
+        q0, k0 = int(cu_q[i]), int(cu_k[i])
+        unused_q.append((q0 + (lq if used_q is None else used_q[i]), q0 + lq))
+        unused_k.append((k0 + (lk if used_k is None else used_k[i]), k0 + lk))
+    if nan_unused:
+        for a, b in unused_q:
+            q[a:b] = float("nan")
+        for a, b in unused_k:
+            k[a:b] = float("nan")
+            v[a:b] = float("nan")
     extra = {}
     if used_q is not None:
         extra["seqused_q"] = torch.tensor(used_q, dtype=torch.int32, device="cuda")
@@ -390,6 +404,9 @@ def run_varlen_bwd_and_check(
         window_size=window, softcap=softcap, deterministic=deterministic, **extra,
     )  # fmt: skip
     dout = _randn(*out.shape)
+    if nan_unused:
+        for a, b in unused_q:
+            dout[a:b] = float("nan")
     poison_free_memory(_bwd_reserve(q[None], k[None], v[None]))
     dq, dk, dv = torch.autograd.grad(out, leaves, dout)
     for g, t in ((dq, q), (dk, k), (dv, v)):
@@ -433,6 +450,17 @@ def test_bwd_varlen_seqused_k():
 def test_bwd_varlen_seqused_q():
     used_q = [min(lq, u) for lq, u in zip(LENS_Q, [10, 0, 300, 1, 0, 150, 0, 64], strict=True)]
     run_varlen_bwd_and_check(LENS_Q, LENS_K, 128, used_q=used_q)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_bwd_varlen_seqused_nan_tails(d, causal):
+    """Rows past seqused_q / seqused_k are not inputs: NaN there (q, k, v, dout) reaches no
+    gradient of a used row, and the unused rows' gradients are 0."""
+    used_q = [min(lq, u) for lq, u in zip(LENS_Q, [10, 0, 250, 1, 100, 150, 0, 63], strict=True)]
+    used_k = [min(lk, u) for lk, u in zip(LENS_K, [290, 5, 64, 1, 0, 17, 0, 100], strict=True)]
+    run_varlen_bwd_and_check(LENS_Q, LENS_K, d, causal=causal, used_q=used_q, used_k=used_k,
+                             nan_unused=True)  # fmt: skip
 
 
 def test_bwd_varlen_max_seqlen_k_too_small():

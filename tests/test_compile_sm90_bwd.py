@@ -48,12 +48,6 @@ def _config(d: int = 128, dtype: str = "bf16", **changes) -> BwdConfig:
         ({"head_dim_v": 64}, "head_dim_v"),
         ({"tile_n": 64}, "tile"),
         ({"num_warps": 8}, "tile"),
-        ({"local": True}, "local"),
-        ({"has_softcap": True}, "has_softcap"),
-        ({"varlen_q": True}, "varlen_q"),
-        ({"varlen_k": True}, "varlen_k"),
-        ({"seqused_q": True}, "seqused_q"),
-        ({"seqused_k": True}, "seqused_k"),
     ],
 )
 def test_sm90_bwd_can_implement_rejects_with_reason(changes: dict, needle: str) -> None:
@@ -74,8 +68,8 @@ def test_sm90_bwd_can_implement_accepts(d: int, dtype: str, causal: bool, determ
 def test_sm90_bwd_kernel_rejects_at_construction() -> None:
     from cute_fa.hopper.flash_bwd import FlashAttentionBackwardSm90
 
-    with pytest.raises(NotImplementedError, match="local"):
-        FlashAttentionBackwardSm90(_config(local=True))
+    with pytest.raises(NotImplementedError, match="head_dim 96"):
+        FlashAttentionBackwardSm90(_config(96, head_dim_v=96))
 
 
 def _compile(config: BwdConfig) -> dict:
@@ -97,22 +91,40 @@ def _compile(config: BwdConfig) -> dict:
 
 
 COMPILE_CASES = [
-    pytest.param(64, "bf16", False, False, id="d64"),
-    pytest.param(64, "bf16", True, False, id="d64-causal"),
-    pytest.param(128, "bf16", False, False, id="d128"),
-    pytest.param(128, "bf16", True, False, id="d128-causal"),
-    pytest.param(128, "fp16", True, False, id="d128-fp16-causal"),
-    pytest.param(64, "bf16", False, True, id="d64-det"),
-    pytest.param(64, "bf16", True, True, id="d64-causal-det"),
-    pytest.param(128, "bf16", False, True, id="d128-det"),
-    pytest.param(128, "bf16", True, True, id="d128-causal-det"),
+    pytest.param(64, "bf16", False, False, {}, id="d64"),
+    pytest.param(64, "bf16", True, False, {}, id="d64-causal"),
+    pytest.param(128, "bf16", False, False, {}, id="d128"),
+    pytest.param(128, "bf16", True, False, {}, id="d128-causal"),
+    pytest.param(128, "fp16", True, False, {}, id="d128-fp16-causal"),
+    pytest.param(64, "bf16", False, True, {}, id="d64-det"),
+    pytest.param(64, "bf16", True, True, {}, id="d64-causal-det"),
+    pytest.param(128, "bf16", False, True, {}, id="d128-det"),
+    pytest.param(128, "bf16", True, True, {}, id="d128-causal-det"),
+    pytest.param(128, "bf16", False, False, {"local": True}, id="d128-local"),
+    pytest.param(64, "bf16", False, True, {"local": True}, id="d64-local-det"),
+    pytest.param(64, "bf16", True, False, {"has_softcap": True}, id="d64-causal-softcap"),
+    pytest.param(128, "bf16", False, False, {"has_softcap": True}, id="d128-softcap"),
+    pytest.param(
+        128, "bf16", True, False, {"varlen_q": True, "varlen_k": True}, id="d128-causal-varlen"
+    ),  # fmt: skip
+    pytest.param(
+        128, "bf16", False, True, {"varlen_q": True, "varlen_k": True}, id="d128-varlen-det"
+    ),  # fmt: skip
+    pytest.param(
+        128,
+        "bf16",
+        True,
+        False,
+        {"varlen_q": True, "varlen_k": True, "seqused_q": True, "seqused_k": True},
+        id="d128-causal-varlen-seqused",
+    ),  # fmt: skip
 ]
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("d, dtype, causal, deterministic", COMPILE_CASES)
-def test_sm90_bwd_compiles_for_sm90a(d: int, dtype: str, causal: bool, deterministic) -> None:
-    config = _config(d, dtype, causal=causal, deterministic=deterministic)
+@pytest.mark.parametrize("d, dtype, causal, deterministic, flags", COMPILE_CASES)
+def test_sm90_bwd_compiles_for_sm90a(d: int, dtype: str, causal: bool, deterministic, flags):
+    config = _config(d, dtype, causal=causal, deterministic=deterministic, **flags)
     info = _compile(config)
     counts, sass = info["sass_counts"], info["sass_text"]
     spills = counts["LDL"] + counts["STL"]
@@ -120,10 +132,10 @@ def test_sm90_bwd_compiles_for_sm90a(d: int, dtype: str, causal: bool, determini
         f"{config.name}: regs {info['regs']} stack {info['stack']} HGMMA {counts['HGMMA']} "
         f"UTMALDG {counts['UTMALDG']} spills {spills} smem {bwd_smem_bytes(config)}"
     )
-    # Step bodies: causal masks every query block (1 body), otherwise a masked and an unmasked
-    # body. Per body: S^T and dP^T (d / 16 WGMMAs of k = 16 each), dV and dK (tile_m / 16),
-    # the consumer's d / 2 columns of dQ over all tile_n keys (tile_n / 16).
-    bodies = 1 if causal else 2
+    # Step bodies: causal and local mask every query block (1 body), otherwise a masked and an
+    # unmasked body. Per body: S^T and dP^T (d / 16 WGMMAs of k = 16 each), dV and dK
+    # (tile_m / 16), the consumer's d / 2 columns of dQ over all tile_n keys (tile_n / 16).
+    bodies = 1 if causal or config.local else 2
     per_body = 2 * (d // 16) + 2 * (config.tile_m // 16) + config.tile_n // 16
     assert counts["HGMMA"] == bodies * per_body, "HGMMA count"
     assert sass.count("WARPGROUP.ARRIVE") == 4 * bodies, "WGMMAs serialized by ptxas"
@@ -133,6 +145,8 @@ def test_sm90_bwd_compiles_for_sm90a(d: int, dtype: str, causal: bool, determini
     # through smem: one TMA reduce-add per 32-column (128-byte swizzle) box of each consumer's
     # (tile_m, d / 2) half, issued by producer warp 1 (once, not per body); no atomics.
     assert len(re.findall(r"MUFU\.EX2", sass)) == bodies * 32
+    # softcap: one tanh per score before the exponential.
+    assert len(re.findall(r"MUFU\.TANH", sass)) == (bodies * 32 if config.has_softcap else 0)
     assert len(re.findall(r"UTMAREDG\S*\.ADD", sass)) == 2 * (d // 2) // 32
     assert len(re.findall(r"\bATOMG", sass)) == 0
     if deterministic:
@@ -148,9 +162,11 @@ def test_sm90_bwd_compiles_for_sm90a(d: int, dtype: str, causal: bool, determini
         assert len(re.findall(r"\bREDG", sass)) == 0
         assert "MEMBAR.ALL.GPU" not in sass and "LDG.E.STRONG" not in sass
     # dS^T to smem by stmatrix (x4, transposed: 8 of the 32 dS values of a thread each), no
-    # 16-bit element stores.
+    # 16-bit element stores (seqused: the zeros of the tail rows past seqused are such stores,
+    # once per CTA or tail block).
     assert len(re.findall(r"\bSTSM", sass)) == bodies * config.tile_m // 16
-    assert "STS.U16" not in sass
+    if not (config.seqused_q or config.seqused_k):
+        assert "STS.U16" not in sass
     assert spills == 0 and info["stack"] == 0 and info["local"] == 0
     # 384 threads launch at <= 168 registers; setmaxnreg moves them to 24 / 240.
     assert info["regs"] <= 168
