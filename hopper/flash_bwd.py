@@ -67,15 +67,16 @@ class FlashAttentionBackwardSm90(AttentionKernel):
 
     Dispatched on sm_90a wherever ``can_implement`` accepts the call (Note [backward dispatch]
     in cute_fa/backward.py); the sm80 backward runs the rest. tests/test_bwd_sm90_gpu.py and
-    tests/test_bwd_gpu.py check its gradients on an H200 (d64/d128, bf16/fp16, causal, windows,
+    tests/test_bwd_gpu.py check its gradients on an H200 (d64/d96/d128, bf16/fp16, causal, windows,
     softcap, MHA/GQA, varlen with empty sequences and NaN past seqused, lengths 0..1000); on the
-    H200 it measured 0.91-1.15x SDPA CUDNN's backward (dense; docs/performance.md).
+    H200 it measured 0.91-1.15x SDPA CUDNN's backward at d64/d128 and 1.10-1.17x at d96 (dense;
+    docs/performance.md).
     tests/test_compile_sm90_bwd.py cross-compiles it for sm_90a and reads its SASS (HGMMA, no
     spills, no stack). It takes the backward protocol of ``bwd_fake_args`` and reuses
     the sm80 preprocess (delta, dQaccum zeroing) and postprocess (dQ conversion) kernels as they
     are.
 
-    Scope: bf16 or fp16; head_dim = head_dim_v in (64, 128); dense or varlen (cu_seqlens_q /
+    Scope: bf16 or fp16; head_dim = head_dim_v in (64, 96, 128); dense or varlen (cu_seqlens_q /
     cu_seqlens_k, each on its own; seqused_q / seqused_k); no mask, causal or sliding window
     (local; Note [bottom-right aligned masks] in cute_fa/dsl/mask.py); softcap; GQA (K/V head =
     head // (heads / kv heads)); deterministic dQ (``mdQsemaphore``, see "Deterministic dQ"
@@ -155,7 +156,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         1..n-1), in the same order on both sides, so an arrival never meets an older phase.
       KV_TAIL_WG1 + c (128), seqused_k: consumer c zeroed its K / V rows past seqlen_k.
       Q_TAIL (256), seqused_q: both consumers zeroed the tail block's Q / dO rows.
-    Shared memory (swizzled WGMMA layouts, 128-byte swizzle; TMA writes K, V, Q, dO)
+    Shared memory (swizzled WGMMA layouts, 128-byte swizzle; d 96: 64-byte, and 32-byte for
+    sK / sV, whose d / 2 = 48-column halves the dQ GEMM reads; TMA writes K, V, Q, dO)
       sK, sV (tile_n, d)                 loaded once; at the end consumer c stages its dK / dV
                                          (16-bit) in its own 64 rows of them.
       sQ, sdO (tile_m, d, q_stages)      K-major B of S^T / dP^T; viewed (d, tile_m) MN-major as
@@ -163,7 +165,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       sLSE, sdPsum (tile_m, q_stages)    fp32: LSE * log2 e and delta of the block's rows.
       sdS (tile_m, tile_n, 2)            16-bit dS, K-major A of dQ.
       sdQ (tile_m, d / 2, 2)             fp32 dQ, the last mode the consumer (each half one TMA
-                                         reduce source: 128-byte swizzle, 32-column boxes).
+                                         reduce source: 128-byte swizzle, 32-column boxes;
+                                         d 96: 64-byte, 16-column boxes).
       d 64: 114 KiB, d 128: 194 KiB (``support.bwd_smem_bytes``).
     Epilogue (per consumer): DS_READY (both consumers are done with sK); dK *= softmax_scale;
       dK, dV -> 16-bit -> its rows of sK / sV -> named barrier EPILOGUE_WG1 + c -> 16-byte
@@ -213,7 +216,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       sdQ buffer). Walking downward, every key block starts at the same last query blocks, so
       key block n waits for n - 1's reduce-adds (a wavefront), not for n - 1 to reach m.
     SASS (tests/test_compile_sm90_bwd.py): one warpgroup.arrive per GEMM group (S^T, dP^T,
-      dV + dK, dQ: 4 a step; no ptxas serialization), no spills, no stack, at d 64 and 128;
+      dV + dK, dQ: 4 a step; no ptxas serialization), no spills, no stack, at d 64, 96 and 128;
       dQ leaves by UTMAREDG (no REDG atomics). With dQ split along d its accumulator is
       64 x d/2 fp32 (d/4 registers a thread), so dQ is issued while dV and dK (and their 16-bit
       P^T / dS^T registers) are in flight without ptxas serializing the WGMMAs (C7512); with
@@ -221,7 +224,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       handshake: the LDG.E.STRONG.GPU spin, two MEMBAR.ALL.GPU (acquire, release), two
       FENCE.VIEW.ASYNC.G and one REDG.E.ADD.S32.STRONG.GPU (the increment); the consumers'
       code, registers (168 at launch) and the absence of spills are unchanged.
-    Not yet: head_dim_v != head_dim, d other than 64 and 128; the next block's S^T / dP^T
+    Not yet: head_dim_v != head_dim, d other than 64, 96 and 128; the next block's S^T / dP^T
       issued before this block's dQ completes; pingpong between the consumers; a second sdQ
       buffer (deterministic mode would hold the consumers less).
     """
@@ -301,6 +304,16 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         # sK / sV: the K-major A operand of S^T / dP^T (M = keys); sQ / sdO: the K-major B
         # operand of S^T / dP^T (N = query rows); sdS: the K-major A operand of dQ.
         sK_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tn, tm, d), self.dtype, 1)
+        if cutlass.const_expr(dq_cols % 64 != 0):
+            # The dQ GEMM reads sK in column halves of d / 2; a swizzle atom wider than that
+            # (d 96: 64-byte atoms of 32 columns, 48 columns a half) cannot be cut there, so
+            # sK takes the 32-byte swizzle (16 columns).
+            sK_layout = cute.tile_to_shape(
+                sm90_utils.make_smem_layout_atom(
+                    cute.nvgpu.warpgroup.SmemLayoutAtomKind.K_SW32, self.dtype
+                ),
+                (tn, d, 1), order=(0, 1, 2),
+            )  # fmt: skip
         sQ_layout = sm90_utils.make_smem_layout_b(
             LayoutEnum.ROW_MAJOR, (tn, tm, d), self.dtype, self.q_stages
         )

@@ -245,21 +245,22 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
 # --------------------------------------------------------------------------------------------
 # Backward (FlashAttentionBackwardSm90 in hopper/flash_bwd.py; checked on an H200 by
 # tests/test_bwd_sm90_gpu.py; dispatched on sm_90a where it applies). One CTA owns tile_n = 128
-# keys: two consumer warpgroups of 64 keys each (the M = 64 of a WGMMA) hold dK and dV of their keys
-# in registers (2 * 64 * d / 128 fp32 a thread: 64 at d 64, 128 at d 128) and walk the query
-# blocks tile_m = 64 rows at a time, with
+# keys: two consumer warpgroups of 64 keys each (the M = 64 of a WGMMA) hold dK and dV of their
+# keys in registers (2 * 64 * d / 128 fp32 a thread: 64 at d 64, 96 at d 96, 128 at d 128) and
+# walk the query blocks tile_m = 64 rows at a time, with
 # S^T = K Q^T and dP^T = V dO^T (64 x 64 fp32: 32 registers each).
 # Shared memory: K, V (tile_n x d, loaded once), SM90_BWD_Q_STAGES of Q and dO (tile_m x d) with
 # their LSE and delta rows (fp32), two buffers of dS (tile_m x tile_n, 16-bit) and one fp32 dQ
 # tile (tile_m x d, the source of the TMA reduce-add into dQaccum).
-#   d 64: 32 + 32 + 32 + 16 KiB = 112 KiB;  d 128: 64 + 64 + 32 + 32 KiB = 192 KiB (of 227).
+#   d 64: 32 + 32 + 32 + 16 KiB = 112 KiB;  d 96: 48 + 48 + 32 + 24 KiB = 152 KiB;
+#   d 128: 64 + 64 + 32 + 32 KiB = 192 KiB (of 227).
 # deterministic=True needs nothing more: the dQ writer warp spins on the caller's int32 semaphores
 # (one per batch, head and tile_m query block) before its reduce-adds (the kernel's docstring).
 # --------------------------------------------------------------------------------------------
 SM90_BWD_TILE_M = 64
 SM90_BWD_TILE_N = 128
 SM90_BWD_WARPS = 12  # one producer and two consumer warpgroups
-SM90_BWD_HEAD_DIMS = (64, 128)
+SM90_BWD_HEAD_DIMS = (64, 96, 128)
 SM90_BWD_Q_STAGES = 2
 SM90_BWD_DS_BUFFERS = 2
 

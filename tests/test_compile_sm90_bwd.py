@@ -3,8 +3,8 @@
 ``FlashAttentionBackwardSm90`` is the backward on sm_90a where it applies
 (tests/test_bwd_sm90_gpu.py checks its results on an sm90 GPU); what can be checked here:
 ``can_implement`` accepts its scope and rejects the rest with a reason, and every config in scope
-(d 64 / 128, no mask / causal, bf16 / fp16, deterministic or not) cross-compiles for sm_90a to a
-cubin that holds WGMMA (``HGMMA``, the count of the five GEMMs of a step), TMA loads
+(d 64 / 96 / 128, no mask / causal, bf16 / fp16, deterministic or not) cross-compiles for sm_90a
+to a cubin that holds WGMMA (``HGMMA``, the count of the five GEMMs of a step), TMA loads
 (``UTMALDG``), the TMA reduce-adds of dQ (``UTMAREDG``, no per-element ``REDG`` atomics), the
 register reallocation of the warp roles (``USETMAXREG``), one ``WARPGROUP.ARRIVE`` per GEMM
 group (more means ptxas serialized the WGMMAs), no mma.sync, no spills and no stack; the
@@ -43,7 +43,7 @@ def _config(d: int = 128, dtype: str = "bf16", **changes) -> BwdConfig:
     [
         ({"arch": 80}, "sm80"),
         ({"target": "sm_100a"}, "sm_90a"),
-        ({"head_dim": 96, "head_dim_v": 96}, "head_dim 96"),
+        ({"head_dim": 192, "head_dim_v": 192}, "head_dim 192"),
         ({"head_dim": 256, "head_dim_v": 256}, "head_dim 256"),
         ({"head_dim_v": 64}, "head_dim_v"),
         ({"tile_n": 64}, "tile"),
@@ -68,8 +68,8 @@ def test_sm90_bwd_can_implement_accepts(d: int, dtype: str, causal: bool, determ
 def test_sm90_bwd_kernel_rejects_at_construction() -> None:
     from cute_fa.hopper.flash_bwd import FlashAttentionBackwardSm90
 
-    with pytest.raises(NotImplementedError, match="head_dim 96"):
-        FlashAttentionBackwardSm90(_config(96, head_dim_v=96))
+    with pytest.raises(NotImplementedError, match="head_dim 256"):
+        FlashAttentionBackwardSm90(_config(256, head_dim_v=256))
 
 
 def _compile(config: BwdConfig) -> dict:
@@ -93,6 +93,8 @@ def _compile(config: BwdConfig) -> dict:
 COMPILE_CASES = [
     pytest.param(64, "bf16", False, False, {}, id="d64"),
     pytest.param(64, "bf16", True, False, {}, id="d64-causal"),
+    pytest.param(96, "bf16", False, False, {}, id="d96"),
+    pytest.param(96, "bf16", True, True, {}, id="d96-causal-det"),
     pytest.param(128, "bf16", False, False, {}, id="d128"),
     pytest.param(128, "bf16", True, False, {}, id="d128-causal"),
     pytest.param(128, "fp16", True, False, {}, id="d128-fp16-causal"),
@@ -143,11 +145,14 @@ def test_sm90_bwd_compiles_for_sm90a(d: int, dtype: str, causal: bool, determini
     assert counts["HMMA"] == 0 and counts["LDGSTS"] == 0
     # One exp2 per score (64 keys x 64 query rows over 128 threads) in each body. dQ leaves
     # through smem: one TMA reduce-add per 32-column (128-byte swizzle) box of each consumer's
-    # (tile_m, d / 2) half, issued by producer warp 1 (once, not per body); no atomics.
+    # (tile_m, d / 2) half, issued by producer warp 1 (once, not per body); no atomics. The box
+    # is the swizzle atom's width: 32 fp32 columns (128 bytes) when d / 2 is a multiple of 32,
+    # else 16 (64 bytes: d 96).
     assert len(re.findall(r"MUFU\.EX2", sass)) == bodies * 32
     # softcap: one tanh per score before the exponential.
     assert len(re.findall(r"MUFU\.TANH", sass)) == (bodies * 32 if config.has_softcap else 0)
-    assert len(re.findall(r"UTMAREDG\S*\.ADD", sass)) == 2 * (d // 2) // 32
+    box = 32 if (d // 2) % 32 == 0 else 16
+    assert len(re.findall(r"UTMAREDG\S*\.ADD", sass)) == 2 * (d // 2) // box
     assert len(re.findall(r"\bATOMG", sass)) == 0
     if deterministic:
         # Warp 1's turn (hopper/flash_bwd.py, docstring: deterministic dQ): the semaphore spin
