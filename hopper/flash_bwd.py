@@ -28,7 +28,7 @@ from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import lse_for_recompute, mn_view_wgmma, score_scales
 
 from .fragments import acc_as_rs_operand, convert_in_chunks, gemm_over_k
-from .support import SM90_BWD_DS_BUFFERS, SM90_BWD_Q_STAGES, bwd_can_implement
+from .support import SM90_BWD_DS_BUFFERS, bwd_can_implement, bwd_q_stages, bwd_split_d
 from .sync import tma_pipeline
 
 WARPGROUP = 128  # threads
@@ -48,6 +48,22 @@ class Barrier(enum.IntEnum):
     KV_TAIL_WG1 = 8  # 128 threads, seqused_k: consumer 0 zeroed its K / V rows past seqlen_k
     KV_TAIL_WG2 = 9  # consumer 1 the same
     Q_TAIL = 10  # 256 threads, seqused_q: both consumers zeroed the Q / dO rows past seqlen_q
+
+
+def k_major_layout(dtype, shape: tuple, cut_cols: int) -> cute.ComposedLayout:
+    """K-major (rows, cols, stages) WGMMA smem layout of 16-bit ``dtype`` that can be cut into
+    blocks of ``cut_cols`` columns: the widest swizzle atom (128, 64 or 32 bytes: 64, 32 or 16
+    columns) that divides the columns (as ``make_smem_layout_a`` picks it) and that divides
+    ``cut_cols`` or is divided by it (d 64: 64-column atoms cut in 32s; d 96: 48-column cuts
+    need 16-column atoms; d 192: 96-column cuts need 32-column atoms)."""
+    cols = shape[1]
+    width = 64
+    while cols % width or (cut_cols % width and width % cut_cols):
+        width //= 2
+    kinds = cute.nvgpu.warpgroup.SmemLayoutAtomKind
+    kind = {64: kinds.K_SW128, 32: kinds.K_SW64, 16: kinds.K_SW32}[width]
+    atom = sm90_utils.make_smem_layout_atom(kind, dtype)
+    return cute.tile_to_shape(atom, shape, order=(0, 1, 2))
 
 
 def transposed(t: cute.Tensor) -> cute.Tensor:
@@ -236,7 +252,11 @@ class FlashAttentionBackwardSm90(AttentionKernel):
     def __init__(self, config: BwdConfig):
         super().__init__(config)
         self.num_consumers = 2
-        self.q_stages = SM90_BWD_Q_STAGES
+        self.q_stages = bwd_q_stages(config.head_dim)
+        # d > 128 (split_d): both consumers share the CTA's 64 keys and each owns half of the
+        # columns of dK / dV (docstring: split d).
+        self.split_d = bwd_split_d(config.head_dim)
+        self.dkv_cols = config.head_dim // 2 if self.split_d else config.head_dim
         self.ds_buffers = SM90_BWD_DS_BUFFERS
         self.regs_producer = 24
         self.regs_consumer = 240
@@ -257,7 +277,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         )
         mma_dkv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, k_major, mn_major, Float32, (1, 1, 1),
-            (WG_KEYS, self.tile_hdim), warpgroup.OperandSource.RMEM,
+            (WG_KEYS, self.dkv_cols), warpgroup.OperandSource.RMEM,
         )  # fmt: skip
         mma_dq = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, k_major, mn_major, Float32, (1, 1, 1),
@@ -303,20 +323,11 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         mma_sdp, mma_dkv, mma_dq = self.make_tiled_mmas()
         # sK / sV: the K-major A operand of S^T / dP^T (M = keys); sQ / sdO: the K-major B
         # operand of S^T / dP^T (N = query rows); sdS: the K-major A operand of dQ.
-        sK_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tn, tm, d), self.dtype, 1)
-        if cutlass.const_expr(dq_cols % 64 != 0):
-            # The dQ GEMM reads sK in column halves of d / 2; a swizzle atom wider than that
-            # (d 96: 64-byte atoms of 32 columns, 48 columns a half) cannot be cut there, so
-            # sK takes the 32-byte swizzle (16 columns).
-            sK_layout = cute.tile_to_shape(
-                sm90_utils.make_smem_layout_atom(
-                    cute.nvgpu.warpgroup.SmemLayoutAtomKind.K_SW32, self.dtype
-                ),
-                (tn, d, 1), order=(0, 1, 2),
-            )  # fmt: skip
-        sQ_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.ROW_MAJOR, (tn, tm, d), self.dtype, self.q_stages
-        )
+        # The dQ GEMM reads sK in column halves of d / 2 (and with split_d the dV / dK GEMMs
+        # read sQ / sdO in halves): their swizzle atom must not be wider than a half (d 96: 48
+        # columns, 32-byte atoms; d 192: 96 columns, 64-byte atoms).
+        sK_layout = k_major_layout(self.dtype, (tn, d, 1), dq_cols)
+        sQ_layout = k_major_layout(self.dtype, (tm, d, self.q_stages), self.dkv_cols)
         sdS_layout = sm90_utils.make_smem_layout_a(
             LayoutEnum.ROW_MAJOR, (tm, d, tn), self.dtype, self.ds_buffers
         )
@@ -354,7 +365,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
         # dK / dV stores: 16 bytes a thread, one warpgroup over a (64, d) tile.
-        copy_r2g = row_store_copy(self.dtype, WARPGROUP, d)
+        copy_r2g = row_store_copy(self.dtype, WARPGROUP, self.dkv_cols)
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
         batch = cute.size(mQ.shape[0])
         if cutlass.const_expr(mCuSeqlensQ is not None):
@@ -483,7 +494,9 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             else:
                 cute.arch.setmaxregister_increase(self.regs_consumer)
                 consumer = wg_idx - 1
-                key_start = n_block * tn + consumer * WG_KEYS
+                key_start = n_block * tn
+                if cutlass.const_expr(not self.split_d):
+                    key_start += consumer * WG_KEYS
                 self.consume(
                     cute.domain_offset((offset_k, 0), mdK[kb, None, head, None]),
                     cute.domain_offset((offset_k, 0), mdV[kb, None, head, None]),
@@ -689,12 +702,14 @@ class FlashAttentionBackwardSm90(AttentionKernel):
     ):
         """Consumer warpgroup: dK and dV of its 64 keys over every visited query block, its
         part of dQ of each block, then the dK / dV stores."""
-        d = self.tile_hdim
-        sK_c = cute.local_tile(sK[None, None, 0], (WG_KEYS, d), (consumer, 0))
-        sV_c = cute.local_tile(sV[None, None, 0], (WG_KEYS, d), (consumer, 0))
+        d, kc = self.tile_hdim, self.dkv_cols
+        # This consumer's keys: its 64 rows of sK / sV, or (split_d) all 64 of the CTA.
+        key_slot = 0 if cutlass.const_expr(self.split_d) else consumer
+        sK_c = cute.local_tile(sK[None, None, 0], (WG_KEYS, d), (key_slot, 0))
+        sV_c = cute.local_tile(sV[None, None, 0], (WG_KEYS, d), (key_slot, 0))
         thr_dkv = mma_dkv.get_slice(tidx)
-        acc_dK = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((WG_KEYS, d)))
-        acc_dV = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((WG_KEYS, d)))
+        acc_dK = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((WG_KEYS, kc)))
+        acc_dV = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((WG_KEYS, kc)))
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
         seqlen_k = mask_args[1]
@@ -732,13 +747,18 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             barrier_id=int(Barrier.DS_READY), num_threads=self.num_consumers * WARPGROUP
         ).arrive_and_wait()
         acc_dK.store(acc_dK.load() * softmax_scale)
-        for acc, s in ((acc_dK, sK_c), (acc_dV, sV_c)):
+        # Its dK / dV columns (all d, or split_d its half) of its keys, staged in sK / sV.
+        col_slot = consumer if cutlass.const_expr(self.split_d) else 0
+        sdK = cute.local_tile(sK_c, (WG_KEYS, kc), (0, col_slot))
+        sdV = cute.local_tile(sV_c, (WG_KEYS, kc), (0, col_slot))
+        for acc, s in ((acc_dK, sdK), (acc_dV, sdV)):
             acc_to_smem(acc, mma_dkv, s, tidx)
         pipeline.NamedBarrier(
             barrier_id=int(Barrier.EPILOGUE_WG1) + consumer, num_threads=WARPGROUP
         ).arrive_and_wait()
-        for m, s in ((mdK, sK_c), (mdV, sV_c)):
-            g = cute.local_tile(cute.domain_offset((key_start, 0), m), (WG_KEYS, d), (0, 0))
+        for m, s in ((mdK, sdK), (mdV, sdV)):
+            g = cute.local_tile(cute.domain_offset((key_start, 0), m), (WG_KEYS, kc),
+                                (0, col_slot))  # fmt: skip
             store_rows(s, g, keys_left, copy_r2g, tidx)
 
     @cute.jit
@@ -754,13 +774,15 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         GEMM only after the block's DS_READY barrier, which this consumer reaches later.
         """
         d = self.tile_hdim
-        for idx in cutlass.range(tidx, (WG_KEYS - valid) * d, WARPGROUP, unroll=1):
+        # split_d: both consumers share the rows; they zero them together and both wait.
+        threads = WARPGROUP * (self.num_consumers if cutlass.const_expr(self.split_d) else 1)
+        first = consumer * WARPGROUP + tidx if cutlass.const_expr(self.split_d) else tidx
+        for idx in cutlass.range(first, (WG_KEYS - valid) * d, threads, unroll=1):
             sK_c[valid + idx // d, idx % d] = self.dtype(0.0)
             sV_c[valid + idx // d, idx % d] = self.dtype(0.0)
         cute.arch.fence_proxy("async.shared", space="cta")  # generic writes, WGMMA reads
-        pipeline.NamedBarrier(
-            barrier_id=int(Barrier.KV_TAIL_WG1) + consumer, num_threads=WARPGROUP
-        ).arrive_and_wait()
+        barrier = int(Barrier.KV_TAIL_WG1) + (0 if cutlass.const_expr(self.split_d) else consumer)
+        pipeline.NamedBarrier(barrier_id=barrier, num_threads=threads).arrive_and_wait()
 
     @cute.jit
     def zero_q_tail(
@@ -883,8 +905,12 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         convert_in_chunks(rP, acc_S)
         convert_in_chunks(rdS, acc_dP)
         thr_dkv = mma_dkv.get_slice(tidx)
-        tdVrdO = thr_dkv.make_fragment_B(thr_dkv.partition_B(transposed(sdO)))
-        tdKrQ = thr_dkv.make_fragment_B(thr_dkv.partition_B(transposed(sQ)))
+        sdO_c, sQ_c = sdO, sQ
+        if cutlass.const_expr(self.split_d):  # this consumer's columns of dV / dK
+            sdO_c = cute.local_tile(sdO, (tm, self.dkv_cols, self.q_stages), (0, consumer, 0))
+            sQ_c = cute.local_tile(sQ, (tm, self.dkv_cols, self.q_stages), (0, consumer, 0))
+        tdVrdO = thr_dkv.make_fragment_B(thr_dkv.partition_B(transposed(sdO_c)))
+        tdKrQ = thr_dkv.make_fragment_B(thr_dkv.partition_B(transposed(sQ_c)))
         tdVrP = acc_as_rs_operand(rP)
         tdKrdS = acc_as_rs_operand(rdS)
         warpgroup.fence()
@@ -895,13 +921,19 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         # dS^T -> this consumer's columns of sdS (queries x keys, K-major for the dQ GEMM: keys
         # contiguous, so stmatrix transposes); then both consumers' columns are there.
         sdS_m = sdS[None, None, ds_buffer]
-        sdS_c = cute.local_tile(sdS_m, (tm, WG_KEYS), (0, consumer))
+        key_slot = 0 if cutlass.const_expr(self.split_d) else consumer
+        sdS_c = cute.local_tile(sdS_m, (tm, WG_KEYS), (0, key_slot))
         r2s = cute.make_tiled_copy_C(
             cute.make_copy_atom(StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype),
             mma_sdp,
         )
         thr_r2s = r2s.get_slice(tidx)
-        cute.copy(r2s, thr_r2s.retile(rdS), thr_r2s.partition_D(transposed(sdS_c)))
+        if cutlass.const_expr(self.split_d):
+            # Both consumers hold the same dS^T (the CTA's 64 keys); consumer 0 writes it.
+            if consumer == 0:
+                cute.copy(r2s, thr_r2s.retile(rdS), thr_r2s.partition_D(transposed(sdS_c)))
+        else:
+            cute.copy(r2s, thr_r2s.retile(rdS), thr_r2s.partition_D(transposed(sdS_c)))
         cute.arch.fence_view_async_shared()
         pipeline.NamedBarrier(
             barrier_id=int(Barrier.DS_READY), num_threads=self.num_consumers * WARPGROUP
@@ -912,12 +944,19 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS_m))
         tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(transposed(sK_dq)))
         acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C(sdQ_c.shape))
+        if cutlass.const_expr(self.split_d):
+            # dQ's accumulator (d / 4 registers a thread: 48 or 64) fits only once dV and dK
+            # have completed and their 16-bit P^T / dS^T registers are free.
+            warpgroup.wait_group(0)
+            pipeline_q.consumer_release(state)
+            pipeline_do.consumer_release(state)
         warpgroup.fence()
         gemm_over_k(mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True)
         warpgroup.commit_group()
-        warpgroup.wait_group(1)
-        pipeline_q.consumer_release(state)
-        pipeline_do.consumer_release(state)
+        if cutlass.const_expr(not self.split_d):
+            warpgroup.wait_group(1)
+            pipeline_q.consumer_release(state)
+            pipeline_do.consumer_release(state)
         warpgroup.wait_group(0)
 
         # dQ half -> sdQ once producer warp 1's reduce of the previous block has read it.

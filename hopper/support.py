@@ -260,22 +260,46 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
 SM90_BWD_TILE_M = 64
 SM90_BWD_TILE_N = 128
 SM90_BWD_WARPS = 12  # one producer and two consumer warpgroups
-SM90_BWD_HEAD_DIMS = (64, 96, 128)
+SM90_BWD_HEAD_DIMS = (64, 96, 128, 192, 256)
 SM90_BWD_Q_STAGES = 2
 SM90_BWD_DS_BUFFERS = 2
+# Above this head dim dK and dV of 64 keys (2 * 64 * d / 128 fp32 a thread) no longer fit one
+# consumer's registers: both consumers share the CTA's tile_n = 64 keys and each owns half of
+# the dK / dV columns (64 registers at d 192, ... 128 at d 256 for both accumulators: 2 * 64 *
+# d / 2 / 128); each computes the whole S^T and dP^T of the 64 keys (the two GEMMs done twice).
+SM90_BWD_SPLIT_D_ABOVE = 128
+SM90_BWD_SPLIT_D_TILE_N = 64
+# One Q / dO stage above this head dim (d 256: two stages need 278 KiB of shared memory).
+SM90_BWD_TWO_Q_STAGES_MAX_D = 192
+# softcap keeps 1 - tanh^2 of the score tile (32 fp32 registers a thread) until dS; at d 256
+# the split-d consumers then spill (22 spill instructions, causal), at d 192 they do not.
+SM90_BWD_SOFTCAP_MAX_D = 192
+
+
+def bwd_split_d(head_dim: int) -> bool:
+    """Whether the sm90 backward splits dK / dV along d between its consumers."""
+    return head_dim > SM90_BWD_SPLIT_D_ABOVE
+
+
+def bwd_q_stages(head_dim: int) -> int:
+    """Q / dO (and LSE / delta) stages of the sm90 backward."""
+    return SM90_BWD_Q_STAGES if head_dim <= SM90_BWD_TWO_Q_STAGES_MAX_D else 1
 
 
 def bwd_tile(head_dim: int, causal: bool) -> tuple[int, int, int]:
-    """(tile_m, tile_n, num_warps) of the sm90 backward (the same for every supported head dim)."""
-    return SM90_BWD_TILE_M, SM90_BWD_TILE_N, SM90_BWD_WARPS
+    """(tile_m, tile_n, num_warps) of the sm90 backward: 64 query rows a step; 128 keys a CTA,
+    64 with split d."""
+    tile_n = SM90_BWD_SPLIT_D_TILE_N if bwd_split_d(head_dim) else SM90_BWD_TILE_N
+    return SM90_BWD_TILE_M, tile_n, SM90_BWD_WARPS
 
 
 def bwd_smem_bytes(config: BwdConfig) -> int:
     """Shared memory of the sm90 backward: K, V; the Q, dO, LSE and delta stages; the dS
     buffers; the fp32 dQ tile; barriers and the 1024-byte alignment of the tiles."""
     tm, tn, d, dv = config.tile_m, config.tile_n, config.head_dim, config.head_dim_v
-    tiles = tn * (d + dv) + SM90_BWD_Q_STAGES * tm * (d + dv) + SM90_BWD_DS_BUFFERS * tm * tn
-    return tiles * 2 + SM90_BWD_Q_STAGES * 2 * tm * 4 + tm * d * 4 + SM90_FWD_SMEM_SLACK
+    stages = bwd_q_stages(d)
+    tiles = tn * (d + dv) + stages * tm * (d + dv) + SM90_BWD_DS_BUFFERS * tm * tn
+    return tiles * 2 + stages * 2 * tm * 4 + tm * d * 4 + SM90_FWD_SMEM_SLACK
 
 
 def bwd_can_implement(config: BwdConfig) -> tuple[bool, str]:
@@ -287,6 +311,11 @@ def bwd_can_implement(config: BwdConfig) -> tuple[bool, str]:
         return False, f"head_dim {config.head_dim} not in {SM90_BWD_HEAD_DIMS} (sm90 backward)"
     if config.head_dim_v != config.head_dim:
         return False, "head_dim_v != head_dim is not supported by the sm90 backward yet"
+    if config.has_softcap and config.head_dim > SM90_BWD_SOFTCAP_MAX_D:
+        return False, (
+            f"softcap at head_dim {config.head_dim}: the tanh derivative's registers spill "
+            f"(sm90 backward: softcap up to head_dim {SM90_BWD_SOFTCAP_MAX_D})"
+        )
     tile = bwd_tile(config.head_dim, config.causal)
     if (config.tile_m, config.tile_n, config.num_warps) != tile:
         return False, (

@@ -24,6 +24,7 @@ from cute_fa.ampere import (
     FlashAttentionBackwardPostprocessSm80,
     FlashAttentionBackwardPreprocessSm80,
 )
+from cute_fa.hopper.support import SM90_BWD_HEAD_DIMS
 
 from cute_fa.config import BwdConfig, sm80_bwd_tile
 from cute_fa.sass import inspect_cubin
@@ -214,8 +215,8 @@ def test_bwd_config_uses_the_tile_table() -> None:
     for d in HEAD_DIMS:
         config = bwd_config("sm_80", "bf16", d, d, causal=True)
         assert (config.tile_m, config.tile_n, config.num_warps) == sm80_bwd_tile(d, "sm_80", True)
-        # On sm_90a the sm90 kernel serves d64/d128 (Note [backward dispatch]), sm80 the rest.
-        family = 90 if d in (64, 128) else 80
+        # On sm_90a the sm90 kernel serves every head dim with dv = d (Note [backward dispatch]).
+        family = 90 if d in SM90_BWD_HEAD_DIMS else 80
         assert bwd_config("sm_90a", "bf16", d, d, causal=True).arch == family
     with pytest.raises(NotImplementedError, match="head_dim"):
         bwd_config("sm_90a", "bf16", 80, 80)

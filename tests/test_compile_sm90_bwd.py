@@ -43,8 +43,8 @@ def _config(d: int = 128, dtype: str = "bf16", **changes) -> BwdConfig:
     [
         ({"arch": 80}, "sm80"),
         ({"target": "sm_100a"}, "sm_90a"),
-        ({"head_dim": 192, "head_dim_v": 192}, "head_dim 192"),
-        ({"head_dim": 256, "head_dim_v": 256}, "head_dim 256"),
+        ({"head_dim": 80, "head_dim_v": 80}, "head_dim 80"),
+        ({"head_dim": 256, "head_dim_v": 256, "has_softcap": True}, "softcap"),
         ({"head_dim_v": 64}, "head_dim_v"),
         ({"tile_n": 64}, "tile"),
         ({"num_warps": 8}, "tile"),
@@ -68,8 +68,8 @@ def test_sm90_bwd_can_implement_accepts(d: int, dtype: str, causal: bool, determ
 def test_sm90_bwd_kernel_rejects_at_construction() -> None:
     from cute_fa.hopper.flash_bwd import FlashAttentionBackwardSm90
 
-    with pytest.raises(NotImplementedError, match="head_dim 256"):
-        FlashAttentionBackwardSm90(_config(256, head_dim_v=256))
+    with pytest.raises(NotImplementedError, match="head_dim 80"):
+        FlashAttentionBackwardSm90(_config(80, head_dim_v=80))
 
 
 def _compile(config: BwdConfig) -> dict:
@@ -102,6 +102,13 @@ COMPILE_CASES = [
     pytest.param(64, "bf16", True, True, {}, id="d64-causal-det"),
     pytest.param(128, "bf16", False, True, {}, id="d128-det"),
     pytest.param(128, "bf16", True, True, {}, id="d128-causal-det"),
+    pytest.param(192, "bf16", False, False, {}, id="d192"),
+    pytest.param(192, "bf16", True, False, {"has_softcap": True}, id="d192-causal-softcap"),
+    pytest.param(256, "bf16", False, False, {}, id="d256"),
+    pytest.param(256, "fp16", True, True, {}, id="d256-fp16-causal-det"),
+    pytest.param(256, "bf16", False, False, {"local": True, "varlen_q": True, "varlen_k": True,
+                                             "seqused_q": True, "seqused_k": True},
+                 id="d256-local-varlen-seqused"),  # fmt: skip
     pytest.param(128, "bf16", False, False, {"local": True}, id="d128-local"),
     pytest.param(64, "bf16", False, True, {"local": True}, id="d64-local-det"),
     pytest.param(64, "bf16", True, False, {"has_softcap": True}, id="d64-causal-softcap"),
