@@ -83,21 +83,34 @@ class FlashAttentionBackwardSm90(AttentionKernel):
 
     Dispatched on sm_90a wherever ``can_implement`` accepts the call (Note [backward dispatch]
     in cute_fa/backward.py); the sm80 backward runs the rest. tests/test_bwd_sm90_gpu.py and
-    tests/test_bwd_gpu.py check its gradients on an H200 (d64/d96/d128, bf16/fp16, causal, windows,
-    softcap, MHA/GQA, varlen with empty sequences and NaN past seqused, lengths 0..1000); on the
-    H200 it measured 0.91-1.15x SDPA CUDNN's backward at d64/d128 and 1.10-1.17x at d96 (dense;
-    docs/performance.md).
+    tests/test_bwd_gpu.py check its gradients on an H200 (d 64 to 256, bf16/fp16, causal,
+    windows, softcap, MHA/GQA, varlen with empty sequences and NaN past seqused, lengths
+    0..1000); on the H200 it measured 0.91-1.15x SDPA CUDNN's backward at d64/d128, 1.10-1.17x
+    at d96, 1.06-1.20x at d192 and 0.97-1.14x at d256 (dense; docs/performance.md).
     tests/test_compile_sm90_bwd.py cross-compiles it for sm_90a and reads its SASS (HGMMA, no
     spills, no stack). It takes the backward protocol of ``bwd_fake_args`` and reuses
     the sm80 preprocess (delta, dQaccum zeroing) and postprocess (dQ conversion) kernels as they
     are.
 
-    Scope: bf16 or fp16; head_dim = head_dim_v in (64, 96, 128); dense or varlen (cu_seqlens_q /
-    cu_seqlens_k, each on its own; seqused_q / seqused_k); no mask, causal or sliding window
-    (local; Note [bottom-right aligned masks] in cute_fa/dsl/mask.py); softcap; GQA (K/V head =
-    head // (heads / kv heads)); deterministic dQ (``mdQsemaphore``, see "Deterministic dQ"
-    below). ``hopper/support.py bwd_can_implement`` rejects other head dims with its reason.
-    Tile: tile_n = 128 keys a CTA, tile_m = 64 query rows a step (``support.bwd_tile``).
+    Scope: bf16 or fp16; head_dim = head_dim_v in (64, 96, 128, 192, 256); dense or varlen
+    (cu_seqlens_q / cu_seqlens_k, each on its own; seqused_q / seqused_k); no mask, causal or
+    sliding window (local; Note [bottom-right aligned masks] in cute_fa/dsl/mask.py); softcap;
+    GQA (K/V head = head // (heads / kv heads)); deterministic dQ (``mdQsemaphore``, see "Deterministic dQ"
+    below). ``hopper/support.py bwd_can_implement`` rejects other head dims, head_dim_v !=
+    head_dim and softcap at d 256 (it spills) with its reason.
+    Tile: tile_n = 128 keys a CTA (64 with split d), tile_m = 64 query rows a step
+    (``support.bwd_tile``).
+
+    Split d (d > 128, ``self.split_d``): dK and dV of 64 keys (2 * 64 * d / 128 fp32 a thread)
+      no longer fit one consumer's registers. tile_n = 64; both consumers take all 64 keys of
+      the CTA (sK_c, sV_c are the whole tiles) and compute the same S^T and dP^T (the two
+      score GEMMs run twice: 7 / 5 of the useful WGMMA work); consumer c owns columns
+      [c d/2, c d/2 + d/2) of dK and dV (the B operands of dV / dK are those columns of sdO /
+      sQ) and, as always, of dQ. Consumer 0 alone writes dS^T to sdS. dQ's accumulator (d / 4
+      registers: 48 or 64) is allocated only after dV and dK completed (wait_group 0 before the
+      dQ GEMM, which then runs alone). d 256 runs one Q / dO stage (two need 278 KiB). The
+      epilogue stores each consumer's column half of dK / dV of the 64 keys. What follows
+      says "consumer c's 64 keys"; with split d read "the CTA's 64 keys, columns of c".
 
     Grid and work split
       grid = (ceil(max_seqlen_k / tile_n), num_heads, batch) (varlen q: batch =
@@ -183,7 +196,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       sdQ (tile_m, d / 2, 2)             fp32 dQ, the last mode the consumer (each half one TMA
                                          reduce source: 128-byte swizzle, 32-column boxes;
                                          d 96: 64-byte, 16-column boxes).
-      d 64: 114 KiB, d 128: 194 KiB (``support.bwd_smem_bytes``).
+      d 64: 114 KiB, d 96: 154, d 128: 194, d 192: 210, d 256: 210 (one Q / dO stage)
+      (``support.bwd_smem_bytes``).
     Epilogue (per consumer): DS_READY (both consumers are done with sK); dK *= softmax_scale;
       dK, dV -> 16-bit -> its rows of sK / sV -> named barrier EPILOGUE_WG1 + c -> 16-byte
       global stores of keys < seqlen_k.
@@ -240,7 +254,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       handshake: the LDG.E.STRONG.GPU spin, two MEMBAR.ALL.GPU (acquire, release), two
       FENCE.VIEW.ASYNC.G and one REDG.E.ADD.S32.STRONG.GPU (the increment); the consumers'
       code, registers (168 at launch) and the absence of spills are unchanged.
-    Not yet: head_dim_v != head_dim, d other than 64, 96 and 128; the next block's S^T / dP^T
+    Not yet: head_dim_v != head_dim ((192, 128)); softcap at d 256; the next block's S^T / dP^T
       issued before this block's dQ completes; pingpong between the consumers; a second sdQ
       buffer (deterministic mode would hold the consumers less).
     """

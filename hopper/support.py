@@ -253,7 +253,8 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
 # their LSE and delta rows (fp32), two buffers of dS (tile_m x tile_n, 16-bit) and one fp32 dQ
 # tile (tile_m x d, the source of the TMA reduce-add into dQaccum).
 #   d 64: 32 + 32 + 32 + 16 KiB = 112 KiB;  d 96: 48 + 48 + 32 + 24 KiB = 152 KiB;
-#   d 128: 64 + 64 + 32 + 32 KiB = 192 KiB (of 227).
+#   d 128: 64 + 64 + 32 + 32 KiB = 192 KiB (of 227); split d (below, 64 keys): d 192: 48 + 96 +
+#   16 + 48 KiB = 208 KiB; d 256, one Q / dO stage: 64 + 64 + 16 + 64 KiB = 208 KiB.
 # deterministic=True needs nothing more: the dQ writer warp spins on the caller's int32 semaphores
 # (one per batch, head and tile_m query block) before its reduce-adds (the kernel's docstring).
 # --------------------------------------------------------------------------------------------

@@ -106,9 +106,14 @@ COMPILE_CASES = [
     pytest.param(192, "bf16", True, False, {"has_softcap": True}, id="d192-causal-softcap"),
     pytest.param(256, "bf16", False, False, {}, id="d256"),
     pytest.param(256, "fp16", True, True, {}, id="d256-fp16-causal-det"),
-    pytest.param(256, "bf16", False, False, {"local": True, "varlen_q": True, "varlen_k": True,
-                                             "seqused_q": True, "seqused_k": True},
-                 id="d256-local-varlen-seqused"),  # fmt: skip
+    pytest.param(
+        256,
+        "bf16",
+        False,
+        False,
+        {"local": True, "varlen_q": True, "varlen_k": True, "seqused_q": True, "seqused_k": True},
+        id="d256-local-varlen-seqused",
+    ),  # fmt: skip
     pytest.param(128, "bf16", False, False, {"local": True}, id="d128-local"),
     pytest.param(64, "bf16", False, True, {"local": True}, id="d64-local-det"),
     pytest.param(64, "bf16", True, False, {"has_softcap": True}, id="d64-causal-softcap"),
