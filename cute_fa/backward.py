@@ -145,8 +145,8 @@ def bwd_config(
 # ~~~~~~~~~~~~~~~~~~~~~~~~
 # On the H200 the sm90 backward measured 0.91-1.15x SDPA CUDNN and 1.35-1.76x SDPA FLASH at d64
 # and d128, 0.97-1.20x CUDNN at d96-d256 (docs/performance.md), against 0.59-0.81x FLASH for
-# the sm80 kernel, so an sm_90a device runs it wherever it can; what it does not implement
-# yet (head_dim_v != head_dim, softcap at d256) runs the sm80 kernel, which does all of it.
+# the sm80 kernel, so an sm_90a device runs it wherever it can; softcap at d256, which it does
+# not implement, runs the sm80 kernel. (d, dv) = (192, 128) has only the sm90 backward.
 # deterministic=True
 # runs the sm90 kernel too (its dQ writer warp takes the turns of the semaphores that
 # run_backward allocates with the config's tile_m); on the H200 the sm80 kernel's deterministic

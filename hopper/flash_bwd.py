@@ -95,14 +95,16 @@ class FlashAttentionBackwardSm90(AttentionKernel):
     Scope: bf16 or fp16; head_dim = head_dim_v in (64, 96, 128, 192, 256); dense or varlen
     (cu_seqlens_q / cu_seqlens_k, each on its own; seqused_q / seqused_k); no mask, causal or
     sliding window (local; Note [bottom-right aligned masks] in cute_fa/dsl/mask.py); softcap;
-    GQA (K/V head = head // (heads / kv heads)); deterministic dQ (``mdQsemaphore``, see "Deterministic dQ"
-    below). ``hopper/support.py bwd_can_implement`` rejects other head dims, head_dim_v !=
-    head_dim and softcap at d 256 (it spills) with its reason.
+    GQA (K/V head = head // (heads / kv heads)); deterministic dQ (``mdQsemaphore``, see
+    "Deterministic dQ" below); (head_dim, head_dim_v) = (192, 128) too.
+    ``hopper/support.py bwd_can_implement`` rejects other head dims and softcap at d 256 (it
+    spills) with its reason.
     Tile: tile_n = 128 keys a CTA (64 with split d), tile_m = 64 query rows a step
     (``support.bwd_tile``).
 
     Split d (d > 128, ``self.split_d``): dK and dV of 64 keys (2 * 64 * d / 128 fp32 a thread)
-      no longer fit one consumer's registers. tile_n = 64; both consumers take all 64 keys of
+      no longer fit one consumer's registers (d 192 with dv 128 too: dK's 96 and dV's 64
+      columns a consumer). tile_n = 64; both consumers take all 64 keys of
       the CTA (sK_c, sV_c are the whole tiles) and compute the same S^T and dP^T (the two
       score GEMMs run twice: 7 / 5 of the useful WGMMA work); consumer c owns columns
       [c d/2, c d/2 + d/2) of dK and dV (the B operands of dV / dK are those columns of sdO /
@@ -254,7 +256,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       handshake: the LDG.E.STRONG.GPU spin, two MEMBAR.ALL.GPU (acquire, release), two
       FENCE.VIEW.ASYNC.G and one REDG.E.ADD.S32.STRONG.GPU (the increment); the consumers'
       code, registers (168 at launch) and the absence of spills are unchanged.
-    Not yet: head_dim_v != head_dim ((192, 128)); softcap at d 256; the next block's S^T / dP^T
+    Not yet: softcap at d 256; the next block's S^T / dP^T
       issued before this block's dQ completes; pingpong between the consumers; a second sdQ
       buffer (deterministic mode would hold the consumers less).
     """
@@ -270,7 +272,9 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         # d > 128 (split_d): both consumers share the CTA's 64 keys and each owns half of the
         # columns of dK / dV (docstring: split d).
         self.split_d = bwd_split_d(config.head_dim)
-        self.dkv_cols = config.head_dim // 2 if self.split_d else config.head_dim
+        parts = 2 if self.split_d else 1
+        self.dk_cols = config.head_dim // parts  # this consumer's columns of dK
+        self.dv_cols = config.head_dim_v // parts  # and of dV
         self.ds_buffers = SM90_BWD_DS_BUFFERS
         self.regs_producer = 24
         self.regs_consumer = 240
@@ -289,15 +293,21 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         mma_sdp = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, k_major, k_major, Float32, (1, 1, 1), (WG_KEYS, self.tile_m)
         )
-        mma_dkv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, k_major, mn_major, Float32, (1, 1, 1),
-            (WG_KEYS, self.dkv_cols), warpgroup.OperandSource.RMEM,
-        )  # fmt: skip
+        mma_dkv = self.make_mma_dkv(self.dk_cols)
         mma_dq = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, k_major, mn_major, Float32, (1, 1, 1),
             (self.tile_m, self.tile_hdim // self.num_consumers),
         )  # fmt: skip
         return mma_sdp, mma_dkv, mma_dq
+
+    def make_mma_dkv(self, cols: int) -> cute.TiledMma:
+        """dK (cols = dk_cols) or dV (cols = dv_cols) += (64 keys x tile_m) A from registers
+        times a B operand MN-major in smem; dK's is the middle one of make_tiled_mmas."""
+        k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, k_major, mn_major, Float32, (1, 1, 1), (WG_KEYS, cols),
+            warpgroup.OperandSource.RMEM,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------------------------------
     # Host side
@@ -326,7 +336,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         mdQsemaphore: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
-        tm, tn, d = self.tile_m, self.tile_n, self.tile_hdim
+        tm, tn, d, dv = self.tile_m, self.tile_n, self.tile_hdim, self.tile_hdimv
         dq_cols = d // self.num_consumers
         # TMA views: (seqlen, d, heads, batch).
         mQ_t, mK_t, mV_t, mdO_t = (
@@ -341,7 +351,9 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         # read sQ / sdO in halves): their swizzle atom must not be wider than a half (d 96: 48
         # columns, 32-byte atoms; d 192: 96 columns, 64-byte atoms).
         sK_layout = k_major_layout(self.dtype, (tn, d, 1), dq_cols)
-        sQ_layout = k_major_layout(self.dtype, (tm, d, self.q_stages), self.dkv_cols)
+        sV_layout = k_major_layout(self.dtype, (tn, dv, 1), self.dv_cols)
+        sQ_layout = k_major_layout(self.dtype, (tm, d, self.q_stages), self.dk_cols)
+        sdO_layout = k_major_layout(self.dtype, (tm, dv, self.q_stages), self.dv_cols)
         sdS_layout = sm90_utils.make_smem_layout_a(
             LayoutEnum.ROW_MAJOR, (tm, d, tn), self.dtype, self.ds_buffers
         )
@@ -350,18 +362,23 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             Float32, LayoutEnum.ROW_MAJOR, (tm, dq_cols), self.num_consumers
         )
         sK_tile = cute.slice_(sK_layout, (None, None, 0))
+        sV_tile = cute.slice_(sV_layout, (None, None, 0))
         sQ_tile = cute.slice_(sQ_layout, (None, None, 0))
+        sdO_tile = cute.slice_(sdO_layout, (None, None, 0))
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_k, mK_tma = cpasync.make_tiled_tma_atom(load, mK_t, sK_tile, (tn, d))
-        tma_v, mV_tma = cpasync.make_tiled_tma_atom(load, mV_t, sK_tile, (tn, d))
+        tma_v, mV_tma = cpasync.make_tiled_tma_atom(load, mV_t, sV_tile, (tn, dv))
         tma_q, mQ_tma = cpasync.make_tiled_tma_atom(load, mQ_t, sQ_tile, (tm, d))
-        tma_do, mdO_tma = cpasync.make_tiled_tma_atom(load, mdO_t, sQ_tile, (tm, d))
+        tma_do, mdO_tma = cpasync.make_tiled_tma_atom(load, mdO_t, sdO_tile, (tm, dv))
         tma_dq, mdQ_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ_t,
             cute.slice_(sdQ_layout, (None, None, 0)), (tm, dq_cols),
         )  # fmt: skip
-        self.tx_kv = 2 * cute.size_in_bytes(self.dtype, sK_tile)
+        self.tx_kv = cute.size_in_bytes(self.dtype, sK_tile) + cute.size_in_bytes(
+            self.dtype, sV_tile
+        )
         self.tx_q = cute.size_in_bytes(self.dtype, sQ_tile)
+        self.tx_do = cute.size_in_bytes(self.dtype, sdO_tile)
 
         @cute.struct
         class SharedStorage:
@@ -372,14 +389,14 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.q_stages], 128]
             sdPsum: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.q_stages], 128]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
         # dK / dV stores: 16 bytes a thread, one warpgroup over a (64, d) tile.
-        copy_r2g = row_store_copy(self.dtype, WARPGROUP, self.dkv_cols)
+        copy_r2g = row_store_copy(self.dtype, WARPGROUP, self.dk_cols)  # dK; dV: consume
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
         batch = cute.size(mQ.shape[0])
         if cutlass.const_expr(mCuSeqlensQ is not None):
@@ -389,7 +406,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             mQ_tma, mK_tma, mV_tma, mdO_tma, mdQ_tma, mQ, mK, mLSE, mdPsum, mdK, mdV,
             mdQsemaphore, tma_q, tma_k, tma_v, tma_do, tma_dq, softmax_scale, score_scale,
             scale_log2, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
-            mSeqUsedK, sK_layout, sQ_layout, sdS_layout, sdQ_layout, mma_sdp, mma_dkv, mma_dq,
+            mSeqUsedK, sK_layout, sV_layout, sQ_layout, sdO_layout, sdS_layout, sdQ_layout,
+            mma_sdp, mma_dkv, mma_dq,
             copy_r2g, SharedStorage,
         ).launch(grid=grid, block=[WARPGROUP * (1 + self.num_consumers), 1, 1], stream=stream,
                  min_blocks_per_mp=1)  # fmt: skip
@@ -427,7 +445,9 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
         sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
         sQ_layout: cute.ComposedLayout,
+        sdO_layout: cute.ComposedLayout,
         sdS_layout: cute.ComposedLayout,
         sdQ_layout: cute.ComposedLayout,
         mma_sdp: cute.TiledMma,
@@ -447,7 +467,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         consumer_warps = self.num_consumers * WARPGROUP // 32
         pipeline_kv = tma_pipeline(storage.mbar_kv, 1, self.tx_kv, consumer_warps)
         pipeline_q = tma_pipeline(storage.mbar_q, self.q_stages, self.tx_q, consumer_warps)
-        pipeline_do = tma_pipeline(storage.mbar_do, self.q_stages, self.tx_q, consumer_warps)
+        pipeline_do = tma_pipeline(storage.mbar_do, self.q_stages, self.tx_do, consumer_warps)
         pipeline_lse = pipeline.PipelineAsync.create(
             barrier_storage=storage.mbar_lse.data_ptr(), num_stages=self.q_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
@@ -460,9 +480,9 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         cute.arch.sync_threads()
 
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
         lse_layout = cute.make_layout((tm, self.q_stages))
@@ -561,9 +581,10 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             )
 
         tKsK, tKgK = part(tma_k, sK, cute.local_tile(mK, (tn, d), (None, 0)))
-        tVsV, tVgV = part(tma_v, sV, cute.local_tile(mV, (tn, d), (None, 0)))
+        dv = self.tile_hdimv
+        tVsV, tVgV = part(tma_v, sV, cute.local_tile(mV, (tn, dv), (None, 0)))
         tQsQ, tQgQ = part(tma_q, sQ, cute.local_tile(mQ, (tm, d), (None, 0)))
-        tdOsdO, tdOgdO = part(tma_do, sdO, cute.local_tile(mdO, (tm, d), (None, 0)))
+        tdOsdO, tdOgdO = part(tma_do, sdO, cute.local_tile(mdO, (tm, dv), (None, 0)))
         for atom in (tma_q, tma_do, tma_k, tma_v):
             cpasync.prefetch_descriptor(atom)
 
@@ -716,14 +737,16 @@ class FlashAttentionBackwardSm90(AttentionKernel):
     ):
         """Consumer warpgroup: dK and dV of its 64 keys over every visited query block, its
         part of dQ of each block, then the dK / dV stores."""
-        d, kc = self.tile_hdim, self.dkv_cols
+        d, dv, kc, vc = self.tile_hdim, self.tile_hdimv, self.dk_cols, self.dv_cols
         # This consumer's keys: its 64 rows of sK / sV, or (split_d) all 64 of the CTA.
         key_slot = 0 if cutlass.const_expr(self.split_d) else consumer
         sK_c = cute.local_tile(sK[None, None, 0], (WG_KEYS, d), (key_slot, 0))
-        sV_c = cute.local_tile(sV[None, None, 0], (WG_KEYS, d), (key_slot, 0))
-        thr_dkv = mma_dkv.get_slice(tidx)
-        acc_dK = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((WG_KEYS, kc)))
-        acc_dV = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((WG_KEYS, kc)))
+        sV_c = cute.local_tile(sV[None, None, 0], (WG_KEYS, dv), (key_slot, 0))
+        mma_dv = self.make_mma_dkv(vc)
+        thr_dk = mma_dkv.get_slice(tidx)
+        thr_dv = mma_dv.get_slice(tidx)
+        acc_dK = thr_dk.make_fragment_C(thr_dk.partition_shape_C((WG_KEYS, kc)))
+        acc_dV = thr_dv.make_fragment_C(thr_dv.partition_shape_C((WG_KEYS, vc)))
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
         seqlen_k = mask_args[1]
@@ -764,16 +787,19 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         # Its dK / dV columns (all d, or split_d its half) of its keys, staged in sK / sV.
         col_slot = consumer if cutlass.const_expr(self.split_d) else 0
         sdK = cute.local_tile(sK_c, (WG_KEYS, kc), (0, col_slot))
-        sdV = cute.local_tile(sV_c, (WG_KEYS, kc), (0, col_slot))
-        for acc, s in ((acc_dK, sdK), (acc_dV, sdV)):
-            acc_to_smem(acc, mma_dkv, s, tidx)
+        sdV = cute.local_tile(sV_c, (WG_KEYS, vc), (0, col_slot))
+        acc_to_smem(acc_dK, mma_dkv, sdK, tidx)
+        acc_to_smem(acc_dV, mma_dv, sdV, tidx)
         pipeline.NamedBarrier(
             barrier_id=int(Barrier.EPILOGUE_WG1) + consumer, num_threads=WARPGROUP
         ).arrive_and_wait()
-        for m, s in ((mdK, sdK), (mdV, sdV)):
-            g = cute.local_tile(cute.domain_offset((key_start, 0), m), (WG_KEYS, kc),
+        copy_r2g_v = copy_r2g
+        if cutlass.const_expr(vc != kc):
+            copy_r2g_v = row_store_copy(self.dtype, WARPGROUP, vc)
+        for m, s, cols, copy in ((mdK, sdK, kc, copy_r2g), (mdV, sdV, vc, copy_r2g_v)):
+            g = cute.local_tile(cute.domain_offset((key_start, 0), m), (WG_KEYS, cols),
                                 (0, col_slot))  # fmt: skip
-            store_rows(s, g, keys_left, copy_r2g, tidx)
+            store_rows(s, g, keys_left, copy, tidx)
 
     @cute.jit
     def zero_kv_tail(
@@ -791,9 +817,9 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         # split_d: both consumers share the rows; they zero them together and both wait.
         threads = WARPGROUP * (self.num_consumers if cutlass.const_expr(self.split_d) else 1)
         first = consumer * WARPGROUP + tidx if cutlass.const_expr(self.split_d) else tidx
-        for idx in cutlass.range(first, (WG_KEYS - valid) * d, threads, unroll=1):
-            sK_c[valid + idx // d, idx % d] = self.dtype(0.0)
-            sV_c[valid + idx // d, idx % d] = self.dtype(0.0)
+        for s, cols in ((sK_c, d), (sV_c, self.tile_hdimv)):
+            for idx in cutlass.range(first, (WG_KEYS - valid) * cols, threads, unroll=1):
+                s[valid + idx // cols, idx % cols] = self.dtype(0.0)
         cute.arch.fence_proxy("async.shared", space="cta")  # generic writes, WGMMA reads
         barrier = int(Barrier.KV_TAIL_WG1) + (0 if cutlass.const_expr(self.split_d) else consumer)
         pipeline.NamedBarrier(barrier_id=barrier, num_threads=threads).arrive_and_wait()
@@ -821,9 +847,10 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         d, tm = self.tile_hdim, self.tile_m
         sQ_s, sdO_s = sQ[None, None, state.index], sdO[None, None, state.index]
         threads = self.num_consumers * WARPGROUP
-        for idx in cutlass.range(consumer * WARPGROUP + tidx, (tm - valid) * d, threads, unroll=1):
-            sQ_s[valid + idx // d, idx % d] = self.dtype(0.0)
-            sdO_s[valid + idx // d, idx % d] = self.dtype(0.0)
+        for s, cols in ((sQ_s, d), (sdO_s, self.tile_hdimv)):
+            for idx in cutlass.range(consumer * WARPGROUP + tidx, (tm - valid) * cols, threads,
+                                     unroll=1):  # fmt: skip
+                s[valid + idx // cols, idx % cols] = self.dtype(0.0)
         cute.arch.fence_proxy("async.shared", space="cta")
         pipeline.NamedBarrier(barrier_id=int(Barrier.Q_TAIL), num_threads=threads).arrive_and_wait()
 
@@ -918,17 +945,18 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         rdS = cute.make_rmem_tensor(thr_sdp.partition_shape_C((WG_KEYS, tm)), self.dtype)
         convert_in_chunks(rP, acc_S)
         convert_in_chunks(rdS, acc_dP)
-        thr_dkv = mma_dkv.get_slice(tidx)
+        mma_dv = self.make_mma_dkv(self.dv_cols)
+        thr_dk, thr_dv = mma_dkv.get_slice(tidx), mma_dv.get_slice(tidx)
         sdO_c, sQ_c = sdO, sQ
         if cutlass.const_expr(self.split_d):  # this consumer's columns of dV / dK
-            sdO_c = cute.local_tile(sdO, (tm, self.dkv_cols, self.q_stages), (0, consumer, 0))
-            sQ_c = cute.local_tile(sQ, (tm, self.dkv_cols, self.q_stages), (0, consumer, 0))
-        tdVrdO = thr_dkv.make_fragment_B(thr_dkv.partition_B(transposed(sdO_c)))
-        tdKrQ = thr_dkv.make_fragment_B(thr_dkv.partition_B(transposed(sQ_c)))
+            sdO_c = cute.local_tile(sdO, (tm, self.dv_cols, self.q_stages), (0, consumer, 0))
+            sQ_c = cute.local_tile(sQ, (tm, self.dk_cols, self.q_stages), (0, consumer, 0))
+        tdVrdO = thr_dv.make_fragment_B(thr_dv.partition_B(transposed(sdO_c)))
+        tdKrQ = thr_dk.make_fragment_B(thr_dk.partition_B(transposed(sQ_c)))
         tdVrP = acc_as_rs_operand(rP)
         tdKrdS = acc_as_rs_operand(rdS)
         warpgroup.fence()
-        gemm_over_k(mma_dkv, acc_dV, tdVrP, tdVrdO, zero_init=False, b_stage=stage)
+        gemm_over_k(mma_dv, acc_dV, tdVrP, tdVrdO, zero_init=False, b_stage=stage)
         gemm_over_k(mma_dkv, acc_dK, tdKrdS, tdKrQ, zero_init=False, b_stage=stage)
         warpgroup.commit_group()
 

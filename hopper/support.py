@@ -262,6 +262,7 @@ SM90_BWD_TILE_M = 64
 SM90_BWD_TILE_N = 128
 SM90_BWD_WARPS = 12  # one producer and two consumer warpgroups
 SM90_BWD_HEAD_DIMS = (64, 96, 128, 192, 256)
+SM90_BWD_HEAD_DIM_PAIRS = tuple((d, d) for d in SM90_BWD_HEAD_DIMS) + ((192, 128),)
 SM90_BWD_Q_STAGES = 2
 SM90_BWD_DS_BUFFERS = 2
 # Above this head dim dK and dV of 64 keys (2 * 64 * d / 128 fp32 a thread) no longer fit one
@@ -310,8 +311,11 @@ def bwd_can_implement(config: BwdConfig) -> tuple[bool, str]:
         return False, why
     if config.head_dim not in SM90_BWD_HEAD_DIMS:
         return False, f"head_dim {config.head_dim} not in {SM90_BWD_HEAD_DIMS} (sm90 backward)"
-    if config.head_dim_v != config.head_dim:
-        return False, "head_dim_v != head_dim is not supported by the sm90 backward yet"
+    if (config.head_dim, config.head_dim_v) not in SM90_BWD_HEAD_DIM_PAIRS:
+        return False, (
+            f"head_dim_v {config.head_dim_v} with head_dim {config.head_dim} is not supported "
+            f"by the sm90 backward (pairs {SM90_BWD_HEAD_DIM_PAIRS})"
+        )
     if config.has_softcap and config.head_dim > SM90_BWD_SOFTCAP_MAX_D:
         return False, (
             f"softcap at head_dim {config.head_dim}: the tanh derivative's registers spill "

@@ -124,10 +124,11 @@ def check_grads(grads, q, k, v, dout, *, dlse=None, **kwargs):
 def run_bwd_and_check(
     b, sq, sk, h, h_kv, d, *, dtype=torch.bfloat16, causal=False, window=(None, None),
     softcap=0.0, softmax_scale=None, use_lse=False, use_out=True, dout=None, deterministic=False,
+    dv=None,
 ):  # fmt: skip
     q = _randn(b, sq, h, d, dtype=dtype, scale=softcap / 4 if softcap else 1.0)
     k = _randn(b, sk, h_kv, d, dtype=dtype)
-    v = _randn(b, sk, h_kv, d, dtype=dtype)
+    v = _randn(b, sk, h_kv, dv or d, dtype=dtype)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     kwargs = dict(causal=causal, window_size=window, softcap=softcap, softmax_scale=softmax_scale)
     out, lse = cute_fa.flash_attn_func(
@@ -188,6 +189,31 @@ def test_bwd_softcap(d, causal, window, h_kv, seqlen_q, seqlen_k):
 )  # fmt: skip
 def test_bwd_fp16(d, causal, seqlen_q, seqlen_k):
     run_bwd_and_check(2, seqlen_q, seqlen_k, NHEADS, 2, d, dtype=torch.float16, causal=causal)
+
+
+# (head_dim, head_dim_v) = (192, 128): the sm90 backward only (the sm80 one needs dv = d).
+_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+DV_SEQLENS = [(1, 1), (113, 203), (1000, 1000), (17, 1000), (1000, 17)]
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", DV_SEQLENS, ids=[f"{a}x{b}" for a, b in DV_SEQLENS])
+@pytest.mark.parametrize("h_kv", [6, 2], ids=["mha", "gqa3"])
+@pytest.mark.parametrize("causal,window", MASKS)
+def test_bwd_d192_dv128(causal, window, h_kv, seqlen_q, seqlen_k):
+    if not _SM90:
+        with pytest.raises(NotImplementedError, match="head_dim_v"):
+            run_bwd_and_check(1, seqlen_q, seqlen_k, NHEADS, h_kv, 192, dv=128, causal=causal)
+        return
+    run_bwd_and_check(2, seqlen_q, seqlen_k, NHEADS, h_kv, 192, dv=128, causal=causal,
+                      window=window)  # fmt: skip
+
+
+@pytest.mark.skipif(not _SM90, reason="(192, 128): the sm90 backward")
+def test_bwd_d192_dv128_varlen_seqused_deterministic():
+    used_q = [min(lq, u) for lq, u in zip(LENS_Q, [10, 0, 250, 1, 100, 150, 0, 63], strict=True)]
+    used_k = [min(lk, u) for lk, u in zip(LENS_K, [290, 5, 64, 1, 0, 17, 0, 100], strict=True)]
+    run_varlen_bwd_and_check(LENS_Q, LENS_K, 192, dv=128, causal=True, used_q=used_q,
+                             used_k=used_k, nan_unused=True, deterministic=True)  # fmt: skip
 
 
 def test_bwd_softmax_scale():
@@ -371,14 +397,14 @@ LENS_K = [300, 17, 129, 1, 0, 17, 0, 200]
 def run_varlen_bwd_and_check(
     lens_q, lens_k, d, *, causal=False, window=(None, None), softcap=0.0, used_q=None,
     used_k=None, h=NHEADS, h_kv=2, pass_max_seqlen_k=True, deterministic=False,
-    nan_unused=False,
+    nan_unused=False, dv=None,
 ):  # fmt: skip
     """Packed varlen forward + backward; each sequence's gradients are checked on their own
     against attention_ref; rows past seqused_q and keys past seqused_k get zero gradients.
     ``nan_unused``: those rows of q, k, v and dout hold NaN (they are not inputs)."""
     total_q, total_k = sum(lens_q), sum(lens_k)
     q = _randn(total_q, h, d, scale=softcap / 4 if softcap else 1.0)
-    k, v = _randn(total_k, h_kv, d), _randn(total_k, h_kv, d)
+    k, v = _randn(total_k, h_kv, d), _randn(total_k, h_kv, dv or d)
     cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
     unused_q, unused_k = [], []  # (start, end) row ranges past seqused
     for i, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=True)):

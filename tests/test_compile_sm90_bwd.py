@@ -104,6 +104,8 @@ COMPILE_CASES = [
     pytest.param(128, "bf16", True, True, {}, id="d128-causal-det"),
     pytest.param(192, "bf16", False, False, {}, id="d192"),
     pytest.param(192, "bf16", True, False, {"has_softcap": True}, id="d192-causal-softcap"),
+    pytest.param(192, "bf16", False, False, {"head_dim_v": 128}, id="d192-dv128"),
+    pytest.param(192, "fp16", False, True, {"head_dim_v": 128, "local": True}, id="d192-dv128-det"),
     pytest.param(256, "bf16", False, False, {}, id="d256"),
     pytest.param(256, "fp16", True, True, {}, id="d256-fp16-causal-det"),
     pytest.param(
@@ -150,7 +152,8 @@ def test_sm90_bwd_compiles_for_sm90a(d: int, dtype: str, causal: bool, determini
     # unmasked body. Per body: S^T and dP^T (d / 16 WGMMAs of k = 16 each), dV and dK
     # (tile_m / 16), the consumer's d / 2 columns of dQ over all tile_n keys (tile_n / 16).
     bodies = 1 if causal or config.local else 2
-    per_body = 2 * (d // 16) + 2 * (config.tile_m // 16) + config.tile_n // 16
+    dv = config.head_dim_v  # dP^T has k = dv
+    per_body = d // 16 + dv // 16 + 2 * (config.tile_m // 16) + config.tile_n // 16
     assert counts["HGMMA"] == bodies * per_body, "HGMMA count"
     assert sass.count("WARPGROUP.ARRIVE") == 4 * bodies, "WGMMAs serialized by ptxas"
     assert counts["UTMALDG"] > 0, "no TMA load (UTMALDG) in the SASS"
