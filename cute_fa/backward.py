@@ -120,7 +120,7 @@ def bwd_config(
         seqused_q=seqused_q, seqused_k=seqused_k, deterministic=deterministic,
     )  # fmt: skip
     if forced == "90" or (forced == "" and target.startswith("sm_90")):
-        tile_m, tile_n, num_warps = sm90_support.bwd_tile(head_dim, causal)
+        tile_m, tile_n, num_warps = sm90_support.bwd_tile(head_dim, causal, has_softcap)
         config = BwdConfig(arch=90, tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, **flags)
         ok, reason = sm90_support.bwd_can_implement(config)
         if ok:

@@ -99,7 +99,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
     "Deterministic dQ" below); (head_dim, head_dim_v) = (192, 128) too.
     ``hopper/support.py bwd_can_implement`` rejects other head dims and softcap at d 256 (it
     spills) with its reason.
-    Tile: tile_n = 128 keys a CTA (64 with split d), tile_m = 64 query rows a step
+    Tile: tile_n = 128 keys a CTA (64 with split d), tile_m = 64 query rows a step (d 64
+    without softcap: 128, so S^T / dP^T are N = 128 WGMMAs and dQ two M = 64 atoms)
     (``support.bwd_tile``).
 
     Split d (d > 128, ``self.split_d``): dK and dV of 64 keys (2 * 64 * d / 128 fp32 a thread)
@@ -198,7 +199,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       sdQ (tile_m, d / 2, 2)             fp32 dQ, the last mode the consumer (each half one TMA
                                          reduce source: 128-byte swizzle, 32-column boxes;
                                          d 96: 64-byte, 16-column boxes).
-      d 64: 114 KiB, d 96: 154, d 128: 194, d 192: 210, d 256: 210 (one Q / dO stage)
+      d 64: 195 KiB (tile_m 128; 114 at 64), d 96: 154, d 128: 194, d 192: 210, d 256: 210
+      (one Q / dO stage)
       (``support.bwd_smem_bytes``).
     Epilogue (per consumer): DS_READY (both consumers are done with sK); dK *= softmax_scale;
       dK, dV -> 16-bit -> its rows of sK / sV -> named barrier EPILOGUE_WG1 + c -> 16-byte
@@ -296,7 +298,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         mma_dkv = self.make_mma_dkv(self.dk_cols)
         mma_dq = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, k_major, mn_major, Float32, (1, 1, 1),
-            (self.tile_m, self.tile_hdim // self.num_consumers),
+            (64, self.tile_hdim // self.num_consumers),  # tile_m = 128: two M atoms a step
         )  # fmt: skip
         return mma_sdp, mma_dkv, mma_dq
 

@@ -247,18 +247,23 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
 # tests/test_bwd_sm90_gpu.py; dispatched on sm_90a where it applies). One CTA owns tile_n = 128
 # keys: two consumer warpgroups of 64 keys each (the M = 64 of a WGMMA) hold dK and dV of their
 # keys in registers (2 * 64 * d / 128 fp32 a thread: 64 at d 64, 96 at d 96, 128 at d 128) and
-# walk the query blocks tile_m = 64 rows at a time, with
-# S^T = K Q^T and dP^T = V dO^T (64 x 64 fp32: 32 registers each).
+# walk the query blocks tile_m = 64 rows at a time (d 64: 128), with
+# S^T = K Q^T and dP^T = V dO^T (64 x tile_m fp32: 32 registers each, 64 at tile_m 128).
 # Shared memory: K, V (tile_n x d, loaded once), SM90_BWD_Q_STAGES of Q and dO (tile_m x d) with
 # their LSE and delta rows (fp32), two buffers of dS (tile_m x tile_n, 16-bit) and one fp32 dQ
 # tile (tile_m x d, the source of the TMA reduce-add into dQaccum).
-#   d 64: 32 + 32 + 32 + 16 KiB = 112 KiB;  d 96: 48 + 48 + 32 + 24 KiB = 152 KiB;
+#   d 64: 32 + 32 + 32 + 16 KiB = 112 KiB (tile_m 128: 32 + 64 + 64 + 32 = 192 KiB);
+#   d 96: 48 + 48 + 32 + 24 KiB = 152 KiB;
 #   d 128: 64 + 64 + 32 + 32 KiB = 192 KiB (of 227); split d (below, 64 keys): d 192: 48 + 96 +
 #   16 + 48 KiB = 208 KiB; d 256, one Q / dO stage: 64 + 64 + 16 + 64 KiB = 208 KiB.
 # deterministic=True needs nothing more: the dQ writer warp spins on the caller's int32 semaphores
 # (one per batch, head and tile_m query block) before its reduce-adds (the kernel's docstring).
 # --------------------------------------------------------------------------------------------
 SM90_BWD_TILE_M = 64
+# Query rows a step where more than 64 fit the registers and measured faster: d 64 takes 128
+# (S^T and dP^T of 64 keys x 128 rows, N = 128 WGMMAs; +12-14 % on the H200, docs/performance.md
+# Log "d64, 128 query rows a step"), except with softcap, whose 1 - tanh^2 tile then spills.
+SM90_BWD_TILE_M_BY_D = {64: 128}
 SM90_BWD_TILE_N = 128
 SM90_BWD_WARPS = 12  # one producer and two consumer warpgroups
 SM90_BWD_HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -288,11 +293,14 @@ def bwd_q_stages(head_dim: int) -> int:
     return SM90_BWD_Q_STAGES if head_dim <= SM90_BWD_TWO_Q_STAGES_MAX_D else 1
 
 
-def bwd_tile(head_dim: int, causal: bool) -> tuple[int, int, int]:
-    """(tile_m, tile_n, num_warps) of the sm90 backward: 64 query rows a step; 128 keys a CTA,
-    64 with split d."""
+def bwd_tile(head_dim: int, causal: bool, has_softcap: bool = False) -> tuple[int, int, int]:
+    """(tile_m, tile_n, num_warps) of the sm90 backward: 64 query rows a step (d 64: 128
+    without softcap); 128 keys a CTA, 64 with split d."""
     tile_n = SM90_BWD_SPLIT_D_TILE_N if bwd_split_d(head_dim) else SM90_BWD_TILE_N
-    return SM90_BWD_TILE_M, tile_n, SM90_BWD_WARPS
+    tile_m = SM90_BWD_TILE_M
+    if not has_softcap:
+        tile_m = SM90_BWD_TILE_M_BY_D.get(head_dim, SM90_BWD_TILE_M)
+    return tile_m, tile_n, SM90_BWD_WARPS
 
 
 def bwd_smem_bytes(config: BwdConfig) -> int:
@@ -321,7 +329,7 @@ def bwd_can_implement(config: BwdConfig) -> tuple[bool, str]:
             f"softcap at head_dim {config.head_dim}: the tanh derivative's registers spill "
             f"(sm90 backward: softcap up to head_dim {SM90_BWD_SOFTCAP_MAX_D})"
         )
-    tile = bwd_tile(config.head_dim, config.causal)
+    tile = bwd_tile(config.head_dim, config.causal, config.has_softcap)
     if (config.tile_m, config.tile_n, config.num_warps) != tile:
         return False, (
             f"tile {config.tile_m}x{config.tile_n}w{config.num_warps} is not the sm90 backward "

@@ -27,9 +27,13 @@ from cute_fa.hopper.support import (
 
 from cute_fa.config import SMEM_CAPACITY, BwdConfig
 
+WG_KEYS = 64  # keys of one consumer warpgroup's score tile
+
 
 def _config(d: int = 128, dtype: str = "bf16", **changes) -> BwdConfig:
-    tile_m, tile_n, num_warps = bwd_tile(d, changes.get("causal", False))
+    tile_m, tile_n, num_warps = bwd_tile(
+        d, changes.get("causal", False), changes.get("has_softcap", False)
+    )
     values = dict(
         arch=90, target="sm_90a", dtype=dtype, head_dim=d, head_dim_v=d,
         tile_m=tile_m, tile_n=tile_n, num_warps=num_warps,
@@ -153,19 +157,23 @@ def test_sm90_bwd_compiles_for_sm90a(d: int, dtype: str, causal: bool, determini
     # (tile_m / 16), the consumer's d / 2 columns of dQ over all tile_n keys (tile_n / 16).
     bodies = 1 if causal or config.local else 2
     dv = config.head_dim_v  # dP^T has k = dv
-    per_body = d // 16 + dv // 16 + 2 * (config.tile_m // 16) + config.tile_n // 16
+    # dQ's M is tile_m: tile_m / 64 WGMMA atoms (d 64: 128 rows, two).
+    per_body = (
+        d // 16 + dv // 16 + 2 * (config.tile_m // 16) + config.tile_m // 64 * config.tile_n // 16
+    )
     assert counts["HGMMA"] == bodies * per_body, "HGMMA count"
     assert sass.count("WARPGROUP.ARRIVE") == 4 * bodies, "WGMMAs serialized by ptxas"
     assert counts["UTMALDG"] > 0, "no TMA load (UTMALDG) in the SASS"
     assert counts["HMMA"] == 0 and counts["LDGSTS"] == 0
-    # One exp2 per score (64 keys x 64 query rows over 128 threads) in each body. dQ leaves
+    # One exp2 per score (64 keys x tile_m query rows over 128 threads) in each body. dQ leaves
     # through smem: one TMA reduce-add per 32-column (128-byte swizzle) box of each consumer's
     # (tile_m, d / 2) half, issued by producer warp 1 (once, not per body); no atomics. The box
     # is the swizzle atom's width: 32 fp32 columns (128 bytes) when d / 2 is a multiple of 32,
     # else 16 (64 bytes: d 96).
-    assert len(re.findall(r"MUFU\.EX2", sass)) == bodies * 32
+    exps = WG_KEYS * config.tile_m // 128  # a thread's scores of its consumer's tile
+    assert len(re.findall(r"MUFU\.EX2", sass)) == bodies * exps
     # softcap: one tanh per score before the exponential.
-    assert len(re.findall(r"MUFU\.TANH", sass)) == (bodies * 32 if config.has_softcap else 0)
+    assert len(re.findall(r"MUFU\.TANH", sass)) == (bodies * exps if config.has_softcap else 0)
     box = 32 if (d // 2) % 32 == 0 else 16
     assert len(re.findall(r"UTMAREDG\S*\.ADD", sass)) == 2 * (d // 2) // box
     assert len(re.findall(r"\bATOMG", sass)) == 0
