@@ -143,8 +143,8 @@ def bwd_config(
 
 # Note [backward dispatch]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
-# On the H200 the sm90 backward measured 0.91-1.15x SDPA CUDNN and 1.35-1.76x SDPA FLASH at d64
-# and d128, 0.97-1.20x CUDNN at d96-d256 (docs/performance.md), against 0.59-0.81x FLASH for
+# On the H200 the sm90 backward measured 0.96-1.18x SDPA CUDNN and 1.34-1.76x SDPA FLASH at d64,
+# d128 and d256, 1.06-1.20x CUDNN at d96 / d192 (docs/performance.md), against 0.59-0.81x FLASH for
 # the sm80 kernel, so an sm_90a device runs it wherever it can; softcap at d256, which it does
 # not implement, runs the sm80 kernel. (d, dv) = (192, 128) has only the sm90 backward.
 # deterministic=True
