@@ -268,6 +268,8 @@ def feature_rows() -> list[MatrixRow]:
         ("backward, head_dim 64", _base(head_dim=64, head_dim_v=64)),
         ("backward, head_dim 128", _base()),
         ("backward, head_dim 256", _base(head_dim=256, head_dim_v=256)),
+        ("backward, head_dim 192, head_dim_v 128", _base(head_dim=192, head_dim_v=128)),
+        ("backward, softcap, head_dim 256", _base(head_dim=256, head_dim_v=256, has_softcap=True)),
         ("backward, causal", _base(causal=True)),
         ("backward, sliding window", _base(local=True)),
         ("backward, softcap", _base(has_softcap=True)),
