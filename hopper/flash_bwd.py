@@ -153,7 +153,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       of the block's dQ over all tile_n keys, so each dQaccum element gets one reduce-add per
       CTA and block. This needs both consumers' dS columns in sdS (barrier DS_READY).
     Per query block m (the i-th visited), consumer c (pipeline states advance in lockstep over
-    the q stages)
+    the q stages; split d: dQ is issued only after wait_group 0, see above)
       wait Q[m]; fence; issue S^T (commit); wait dO[m]; issue dP^T (commit)
       wait LSE/delta[m]; wgmma wait_group 1 (S^T complete)
       softcap: S^T = tanh(S^T * softmax_scale / softcap), keeping 1 - tanh^2 (fp32 registers)
@@ -189,12 +189,15 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         1..n-1), in the same order on both sides, so an arrival never meets an older phase.
       KV_TAIL_WG1 + c (128), seqused_k: consumer c zeroed its K / V rows past seqlen_k.
       Q_TAIL (256), seqused_q: both consumers zeroed the tail block's Q / dO rows.
-    Shared memory (swizzled WGMMA layouts, 128-byte swizzle; d 96: 64-byte, and 32-byte for
-    sK / sV, whose d / 2 = 48-column halves the dQ GEMM reads; TMA writes K, V, Q, dO)
-      sK, sV (tile_n, d)                 loaded once; at the end consumer c stages its dK / dV
-                                         (16-bit) in its own 64 rows of them.
-      sQ, sdO (tile_m, d, q_stages)      K-major B of S^T / dP^T; viewed (d, tile_m) MN-major as
-                                         the B of dK / dV.
+    Shared memory (swizzled WGMMA layouts; ``k_major_layout`` picks the widest swizzle atom
+    that the column halves read by the dQ GEMM (sK) or, split d, by dK / dV (sQ, sdO) can be
+    cut at: 128-byte, except sK at d 96 (32-byte) and sK / sV / sQ / sdO at d 192 (64-byte);
+    TMA writes K, V, Q, dO)
+      sK (tile_n, d), sV (tile_n, dv)    loaded once; at the end consumer c stages its dK / dV
+                                         (16-bit) in its own 64 rows of them (split d: its
+                                         column half).
+      sQ (tile_m, d, q_stages),          K-major B of S^T / dP^T; viewed (d, tile_m) MN-major as
+      sdO (tile_m, dv, q_stages)         the B of dK / dV. q_stages = 2 (1 at d 256).
       sLSE, sdPsum (tile_m, q_stages)    fp32: LSE * log2 e and delta of the block's rows.
       sdS (tile_m, tile_n, 2)            16-bit dS, K-major A of dQ.
       sdQ (tile_m, d / 2, 2)             fp32 dQ, the last mode the consumer (each half one TMA
@@ -251,7 +254,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       sdQ buffer). Walking downward, every key block starts at the same last query blocks, so
       key block n waits for n - 1's reduce-adds (a wavefront), not for n - 1 to reach m.
     SASS (tests/test_compile_sm90_bwd.py): one warpgroup.arrive per GEMM group (S^T, dP^T,
-      dV + dK, dQ: 4 a step; no ptxas serialization), no spills, no stack, at d 64, 96 and 128;
+      dV + dK, dQ: 4 a step; no ptxas serialization), no spills, no stack, at every head dim
+      and flag set it accepts;
       dQ leaves by UTMAREDG (no REDG atomics). With dQ split along d its accumulator is
       64 x d/2 fp32 (d/4 registers a thread), so dQ is issued while dV and dK (and their 16-bit
       P^T / dS^T registers) are in flight without ptxas serializing the WGMMAs (C7512); with
@@ -259,9 +263,12 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       handshake: the LDG.E.STRONG.GPU spin, two MEMBAR.ALL.GPU (acquire, release), two
       FENCE.VIEW.ASYNC.G and one REDG.E.ADD.S32.STRONG.GPU (the increment); the consumers'
       code, registers (168 at launch) and the absence of spills are unchanged.
-    Not yet: softcap at d 256; the next block's S^T / dP^T
-      issued before this block's dQ completes; pingpong between the consumers; a second sdQ
-      buffer (deterministic mode would hold the consumers less).
+    Not yet: softcap at d 256 (spills); learnable sink; pingpong between the consumers; a
+      second sdQ buffer (deterministic mode would hold the consumers less). Tried and dropped
+      (docs/performance.md Log): the next block's S^T / dP^T issued behind this block's dQ (a
+      commit group in flight across the loop's back edge makes ptxas serialize every WGMMA);
+      K_c / V_c as register operands at d 64; dQ of each consumer's own keys at d 64; dV
+      issued before dS is computed.
     """
 
     arch = 90
