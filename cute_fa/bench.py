@@ -178,25 +178,39 @@ class Impl:
         else:
             yield
 
-    def forward_fn(self, q, k, v, causal: bool) -> Callable[[], object]:
-        """Zero-argument forward on these tensors (layout ``self.layout``); returns out."""
+    def forward_fn(self, q, k, v, causal: bool, softcap: float = 0.0) -> Callable[[], object]:
+        """Zero-argument forward on these tensors (layout ``self.layout``); returns out.
+        ``softcap`` > 0: scores become softcap * tanh(scores / softcap) (SDPA has no such
+        option: ImplUnavailable)."""
         if self.name in ("cute_fa", "cute_fa_det"):
             import cute_fa
 
             det = self.name == "cute_fa_det"
 
             def run():
-                return cute_fa.flash_attn_func(q, k, v, causal=causal, deterministic=det)[0]
+                return cute_fa.flash_attn_func(
+                    q, k, v, causal=causal, softcap=softcap, deterministic=det
+                )[0]
 
             return run
         if self.name in ("flash", "cudnn"):
             import torch.nn.functional as F
 
+            if softcap:
+                raise ImplUnavailable(f"{self.name}: SDPA has no softcap")
             qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
             return lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
         if self.name == "flex":
+            import torch
+
             flex, block_mask = self._flex(q.shape[0], q.shape[2], k.shape[2], causal, q.device)
-            return lambda: flex(q, k, v, block_mask=block_mask)
+            if not softcap:
+                return lambda: flex(q, k, v, block_mask=block_mask)
+
+            def capped(score, b, h, q_idx, kv_idx):
+                return softcap * torch.tanh(score / softcap)
+
+            return lambda: flex(q, k, v, block_mask=block_mask, score_mod=capped)
         raise ValueError(f"unknown implementation {self.name!r}")
 
     def _flex(self, batch: int, seqlen_q: int, seqlen_k: int, causal: bool, device):
@@ -221,11 +235,11 @@ class Impl:
             )
         return self.state["compiled"], block_mask
 
-    def backward_fn(self, q, k, v, causal: bool) -> Callable[[], object]:
+    def backward_fn(self, q, k, v, causal: bool, softcap: float = 0.0) -> Callable[[], object]:
         """Zero-argument backward (dQ, dK, dV) of one forward done here; q/k/v are leaves."""
         import torch
 
-        forward = self.forward_fn(q, k, v, causal)
+        forward = self.forward_fn(q, k, v, causal, softcap)
         try:
             out = forward()
         except NotImplementedError as e:
@@ -255,6 +269,17 @@ class Case:
     causal: bool
     batch: int
     heads: int
+    head_dim_v: int | None = None  # None: head_dim
+    softcap: float = 0.0
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def d_label(self) -> str:
+        """'128', or '192x128' when the value head dim differs."""
+        return str(self.head_dim) if self.dv == self.head_dim else f"{self.head_dim}x{self.dv}"
 
 
 @dataclass
@@ -272,7 +297,7 @@ class Result:
             return None
         c = self.case
         flops = attention_flops(
-            c.batch, c.heads, c.seqlen, c.seqlen, c.head_dim, c.causal, self.mode
+            c.batch, c.heads, c.seqlen, c.seqlen, c.head_dim, c.causal, self.mode, c.dv
         )
         return flops / (self.ms * 1e-3) / 1e12
 
@@ -285,7 +310,9 @@ def grid_cases(args: argparse.Namespace) -> list[Case]:
         for s in args.seqlen:
             batch = max(1, args.tokens // s)
             for causal in args.causal:
-                cases.append(Case(d, s, bool(causal), batch, args.hidden // d))
+                cases.append(
+                    Case(d, s, bool(causal), batch, args.hidden // d, args.dv, args.softcap)
+                )
     return cases
 
 
@@ -318,11 +345,12 @@ def _make_sets(case: Case, dtype, n_sets: int, requires_grad: bool) -> list[tupl
     import torch
 
     shape = (case.batch, case.seqlen, case.heads, case.head_dim)
+    shape_v = (*shape[:-1], case.dv)
     sets = []
     for _ in range(n_sets):
         q, k, v = (
-            torch.randn(shape, dtype=dtype, device=DEVICE).requires_grad_(requires_grad)
-            for _ in range(3)
+            torch.randn(sh, dtype=dtype, device=DEVICE).requires_grad_(requires_grad)
+            for sh in (shape, shape, shape_v)
         )
         sets.append((q, k, v))
     return sets
@@ -369,9 +397,9 @@ def time_case(
             sets = _to_layout(base_sets, impl.layout, requires_grad)
             with impl.context():
                 if mode == "fwd":
-                    fns = [impl.forward_fn(q, k, v, case.causal) for q, k, v in sets]
+                    fns = [impl.forward_fn(q, k, v, case.causal, case.softcap) for q, k, v in sets]
                 else:
-                    fns = [impl.backward_fn(q, k, v, case.causal) for q, k, v in sets]
+                    fns = [impl.backward_fn(q, k, v, case.causal, case.softcap) for q, k, v in sets]
                 ms = median_ms(Rotation(fns), args.warmup, args.rep)
             results.append(Result(mode, case, impl.name, ms))
         except ImplUnavailable as e:
@@ -426,7 +454,7 @@ def format_table(results: list[Result], mode: str, impl_names: list[str]) -> str
     header += ["det/default" if a == "cute_fa_det" else f"{a}/{b.upper()}" for a, b in ratios]
     lines = [header]
     for c in cases:
-        line = [str(c.head_dim), str(c.seqlen), str(int(c.causal)), str(c.batch), str(c.heads)]
+        line = [c.d_label, str(c.seqlen), str(int(c.causal)), str(c.batch), str(c.heads)]
         line += [_cell(by_key.get((c, n))) for n in impl_names]
         line += [_ratio(by_key.get((c, a)), by_key.get((c, b))) for a, b in ratios]
         lines.append(line)
@@ -456,6 +484,8 @@ def write_csv(path: str, results: list[Result], dtype_name: str) -> None:
                 "tflops",
                 "status",
                 "reason",
+                "head_dim_v",
+                "softcap",
             ]
         )
         for r in results:
@@ -474,6 +504,8 @@ def write_csv(path: str, results: list[Result], dtype_name: str) -> None:
                     "" if r.tflops is None else f"{r.tflops:.2f}",
                     r.status,
                     r.reason,
+                    c.dv,
+                    c.softcap,
                 ]
             )
 
@@ -574,7 +606,7 @@ def run_grid(args: argparse.Namespace) -> int:
             rs = time_case(case, mode, impls, dtype, args, errors)
             results.extend(rs)
             print(
-                f"{mode} d={case.head_dim} s={case.seqlen} causal={int(case.causal)} "
+                f"{mode} d={case.d_label} s={case.seqlen} causal={int(case.causal)} "
                 f"b={case.batch} h={case.heads}: "
                 + "  ".join(f"{IMPL_LABELS[r.impl]}={_cell(r)}" for r in rs),
                 flush=True,
@@ -588,6 +620,8 @@ def run_grid(args: argparse.Namespace) -> int:
     for mode in modes:
         png = os.path.join(args.out, f"bench_{mode}.png")
         title = f"{env['gpu']}, {args.dtype}, {args.tokens} tokens, hidden {args.hidden}"
+        if args.softcap:
+            title += f", softcap {args.softcap:g}"
         note = write_plot(png, results, mode, list(args.peers), title)
         notes.append(note if note else f"wrote {png}")
     for note in dict.fromkeys(notes):
@@ -1014,6 +1048,19 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         type=_int_list,
         default=None,
         help=f"head dims, e.g. '64,128' (default {','.join(map(str, GRID_D))})",
+    )
+    p.add_argument(
+        "--dv",
+        type=int,
+        default=None,
+        help="value head dim (default: each --d), e.g. 128 with --d 192",
+    )
+    p.add_argument(
+        "--softcap",
+        type=float,
+        default=0.0,
+        help="scores become softcap * tanh(scores / softcap) (default 0: off; SDPA has none, "
+        "FlexAttention gets it as a score_mod)",
     )
     p.add_argument(
         "--seqlen",

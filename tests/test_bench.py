@@ -39,6 +39,34 @@ def test_standard_grid():
     assert one == [bench.Case(128, 8192, False, 2, 16)]
 
 
+def test_value_head_dim_and_softcap_cases(tmp_path):
+    """--dv and --softcap reach the cases, the FLOPs (PV counts dv), the table's d column and the
+    CSV."""
+    args = _args(["--d", "192", "--dv", "128", "--seqlen", "8k", "--causal", "1",
+                  "--softcap", "15", "--hidden", "1536"])  # fmt: skip
+    (case,) = bench.grid_cases(args)
+    assert case == bench.Case(192, 8192, True, 2, 8, 128, 15.0)
+    assert case.dv == 128 and case.d_label == "192x128"
+    assert bench.Case(128, 512, False, 32, 16).d_label == "128"
+    flops = bench.attention_flops(2, 8, 8192, 8192, 192, True, "bwd", 128)
+    assert flops == 2.5 * 0.5 * 2 * 2 * 8 * 8192 * 8192 * (192 + 128)
+    result = bench.Result("bwd", case, "cute_fa", flops / 300e12 * 1e3)
+    assert result.tflops == pytest.approx(300)
+    table = bench.format_table([result], "bwd", ["cute_fa"])
+    assert table.splitlines()[-1].split()[:2] == ["192x128", "8192"]
+    path = tmp_path / "bench.csv"
+    bench.write_csv(str(path), [result], "bf16")
+    (row,) = csv.DictReader(path.open())
+    assert row["head_dim"] == "192" and row["head_dim_v"] == "128" and row["softcap"] == "15.0"
+
+
+def test_sdpa_peers_refuse_softcap():
+    impl = bench.Impl("flash")
+    q = torch.zeros(1, 4, 1, 64)
+    with pytest.raises(bench.ImplUnavailable, match="softcap"):
+        impl.forward_fn(q, q, q, False, softcap=15.0)
+
+
 def test_rotation_and_set_count():
     calls = []
     rot = bench.Rotation([lambda i=i: calls.append(i) for i in range(3)])
