@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import functools
 import gc
 import json
 import math
@@ -58,6 +59,19 @@ DEVICE = "cuda"
 # FLOPs
 
 
+@functools.lru_cache(maxsize=256)
+def visible_pairs(seqlen_q: int, seqlen_k: int, left: int, right: int) -> int:
+    """(query, key) pairs a sliding window (left, right) keeps, bottom-right aligned as the
+    kernels mask (Note [bottom-right aligned masks] in cute_fa/dsl/mask.py)."""
+    offset = seqlen_k - seqlen_q
+    total = 0
+    for i in range(seqlen_q):
+        lo = max(0, i + offset - left)
+        hi = min(seqlen_k - 1, i + offset + right)
+        total += max(0, hi - lo + 1)
+    return total
+
+
 def attention_flops(
     batch: int,
     heads: int,
@@ -67,15 +81,21 @@ def attention_flops(
     causal: bool,
     mode: str = "fwd",
     head_dim_v: int | None = None,
+    window: tuple[int, int] | None = None,
 ) -> float:
     """Matmul FLOPs of attention: 2 GEMMs of 2·sq·sk·d each forward, ×2.5 for backward.
 
     Forward counts QKᵀ (2·sq·sk·d) and PV (2·sq·sk·dv); causal halves it (the usual convention,
-    exact in the limit sq = sk → ∞). Backward does 5 GEMMs against the forward's 2, hence ×2.5.
+    exact in the limit sq = sk → ∞); a sliding ``window`` (left, right) counts the pairs it
+    keeps exactly. Backward does 5 GEMMs against the forward's 2, hence ×2.5.
     """
     dv = head_dim if head_dim_v is None else head_dim_v
-    flops = 2.0 * batch * heads * seqlen_q * seqlen_k * (head_dim + dv)
-    if causal:
+    if window is not None:
+        pairs = visible_pairs(seqlen_q, seqlen_k, *window)
+        flops = 2.0 * batch * heads * pairs * (head_dim + dv)
+    else:
+        flops = 2.0 * batch * heads * seqlen_q * seqlen_k * (head_dim + dv)
+    if causal and window is None:
         flops *= 0.5
     if mode == "bwd":
         flops *= 2.5
@@ -178,19 +198,23 @@ class Impl:
         else:
             yield
 
-    def forward_fn(self, q, k, v, causal: bool, softcap: float = 0.0) -> Callable[[], object]:
+    def forward_fn(
+        self, q, k, v, causal: bool, softcap: float = 0.0, window: tuple[int, int] | None = None
+    ) -> Callable[[], object]:
         """Zero-argument forward on these tensors (layout ``self.layout``); returns out.
-        ``softcap`` > 0: scores become softcap * tanh(scores / softcap) (SDPA has no such
-        option: ImplUnavailable)."""
+        ``softcap`` > 0: scores become softcap * tanh(scores / softcap); ``window``: a sliding
+        window (left, right) (SDPA has neither: ImplUnavailable)."""
         if self.name in ("cute_fa", "cute_fa_det"):
             import cute_fa
 
             det = self.name == "cute_fa_det"
+            window_size = window if window is not None else (None, None)
 
             def run():
                 return cute_fa.flash_attn_func(
-                    q, k, v, causal=causal, softcap=softcap, deterministic=det
-                )[0]
+                    q, k, v, causal=causal, window_size=window_size, softcap=softcap,
+                    deterministic=det,
+                )[0]  # fmt: skip
 
             return run
         if self.name in ("flash", "cudnn"):
@@ -198,12 +222,16 @@ class Impl:
 
             if softcap:
                 raise ImplUnavailable(f"{self.name}: SDPA has no softcap")
+            if window is not None:
+                raise ImplUnavailable(f"{self.name}: SDPA has no sliding window")
             qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
             return lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
         if self.name == "flex":
             import torch
 
-            flex, block_mask = self._flex(q.shape[0], q.shape[2], k.shape[2], causal, q.device)
+            flex, block_mask = self._flex(
+                q.shape[0], q.shape[2], k.shape[2], causal, q.device, window
+            )
             if not softcap:
                 return lambda: flex(q, k, v, block_mask=block_mask)
 
@@ -213,7 +241,7 @@ class Impl:
             return lambda: flex(q, k, v, block_mask=block_mask, score_mod=capped)
         raise ValueError(f"unknown implementation {self.name!r}")
 
-    def _flex(self, batch: int, seqlen_q: int, seqlen_k: int, causal: bool, device):
+    def _flex(self, batch: int, seqlen_q: int, seqlen_k: int, causal: bool, device, window=None):
         import torch
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -224,22 +252,32 @@ class Impl:
                     setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), 256))
             self.state["compiled"] = torch.compile(flex_attention, dynamic=False)
         block_mask = None
-        if causal:
-            offset = seqlen_k - seqlen_q  # bottom-right aligned, as cute_fa
+        offset = seqlen_k - seqlen_q  # bottom-right aligned, as cute_fa
+        mask = None
+        if window is not None:
+            left, right = window
 
-            def causal_mask(b, h, q_idx, kv_idx):
+            def mask(b, h, q_idx, kv_idx):
+                return (kv_idx >= q_idx + offset - left) & (kv_idx <= q_idx + offset + right)
+
+        elif causal:
+
+            def mask(b, h, q_idx, kv_idx):
                 return q_idx + offset >= kv_idx
 
+        if mask is not None:
             block_mask = create_block_mask(
-                causal_mask, B=None, H=None, Q_LEN=seqlen_q, KV_LEN=seqlen_k, device=device
+                mask, B=None, H=None, Q_LEN=seqlen_q, KV_LEN=seqlen_k, device=device
             )
         return self.state["compiled"], block_mask
 
-    def backward_fn(self, q, k, v, causal: bool, softcap: float = 0.0) -> Callable[[], object]:
+    def backward_fn(
+        self, q, k, v, causal: bool, softcap: float = 0.0, window: tuple[int, int] | None = None
+    ) -> Callable[[], object]:
         """Zero-argument backward (dQ, dK, dV) of one forward done here; q/k/v are leaves."""
         import torch
 
-        forward = self.forward_fn(q, k, v, causal, softcap)
+        forward = self.forward_fn(q, k, v, causal, softcap, window)
         try:
             out = forward()
         except NotImplementedError as e:
@@ -271,6 +309,7 @@ class Case:
     heads: int
     head_dim_v: int | None = None  # None: head_dim
     softcap: float = 0.0
+    window: tuple[int, int] | None = None  # sliding window (left, right); None: none
 
     @property
     def dv(self) -> int:
@@ -297,7 +336,7 @@ class Result:
             return None
         c = self.case
         flops = attention_flops(
-            c.batch, c.heads, c.seqlen, c.seqlen, c.head_dim, c.causal, self.mode, c.dv
+            c.batch, c.heads, c.seqlen, c.seqlen, c.head_dim, c.causal, self.mode, c.dv, c.window
         )
         return flops / (self.ms * 1e-3) / 1e12
 
@@ -311,7 +350,16 @@ def grid_cases(args: argparse.Namespace) -> list[Case]:
             batch = max(1, args.tokens // s)
             for causal in args.causal:
                 cases.append(
-                    Case(d, s, bool(causal), batch, args.hidden // d, args.dv, args.softcap)
+                    Case(
+                        d,
+                        s,
+                        bool(causal),
+                        batch,
+                        args.hidden // d,
+                        args.dv,
+                        args.softcap,
+                        args.window,
+                    )  # fmt: skip
                 )
     return cases
 
@@ -396,10 +444,11 @@ def time_case(
         try:
             sets = _to_layout(base_sets, impl.layout, requires_grad)
             with impl.context():
+                extra = (case.softcap, case.window)
                 if mode == "fwd":
-                    fns = [impl.forward_fn(q, k, v, case.causal, case.softcap) for q, k, v in sets]
+                    fns = [impl.forward_fn(q, k, v, case.causal, *extra) for q, k, v in sets]
                 else:
-                    fns = [impl.backward_fn(q, k, v, case.causal, case.softcap) for q, k, v in sets]
+                    fns = [impl.backward_fn(q, k, v, case.causal, *extra) for q, k, v in sets]
                 ms = median_ms(Rotation(fns), args.warmup, args.rep)
             results.append(Result(mode, case, impl.name, ms))
         except ImplUnavailable as e:
@@ -459,7 +508,12 @@ def format_table(results: list[Result], mode: str, impl_names: list[str]) -> str
         line += [_ratio(by_key.get((c, a)), by_key.get((c, b))) for a, b in ratios]
         lines.append(line)
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
-    out = [f"{mode} TFLOPs/s (median)"]
+    options = []
+    if cases and cases[0].softcap:
+        options.append(f"softcap {cases[0].softcap:g}")
+    if cases and cases[0].window:
+        options.append(f"window {cases[0].window[0]},{cases[0].window[1]}")
+    out = [f"{mode} TFLOPs/s (median{''.join(', ' + o for o in options)})"]
     for j, row in enumerate(lines):
         out.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
         if j == 0:
@@ -486,6 +540,8 @@ def write_csv(path: str, results: list[Result], dtype_name: str) -> None:
                 "reason",
                 "head_dim_v",
                 "softcap",
+                "window_left",
+                "window_right",
             ]
         )
         for r in results:
@@ -506,6 +562,8 @@ def write_csv(path: str, results: list[Result], dtype_name: str) -> None:
                     r.reason,
                     c.dv,
                     c.softcap,
+                    "" if c.window is None else c.window[0],
+                    "" if c.window is None else c.window[1],
                 ]
             )
 
@@ -606,7 +664,9 @@ def run_grid(args: argparse.Namespace) -> int:
             rs = time_case(case, mode, impls, dtype, args, errors)
             results.extend(rs)
             print(
-                f"{mode} d={case.d_label} s={case.seqlen} causal={int(case.causal)} "
+                f"{mode} d={case.d_label} s={case.seqlen} causal={int(case.causal)}"
+                + (f" window={case.window[0]},{case.window[1]}" if case.window else "")
+                + " "
                 f"b={case.batch} h={case.heads}: "
                 + "  ".join(f"{IMPL_LABELS[r.impl]}={_cell(r)}" for r in rs),
                 flush=True,
@@ -622,6 +682,8 @@ def run_grid(args: argparse.Namespace) -> int:
         title = f"{env['gpu']}, {args.dtype}, {args.tokens} tokens, hidden {args.hidden}"
         if args.softcap:
             title += f", softcap {args.softcap:g}"
+        if args.window:
+            title += f", window {args.window[0]},{args.window[1]}"
         note = write_plot(png, results, mode, list(args.peers), title)
         notes.append(note if note else f"wrote {png}")
     for note in dict.fromkeys(notes):
@@ -1019,6 +1081,16 @@ def _int_list(text: str) -> list[int]:
     return out
 
 
+def _window(text: str) -> tuple[int, int]:
+    parts = [p for p in text.replace(",", " ").split() if p]
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"--window takes LEFT,RIGHT (two integers), got {text!r}")
+    try:
+        return int(parts[0]), int(parts[1])
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--window takes two integers, got {text!r}") from e
+
+
 def _name_list(text: str) -> list[str]:
     names = [p.strip() for p in text.replace(",", " ").split() if p.strip()]
     bad = [n for n in names if n not in IMPLS]
@@ -1061,6 +1133,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         default=0.0,
         help="scores become softcap * tanh(scores / softcap) (default 0: off; SDPA has none, "
         "FlexAttention gets it as a score_mod)",
+    )
+    p.add_argument(
+        "--window",
+        type=_window,
+        default=None,
+        help="sliding window LEFT,RIGHT (e.g. '256,0'; bottom-right aligned; replaces --causal, "
+        "FLOPs count the kept pairs exactly; SDPA has none)",
     )
     p.add_argument(
         "--seqlen",
@@ -1136,6 +1215,10 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     args.causal = args.causal or list(GRID_CAUSAL)
     if any(c not in (0, 1) for c in args.causal):
         parser.error("--causal takes 0 and/or 1")
+    if args.window is not None:
+        if args.causal_given and args.causal != [0]:
+            parser.error("--window replaces --causal (a causal window is --window LEFT,0)")
+        args.causal = [0]
 
     import torch
 

@@ -60,6 +60,33 @@ def test_value_head_dim_and_softcap_cases(tmp_path):
     assert row["head_dim"] == "192" and row["head_dim_v"] == "128" and row["softcap"] == "15.0"
 
 
+def test_window_cases_and_exact_flops(tmp_path):
+    """--window replaces --causal, its FLOPs count the kept pairs, and it reaches the table's
+    title, the CSV and the SDPA peers' refusal."""
+    assert bench.visible_pairs(4, 4, 1 << 29, 0) == 10  # causal 4x4: 1 + 2 + 3 + 4
+    assert bench.visible_pairs(4, 6, 1, 0) == 8  # bottom-right: each row its key and one left
+    assert bench.visible_pairs(3, 3, -5, -4) == 0  # a band that misses every key
+    args = _args(["--d", "64", "--seqlen", "1k", "--window", "128,0"])
+    args.causal = [0]  # main() does this with --window
+    (case,) = bench.grid_cases(args)
+    assert case.window == (128, 0) and not case.causal
+    pairs = sum(min(i, 128) + 1 for i in range(1024))
+    assert bench.visible_pairs(1024, 1024, 128, 0) == pairs
+    flops = bench.attention_flops(16, 32, 1024, 1024, 64, False, "fwd", None, (128, 0))
+    assert flops == 2.0 * 16 * 32 * pairs * 128
+    result = bench.Result("fwd", case, "cute_fa", flops / 100e12 * 1e3)
+    assert result.tflops == pytest.approx(100)
+    assert "window 128,0" in bench.format_table([result], "fwd", ["cute_fa"]).splitlines()[0]
+    path = tmp_path / "bench.csv"
+    bench.write_csv(str(path), [result], "bf16")
+    (row,) = csv.DictReader(path.open())
+    assert row["window_left"] == "128" and row["window_right"] == "0"
+    with pytest.raises(bench.ImplUnavailable, match="sliding window"):
+        bench.Impl("cudnn").forward_fn(*(torch.zeros(1, 4, 1, 64),) * 3, False, 0.0, (128, 0))
+    with pytest.raises(SystemExit):
+        bench.main(["--window", "128,0", "--causal", "1"])
+
+
 def test_sdpa_peers_refuse_softcap():
     impl = bench.Impl("flash")
     q = torch.zeros(1, 4, 1, 64)
