@@ -18,7 +18,7 @@ from cute_fa.dsl.mask import (
     visited_query_block,
 )
 from cute_fa.dsl.seqlen import seqlen_info
-from cute_fa.dsl.softmax import lse_for_recompute, mn_view, score_scales
+from cute_fa.dsl.softmax import lse_for_recompute, mn_view, score_scales, softcap_scores
 
 from .copy import gmem_tiled_copies, load_rows, smem_layout, store_acc, store_zeros, transposed
 from .mma import gemm
@@ -412,10 +412,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
 
         dtanh = None
         if cutlass.const_expr(self.has_softcap):
-            t = cute.math.tanh(acc_S.load() * score_scale, fastmath=True)
-            acc_S.store(t)
-            dtanh = cute.make_fragment_like(acc_S, Float32)
-            dtanh.store(1.0 - t * t)
+            dtanh = softcap_scores(acc_S, score_scale, derivative=True)
         S = mn_view(acc_S)
         if cutlass.const_expr(masked):
             apply_mask(S, tScS, m_block * tm, n_block * tn, seqlen_q, seqlen_k,

@@ -13,7 +13,7 @@ from cute_fa.dsl.copy import acc_to_smem, store_rows
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask, block_range
 from cute_fa.dsl.seqlen import seqlen_info
-from cute_fa.dsl.softmax import OnlineSoftmax, mn_view, score_scales
+from cute_fa.dsl.softmax import OnlineSoftmax, mn_view, score_scales, softcap_scores
 
 from .mma import acc_as_A_operand, gemm
 from .support import fwd_can_implement
@@ -342,7 +342,7 @@ class FlashAttentionForwardSm80(AttentionKernel):
         acc_S.fill(0.0)
         gemm(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSrQ_view, tSsK, tSrK_view, s2r_Q, s2r_K)
         if cutlass.const_expr(self.has_softcap):
-            acc_S.store(cute.math.tanh(acc_S.load() * score_scale, fastmath=True))
+            softcap_scores(acc_S, score_scale)
 
         cute.arch.cp_async_wait_group(0)
         barrier.arrive_and_wait()

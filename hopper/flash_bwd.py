@@ -25,7 +25,7 @@ from cute_fa.dsl.mask import (
     visited_query_block,
 )
 from cute_fa.dsl.seqlen import seqlen_info
-from cute_fa.dsl.softmax import lse_for_recompute, mn_view_wgmma, score_scales
+from cute_fa.dsl.softmax import lse_for_recompute, mn_view_wgmma, score_scales, softcap_scores
 
 from .fragments import acc_as_rs_operand, convert_in_chunks, gemm_over_k
 from .support import SM90_BWD_DS_BUFFERS, bwd_can_implement, bwd_q_stages, bwd_split_d
@@ -926,13 +926,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         num_q = cute.size(S.shape[0])
         warpgroup.wait_group(1)
         dtanh = None
-        if cutlass.const_expr(self.has_softcap):
-            # S = tanh(s * softmax_scale / softcap) (the softcap factor is in scale_log2); dS
-            # is multiplied by its derivative 1 - tanh^2 below.
-            t = cute.math.tanh(acc_S.load() * score_scale, fastmath=True)
-            acc_S.store(t)
-            dtanh = cute.make_fragment_like(acc_S, Float32)
-            dtanh.store(1.0 - t * t)
+        if cutlass.const_expr(self.has_softcap):  # dS is multiplied by dtanh below
+            dtanh = softcap_scores(acc_S, score_scale, derivative=True)
         if cutlass.const_expr(masked):
             seqlen_q, seqlen_k, window_left, window_right = mask_args
             apply_mask(S, tScS, m_block * tm, key_start, seqlen_q, seqlen_k,

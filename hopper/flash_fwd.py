@@ -18,7 +18,7 @@ from cute_fa.dsl.copy import acc_to_smem, row_store_copy, store_rows
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask, block_range
 from cute_fa.dsl.seqlen import seqlen_info
-from cute_fa.dsl.softmax import OnlineSoftmax, mn_view_wgmma, score_scales
+from cute_fa.dsl.softmax import OnlineSoftmax, mn_view_wgmma, score_scales, softcap_scores
 
 from .fragments import acc_as_rs_operand, convert_in_chunks, gemm_over_k
 from .support import (
@@ -681,9 +681,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         pipeline_k.consumer_release(k_state)
 
         if cutlass.const_expr(self.has_softcap):
-            # s -> tanh(s * softmax_scale / softcap); the exponent's scale is softcap * log2(e)
-            # (cute_fa/dsl/softmax.py score_scales). Before the mask: -inf stays -inf.
-            acc_S.store(cute.math.tanh(acc_S.load() * score_scale, fastmath=True))
+            softcap_scores(acc_S, score_scale)
         if cutlass.const_expr(masked):
             apply_mask(
                 mn_view_wgmma(acc_S), tScS, row_start, n_block * self.tile_n,

@@ -43,6 +43,20 @@ def score_scales(softmax_scale: Float32, softcap: Float32, has_softcap: bool):
     return Float32(1.0), softmax_scale * LOG2_E
 
 
+def softcap_scores(acc: cute.Tensor, score_scale: Float32, derivative: bool = False):
+    """Softcap in place (``score_scales``): acc = tanh(acc * score_scale), before any mask
+    (so -inf stays -inf), the softcap factor itself being in scale_log2. With ``derivative``
+    (the backwards) also returns 1 - tanh^2, an fp32 fragment like acc, that dS is multiplied
+    by; else None. Runs at trace time on a register fragment of any MMA layout."""
+    t = cute.math.tanh(acc.load() * score_scale, fastmath=True)
+    acc.store(t)
+    if not derivative:
+        return None
+    dtanh = cute.make_fragment_like(acc, Float32)
+    dtanh.store(1.0 - t * t)
+    return dtanh
+
+
 @cute.jit
 def lse_for_recompute(lse: Float32) -> Float32:
     """The forward's LSE (natural log) in log2 units, for recomputing P = exp2(S * scale_log2 -
