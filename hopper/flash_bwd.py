@@ -255,7 +255,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       key block n waits for n - 1's reduce-adds (a wavefront), not for n - 1 to reach m.
     SASS (tests/test_compile_sm90_bwd.py): one warpgroup.arrive per GEMM group (S^T, dP^T,
       dV + dK, dQ: 4 a step; no ptxas serialization), no spills, no stack, at every head dim
-      and flag set it accepts;
+      and flag set it accepts except d 128 causal with softcap (2 spill instructions, an 8-byte
+      stack: the 1 - tanh^2 tile; its GPU tests pass);
       dQ leaves by UTMAREDG (no REDG atomics). With dQ split along d its accumulator is
       64 x d/2 fp32 (d/4 registers a thread), so dQ is issued while dV and dK (and their 16-bit
       P^T / dS^T registers) are in flight without ptxas serializing the WGMMAs (C7512); with
