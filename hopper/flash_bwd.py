@@ -27,7 +27,13 @@ from cute_fa.dsl.mask import (
 from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import lse_for_recompute, mn_view_wgmma, score_scales, softcap_scores
 
-from .fragments import acc_as_rs_operand, convert_in_chunks, gemm_over_k
+from .fragments import (
+    acc_as_rs_operand,
+    convert_in_chunks,
+    gemm_over_k,
+    transposed,
+    zero_rows_from,
+)
 from .support import SM90_BWD_DS_BUFFERS, bwd_can_implement, bwd_q_stages, bwd_split_d
 from .sync import tma_pipeline
 
@@ -64,13 +70,6 @@ def k_major_layout(dtype, shape: tuple, cut_cols: int) -> cute.ComposedLayout:
     kind = {64: kinds.K_SW128, 32: kinds.K_SW64, 16: kinds.K_SW32}[width]
     atom = sm90_utils.make_smem_layout_atom(kind, dtype)
     return cute.tile_to_shape(atom, shape, order=(0, 1, 2))
-
-
-def transposed(t: cute.Tensor) -> cute.Tensor:
-    """The same elements with the first two modes swapped (a (rows, cols, ...) smem tile viewed
-    as (cols, rows, ...)); a K-major WGMMA layout becomes the MN-major one of the other GEMM."""
-    modes = [1, 0] + list(range(2, cute.rank(t.layout)))
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
 def dq_barrier(first: Barrier, consumer) -> pipeline.NamedBarrier:
@@ -824,13 +823,11 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         KV_TAIL_WG1 + c orders the zeros before them); the other consumer reads them in its dQ
         GEMM only after the block's DS_READY barrier, which this consumer reaches later.
         """
-        d = self.tile_hdim
         # split_d: both consumers share the rows; they zero them together and both wait.
         threads = WARPGROUP * (self.num_consumers if cutlass.const_expr(self.split_d) else 1)
         first = consumer * WARPGROUP + tidx if cutlass.const_expr(self.split_d) else tidx
-        for s, cols in ((sK_c, d), (sV_c, self.tile_hdimv)):
-            for idx in cutlass.range(first, (WG_KEYS - valid) * cols, threads, unroll=1):
-                s[valid + idx // cols, idx % cols] = self.dtype(0.0)
+        zero_rows_from(sK_c, valid, first, threads)
+        zero_rows_from(sV_c, valid, first, threads)
         cute.arch.fence_proxy("async.shared", space="cta")  # generic writes, WGMMA reads
         barrier = int(Barrier.KV_TAIL_WG1) + (0 if cutlass.const_expr(self.split_d) else consumer)
         pipeline.NamedBarrier(barrier_id=barrier, num_threads=threads).arrive_and_wait()
@@ -855,13 +852,9 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         at once)."""
         pipeline_q.consumer_wait(state)
         pipeline_do.consumer_wait(state)
-        d, tm = self.tile_hdim, self.tile_m
-        sQ_s, sdO_s = sQ[None, None, state.index], sdO[None, None, state.index]
         threads = self.num_consumers * WARPGROUP
-        for s, cols in ((sQ_s, d), (sdO_s, self.tile_hdimv)):
-            for idx in cutlass.range(consumer * WARPGROUP + tidx, (tm - valid) * cols, threads,
-                                     unroll=1):  # fmt: skip
-                s[valid + idx // cols, idx % cols] = self.dtype(0.0)
+        for s in (sQ, sdO):
+            zero_rows_from(s[None, None, state.index], valid, consumer * WARPGROUP + tidx, threads)
         cute.arch.fence_proxy("async.shared", space="cta")
         pipeline.NamedBarrier(barrier_id=int(Barrier.Q_TAIL), num_threads=threads).arrive_and_wait()
 

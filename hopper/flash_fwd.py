@@ -20,7 +20,13 @@ from cute_fa.dsl.mask import apply_mask, block_range
 from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import OnlineSoftmax, mn_view_wgmma, score_scales, softcap_scores
 
-from .fragments import acc_as_rs_operand, convert_in_chunks, gemm_over_k
+from .fragments import (
+    acc_as_rs_operand,
+    convert_in_chunks,
+    gemm_over_k,
+    transposed,
+    zero_rows_from,
+)
 from .support import (
     SM90_FWD_REGS,
     SM90_FWD_WG_M,
@@ -579,9 +585,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         """
         pipeline_v.consumer_wait(v_state)  # the TMA write of this stage has landed
         sV_stage = sV[None, None, v_state.index]  # (dv, tile_n), dv contiguous
-        dv = self.tile_hdimv
-        for idx in cutlass.range(tidx, (self.tile_n - valid) * dv, WARPGROUP, unroll=1):
-            sV_stage[idx % dv, valid + idx // dv] = self.dtype(0.0)
+        zero_rows_from(transposed(sV_stage), valid, tidx, WARPGROUP)
         cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
