@@ -147,11 +147,10 @@ def bwd_config(
 # d128 and d256, 1.06-1.20x CUDNN at d96 / d192 (docs/performance.md), against 0.59-0.81x FLASH for
 # the sm80 kernel, so an sm_90a device runs it wherever it can; softcap at d256, which it does
 # not implement, runs the sm80 kernel. (d, dv) = (192, 128) has only the sm90 backward.
-# deterministic=True
-# runs the sm90 kernel too (its dQ writer warp takes the turns of the semaphores that
-# run_backward allocates with the config's tile_m); on the H200 the sm80 kernel's deterministic
-# mode measured 179 TFLOPs at d128 8k, where the sm90 kernel's default measured 519 and its
-# deterministic mode 0.93x (non-causal) / 0.82x (causal) of that.
+# deterministic=True runs the sm90 kernel too (its dQ writer warp takes the turns of the
+# semaphores that run_backward allocates with the config's tile_m); on the H200 the sm80
+# kernel's deterministic mode measured 179 TFLOPs at d128 8k, where the sm90 kernel's default
+# measured 519-522 and its deterministic mode 0.93x (non-causal) / 0.84x (causal) of that.
 
 
 def pre_config(config: BwdConfig, has_dlse: bool):
