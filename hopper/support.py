@@ -149,9 +149,7 @@ def fwd_tile_m(
     SM90_FWD_3WG_CAUSAL_MIN_SEQLEN (and keys tile_n that three consumers hold), else 128;
     CUTE_FA_SM90_FWD_TILE_M=128|192 asks for one where three consumers fit the head dim and
     features (``fwd_tile_ms``)."""
-    override = os.environ.get(TILE_M_ENV, "").strip()
-    if override and override not in ("128", str(SM90_FWD_TILE_M_3WG)):
-        raise SettingError(f"{TILE_M_ENV}={override!r}: expected 128 or {SM90_FWD_TILE_M_3WG}")
+    override = _env_choice(TILE_M_ENV, (str(SM90_FWD_TILE_M), str(SM90_FWD_TILE_M_3WG)))
     tile_ms = fwd_tile_ms(head_dim, local, has_softcap)
     if override:
         return int(override) if int(override) in tile_ms else SM90_FWD_TILE_M
