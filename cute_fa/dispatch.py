@@ -31,7 +31,6 @@ UNIMPLEMENTED_ARGUMENTS = {
     "qv": "None",
     "gather_kv_indices": "None",
     "page_table": "None",
-    "learnable_sink": "None",
     "num_splits": "1 (or <= 0: automatic)",
     "pack_gqa": "None or False",
     "score_mod": "None",

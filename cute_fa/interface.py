@@ -776,6 +776,49 @@ def _requires_grad(q, k, v) -> bool:
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
+def _check_learnable_sink(sink, nheads: int, q: torch.Tensor) -> None:
+    if not isinstance(sink, torch.Tensor):
+        raise TypeError(f"learnable_sink must be a torch.Tensor, got {type(sink).__name__}")
+    if sink.dim() != 1 or sink.shape[0] != nheads:
+        raise ValueError(
+            f"learnable_sink must have shape (nheads,) = ({nheads},), got {tuple(sink.shape)}"
+        )
+    if not sink.dtype.is_floating_point:
+        raise TypeError(f"learnable_sink must be a floating-point tensor, got {sink.dtype}")
+    if sink.device != q.device:
+        raise ValueError(f"learnable_sink is on {sink.device}, q on {q.device}")
+
+
+def _apply_learnable_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor):
+    """(out, lse) of attention with one more logit per head, ``sink``, in every row's softmax
+    denominator (Note [learnable sink])."""
+    if lse.dim() == 3:  # (batch, nheads, seqlen_q); out (batch, seqlen_q, nheads, dv)
+        logit = sink.to(lse.dtype).view(1, -1, 1)
+        lse_all = torch.logaddexp(lse, logit)
+        ratio = torch.exp(lse - lse_all).transpose(1, 2)
+    else:  # packed queries: (nheads, total_q); out (total_q, nheads, dv)
+        logit = sink.to(lse.dtype).view(-1, 1)
+        lse_all = torch.logaddexp(lse, logit)
+        ratio = torch.exp(lse - lse_all).transpose(0, 1)
+    # A row with lse = -inf (no key) and a sink of -inf: nothing at all, out 0 (not NaN).
+    ratio = torch.where(torch.isnan(ratio), torch.zeros_like(ratio), ratio)
+    wide = out if out.element_size() >= 4 else out.float()  # 16-bit out: scale in fp32
+    return (wide * ratio.unsqueeze(-1).to(wide.dtype)).to(out.dtype), lse_all
+
+
+# Note [learnable sink]
+# ~~~~~~~~~~~~~~~~~~~~~
+# ``learnable_sink`` (nheads,) adds one logit per head to every row's softmax denominator; it
+# attends to no value. With the kernels' (out, lse) of the same call without it:
+#     lse' = log(exp(lse) + exp(sink)),    out' = out * exp(lse - lse')
+# (a row that sees no key: out' = 0, lse' = sink). These are torch ops on the kernels' outputs,
+# so autograd differentiates them: d lse' / d sink gives the sink's gradient, and the kernels'
+# backward receives dout * exp(lse - lse') and the gradient of their LSE (the backward's dLSE
+# path), which together are the exact gradients of the sink-inclusive softmax. The cost is two
+# elementwise passes over out (forward) and their backward; folding the sink into the kernels'
+# final normalization would remove them.
+
+
 def _forward(requires_grad: bool, q, k, v, *args, max_seqlen_k=None, deterministic=False):
     """Forward with autograd when needed; eager calls on plain CUDA tensors skip the
     dispatcher (Note [eager fast path]). ``max_seqlen_k`` and ``deterministic`` only concern
@@ -837,7 +880,6 @@ def flash_attn_func(
     if not (
         qv is None
         and gather_kv_indices is None
-        and learnable_sink is None
         and num_splits == 1
         and not pack_gqa
         and score_mod is None
@@ -851,7 +893,6 @@ def flash_attn_func(
         _reject_unimplemented(
             qv=qv,
             gather_kv_indices=gather_kv_indices,
-            learnable_sink=learnable_sink,
             num_splits=num_splits,
             pack_gqa=pack_gqa,
             score_mod=score_mod,
@@ -869,11 +910,16 @@ def flash_attn_func(
     causal, window_left, window_right = _window_args(causal, window_size)
     scale = _resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
     requires_grad = _requires_grad(q, k, v)
+    if learnable_sink is not None:
+        _check_learnable_sink(learnable_sink, q.shape[-2] if q.dim() else 0, q)
     out, lse = _forward(
         requires_grad, q, k, v, None, None, None, None, None,
         scale, causal, window_left, window_right, _resolve_softcap(softcap),
         deterministic=bool(deterministic),
     )  # fmt: skip
+    if learnable_sink is not None:
+        out, lse = _apply_learnable_sink(out, lse, learnable_sink)
+        requires_grad = requires_grad or (torch.is_grad_enabled() and learnable_sink.requires_grad)
     return out, (lse if return_lse or requires_grad else None)
 
 
@@ -926,7 +972,6 @@ def flash_attn_varlen_func(
         qv is None
         and gather_kv_indices is None
         and page_table is None
-        and learnable_sink is None
         and num_splits == 1
         and not pack_gqa
         and score_mod is None
@@ -942,7 +987,6 @@ def flash_attn_varlen_func(
             qv=qv,
             gather_kv_indices=gather_kv_indices,
             page_table=page_table,
-            learnable_sink=learnable_sink,
             num_splits=num_splits,
             pack_gqa=pack_gqa,
             score_mod=score_mod,
@@ -968,9 +1012,14 @@ def flash_attn_varlen_func(
     causal, window_left, window_right = _window_args(causal, window_size)
     scale = _resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
     requires_grad = _requires_grad(q, k, v)
+    if learnable_sink is not None:
+        _check_learnable_sink(learnable_sink, q.shape[-2] if q.dim() else 0, q)
     out, lse = _forward(
         requires_grad, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
         scale, causal, window_left, window_right, _resolve_softcap(softcap),
         max_seqlen_k=max_seqlen_k, deterministic=bool(deterministic),
     )  # fmt: skip
+    if learnable_sink is not None:
+        out, lse = _apply_learnable_sink(out, lse, learnable_sink)
+        requires_grad = requires_grad or (torch.is_grad_enabled() and learnable_sink.requires_grad)
     return out, (lse if return_lse or requires_grad else None)

@@ -626,3 +626,70 @@ def test_cuda_graph_varlen_fwd_bwd():
     eager = step()
     _close(captured[0], eager[0], "dq", rel=2**-7)
     assert torch.equal(captured[1], eager[1]) and torch.equal(captured[2], eager[2])
+
+
+# ------------------------------------------------------------------------------------------
+# learnable_sink (Note [learnable sink] in cute_fa/interface.py)
+
+
+def _sink_grads(q, k, v, sink, dout, upcast, **kwargs):
+    """(out, lse, dq, dk, dv, dsink) of attention_ref with the sink: fp32 leaves and math with
+    ``upcast``, else the input dtype (sink in fp32 either way)."""
+    dtype = torch.float32 if upcast else q.dtype
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    s = sink.detach().float().requires_grad_()
+    out, lse = attention_ref(*leaves, learnable_sink=s, upcast=upcast,
+                             reorder_ops=not upcast, **kwargs)  # fmt: skip
+    return (out, lse, *torch.autograd.grad(out, [*leaves, s], dout.to(out.dtype)))
+
+
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
+@pytest.mark.parametrize("causal,window", [MASKS[0], MASKS[1], MASKS[2]])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (1000, 1000), (300, 100)],
+                         ids=["113x203", "1000", "300x100"])  # fmt: skip
+def test_learnable_sink_fwd_bwd(d, causal, window, seqlen_q, seqlen_k):
+    """out, lse and dq, dk, dv, dsink with a learnable sink against attention_ref (DESIGN.md's
+    tolerance); 300x100 causal has rows that see no key (out 0, lse = sink)."""
+    b, h, h_kv = 2, NHEADS, 2
+    q, k, v = _randn(b, seqlen_q, h, d), _randn(b, seqlen_k, h_kv, d), _randn(b, seqlen_k, h_kv, d)
+    sink = torch.randn(h, device="cuda") * 2
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sink)]
+    kw = dict(causal=causal, window_size=window)
+    out, lse = cute_fa.flash_attn_func(*leaves[:3], learnable_sink=leaves[3], return_lse=True,
+                                       **kw)  # fmt: skip
+    dout = _randn(*out.shape)
+    poison_free_memory(_bwd_reserve(q, k, v))
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref = _sink_grads(q, k, v, sink, dout, True, **kw)
+    pt = _sink_grads(q, k, v, sink, dout, False, **kw)
+    check_close(out, ref[0], pt[0], name="out")
+    finite = torch.isfinite(ref[1])
+    assert torch.equal(finite, torch.isfinite(lse))
+    torch.testing.assert_close(lse[finite], ref[1][finite], atol=1e-3, rtol=1e-4)
+    for g, g_ref, g_pt, name in zip(grads, ref[2:], pt[2:], ("dq", "dk", "dv", "dsink"),
+                                    strict=True):  # fmt: skip
+        assert not torch.isnan(g).any(), name
+        check_close(g, g_ref.to(g.dtype) if name == "dsink" else g_ref, g_pt, name=name)
+
+
+def test_learnable_sink_varlen():
+    """Packed sequences with a sink: each sequence against attention_ref with the sink."""
+    lens_q, lens_k = [17, 0, 300, 129], [300, 17, 129, 0]
+    h, h_kv, d = NHEADS, 2, 128
+    q = _randn(sum(lens_q), h, d)
+    k, v = _randn(sum(lens_k), h_kv, d), _randn(sum(lens_k), h_kv, d)
+    sink = torch.randn(h, device="cuda")
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    out, lse = cute_fa.flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True, learnable_sink=sink,
+        return_lse=True,
+    )  # fmt: skip
+    for i, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=True)):
+        q0, k0 = int(cu_q[i]), int(cu_k[i])
+        if lq == 0:
+            continue
+        args = (q[q0 : q0 + lq][None], k[k0 : k0 + lk][None], v[k0 : k0 + lk][None])
+        o_ref, l_ref = attention_ref(*args, causal=True, learnable_sink=sink)
+        o_pt, _ = attention_ref(*args, causal=True, learnable_sink=sink, upcast=False)
+        check_close(out[q0 : q0 + lq][None], o_ref, o_pt, name=f"out of sequence {i}")
+        torch.testing.assert_close(lse[:, q0 : q0 + lq], l_ref[0], atol=1e-3, rtol=1e-4)

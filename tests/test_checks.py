@@ -7,10 +7,13 @@ tensor with none reports that cute_fa needs a CUDA device.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from cute_fa import flash_attn_func, flash_attn_varlen_func, interface
+from cute_fa.reference import attention_ref
 
 NEEDS_CUDA = "runs on CUDA GPUs"
 
@@ -283,7 +286,6 @@ def test_softcap_and_scale_values():
 _SET = {
     "qv": torch.zeros(1),
     "gather_kv_indices": torch.zeros(1),
-    "learnable_sink": torch.zeros(4),
     "num_splits": 2,
     "pack_gqa": True,
     "score_mod": lambda *a: a[0],
@@ -347,3 +349,69 @@ def test_mixed_devices():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="k is on cpu"):
         flash_attn_func(q.cuda(), k, v.cuda())
+
+
+# --------------------------------------------------------------------------------------------
+# learnable_sink (Note [learnable sink] in cute_fa/interface.py)
+
+
+def test_learnable_sink_checks():
+    q, k, v = qkv()
+    nheads = q.shape[-2]
+    with pytest.raises(ValueError, match="shape"):
+        flash_attn_func(q, k, v, learnable_sink=torch.zeros(nheads + 1, device=q.device))
+    with pytest.raises(TypeError, match="floating-point"):
+        flash_attn_func(q, k, v, learnable_sink=torch.zeros(nheads, dtype=torch.int32))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        flash_attn_func(q, k, v, learnable_sink=[0.0] * nheads)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["batched", "packed"])
+def test_learnable_sink_composition_matches_the_reference(packed):
+    """The sink applied to (out, lse) of attention without it gives attention_ref's (out, lse)
+    with it, and autograd through the composition gives its gradients of q, k, v and the
+    sink (on the CPU, attention_ref standing in for the kernels)."""
+    from cute_fa.interface import _apply_learnable_sink
+
+    g = torch.Generator().manual_seed(0)
+    b, sq, sk, h, h_kv, d = 2, 7, 9, 4, 2, 16
+    q, k, v = (torch.randn(b, s, n, d, generator=g, dtype=torch.float64)
+               for s, n in ((sq, h), (sk, h_kv), (sk, h_kv)))  # fmt: skip
+    sink = torch.randn(h, generator=g, dtype=torch.float64)
+    sink[0] = -math.inf  # a head without a sink: unchanged rows
+    dout = torch.randn(b, sq, h, d, generator=g, dtype=torch.float64)
+    dlse = torch.randn(b, h, sq, generator=g, dtype=torch.float64)
+    kw = dict(causal=True, upcast=False)  # causal with sq < sk; fp64 throughout
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sink)]
+    out, lse = attention_ref(*leaves[:3], **kw)
+    if packed:  # the varlen layouts: out (total, h, d), lse (h, total)
+        out_p, lse_p = _apply_learnable_sink(
+            out.reshape(b * sq, h, d), lse.permute(1, 0, 2).reshape(h, b * sq), leaves[3]
+        )
+        out_s = out_p.reshape(b, sq, h, d)
+        lse_s = lse_p.reshape(h, b, sq).permute(1, 0, 2)
+    else:
+        out_s, lse_s = _apply_learnable_sink(out, lse, leaves[3])
+    grads = torch.autograd.grad((out_s, lse_s), leaves, (dout, dlse))
+
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, sink)]
+    out_r, lse_r = attention_ref(*ref_leaves[:3], learnable_sink=ref_leaves[3], **kw)
+    ref = torch.autograd.grad((out_r, lse_r), ref_leaves, (dout, dlse))
+    # attention_ref applies the sink in fp32: fp32-level agreement (a wrong formula is off by O(1)).
+    torch.testing.assert_close(out_s, out_r.to(out_s.dtype), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse_s, lse_r.to(lse_s.dtype), rtol=1e-5, atol=1e-6)
+    for got, want, name in zip(grads, ref, ("dq", "dk", "dv", "dsink"), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_learnable_sink_rows_that_see_nothing():
+    """A row that sees no key: out 0 and lse = sink (-inf lse and -inf sink: 0 and -inf)."""
+    from cute_fa.interface import _apply_learnable_sink
+
+    out = torch.zeros(1, 2, 2, 4)
+    lse = torch.full((1, 2, 2), -math.inf)
+    sink = torch.tensor([0.25, -math.inf])
+    out_s, lse_s = _apply_learnable_sink(out, lse, sink)
+    assert (out_s == 0).all() and not torch.isnan(out_s).any()
+    assert (lse_s[0, 0] == 0.25).all() and torch.isneginf(lse_s[0, 1]).all()

@@ -144,7 +144,7 @@ def test_feature_matrix_is_generated_from_can_implement(monkeypatch):
 def test_features_command(capsys):
     assert cli.main(["features"]) == 0
     text = capsys.readouterr().out
-    assert "sm_90a" in text and "head_dim 256" in text and "learnable_sink" in text
+    assert "sm_90a" in text and "head_dim 256" in text and "score_mod" in text
     assert cli.main(["features", "--markdown"]) == 0
     assert "| feature |" in capsys.readouterr().out
 

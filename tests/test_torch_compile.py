@@ -118,3 +118,16 @@ def test_opcheck():
     qp, kp = meta(40, 4, 64), meta(50, 2, 64)
     args = (qp, kp, kp.clone(), cu, cu.clone(), None, None, 30, 0.125, False, 16, 16, 3.0)
     torch.library.opcheck(FWD, args)
+
+
+def test_learnable_sink_traces_with_forward_and_backward():
+    """The sink's torch ops (Note [learnable sink]) trace in the same graphs, and the sink gets
+    a gradient beside q, k and v."""
+    f = torch.compile(flash_attn_func, backend="aot_eager", fullgraph=True)
+    q, k, v = (meta(2, 64, 4, 64, requires_grad=True) for _ in range(3))
+    sink = torch.zeros(4, device="meta", requires_grad=True)
+    out, lse = f(q, k, v, causal=True, learnable_sink=sink)
+    assert out.shape == (2, 64, 4, 64) and lse.shape == (2, 4, 64)
+    (out.float().sum() + lse.sum()).backward()
+    for t in (q, k, v, sink):
+        assert t.grad is not None and t.grad.shape == t.shape
