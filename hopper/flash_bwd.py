@@ -97,8 +97,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
     sliding window (local; Note [bottom-right aligned masks] in cute_fa/dsl/mask.py); softcap;
     GQA (K/V head = head // (heads / kv heads)); deterministic dQ (``mdQsemaphore``, see
     "Deterministic dQ" below); (head_dim, head_dim_v) = (192, 128) too.
-    ``hopper/support.py bwd_can_implement`` rejects other head dims and softcap at d 256 (it
-    spills) with its reason.
+    ``hopper/support.py bwd_can_implement`` rejects other head dims with its reason.
     Tile: tile_n = 128 keys a CTA (64 with split d), tile_m = 64 query rows a step (d 64
     without softcap: 128, so S^T / dP^T are N = 128 WGMMAs and dQ two M = 64 atoms)
     (``support.bwd_tile``).
@@ -112,7 +111,9 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       sQ) and, as always, of dQ. Consumer 0 alone writes dS^T to sdS. dQ's accumulator (d / 4
       registers: 48 or 64) is allocated only after dV and dK completed (wait_group 0 before the
       dQ GEMM, which then runs alone). d 256 runs one Q / dO stage (two need 278 KiB). The
-      epilogue stores each consumer's column half of dK / dV of the 64 keys. What follows
+      epilogue stores each consumer's column half of dK / dV of the 64 keys. softcap keeps no
+      1 - tanh^2 tile (no registers for it): tanh is recovered from P and the row's LSE when
+      dS is formed. What follows
       says "consumer c's 64 keys"; with split d read "the CTA's 64 keys, columns of c".
 
     Grid and work split
@@ -263,7 +264,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       handshake: the LDG.E.STRONG.GPU spin, two MEMBAR.ALL.GPU (acquire, release), two
       FENCE.VIEW.ASYNC.G and one REDG.E.ADD.S32.STRONG.GPU (the increment); the consumers'
       code, registers (168 at launch) and the absence of spills are unchanged.
-    Not yet: softcap at d 256 (spills); learnable sink; pingpong between the consumers; a
+    Not yet: learnable sink; pingpong between the consumers; a
       second sdQ buffer (deterministic mode would hold the consumers less). Tried and dropped
       (docs/performance.md Log): the next block's S^T / dP^T issued behind this block's dQ (a
       commit group in flight across the loop's back edge makes ptxas serialize every WGMMA);
@@ -921,7 +922,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         warpgroup.wait_group(1)
         dtanh = None
         if cutlass.const_expr(self.has_softcap):  # dS is multiplied by dtanh below
-            dtanh = softcap_scores(acc_S, score_scale, derivative=True)
+            # Split d keeps no 1 - tanh^2 tile (below: recovered from P).
+            dtanh = softcap_scores(acc_S, score_scale, derivative=not self.split_d)
         if cutlass.const_expr(masked):
             seqlen_q, seqlen_k, window_left, window_right = mask_args
             apply_mask(S, tScS, m_block * tm, key_start, seqlen_q, seqlen_k,
@@ -934,9 +936,22 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         warpgroup.wait_group(0)
         for r in cutlass.range_constexpr(num_q):
             dpsum = sdPsum[tScS[r, 0][0], stage]
-            dP[r, None].store(S[r, None].load() * (dP[r, None].load() - dpsum))
+            p = S[r, None].load()
+            ds = p * (dP[r, None].load() - dpsum)
+            if cutlass.const_expr(self.has_softcap and self.split_d):
+                # Split d has no registers for a 1 - tanh^2 tile (d 256 spilled): tanh is
+                # recovered from P = exp2(tanh * scale_log2 - LSE_log2) and clamped to [-1, 1]
+                # (P = 0, masked or underflowed: -1, and dS = 0 anyway).
+                lse_log2 = sLSE[tScS[r, 0][0], stage]
+                # A row whose LSE is +inf (no key, or past seqlen_q) has P = 0: no inf - inf.
+                lse_log2 = Float32(0.0) if lse_log2 == Float32.inf else lse_log2
+                t = (cute.math.log2(p, fastmath=True) + lse_log2) * (1.0 / scale_log2)
+                one = cute.full_like(t, 1.0)
+                t = cute.clamp(t, -one, one)
+                ds = ds * (1.0 - t * t)
+            dP[r, None].store(ds)
         pipeline_lse.consumer_release(state)
-        if cutlass.const_expr(self.has_softcap):
+        if cutlass.const_expr(self.has_softcap and not self.split_d):
             acc_dP.store(acc_dP.load() * dtanh.load())
 
         # dV += P^T dO, dK += dS^T Q (A from registers).

@@ -276,9 +276,6 @@ SM90_BWD_SPLIT_D_ABOVE = 128
 SM90_BWD_SPLIT_D_TILE_N = 64
 # One Q / dO stage above this head dim (d 256: two stages need 278 KiB of shared memory).
 SM90_BWD_TWO_Q_STAGES_MAX_D = 192
-# softcap keeps 1 - tanh^2 of the score tile (32 fp32 registers a thread) until dS; at d 256
-# the split-d consumers then spill (22 spill instructions, causal), at d 192 they do not.
-SM90_BWD_SOFTCAP_MAX_D = 192
 
 
 def bwd_split_d(head_dim: int) -> bool:
@@ -321,11 +318,6 @@ def bwd_can_implement(config: BwdConfig) -> tuple[bool, str]:
         return False, (
             f"head_dim_v {config.head_dim_v} with head_dim {config.head_dim} is not supported "
             f"by the sm90 backward (pairs {SM90_BWD_HEAD_DIM_PAIRS})"
-        )
-    if config.has_softcap and config.head_dim > SM90_BWD_SOFTCAP_MAX_D:
-        return False, (
-            f"softcap at head_dim {config.head_dim}: the tanh derivative's registers spill "
-            f"(sm90 backward: softcap up to head_dim {SM90_BWD_SOFTCAP_MAX_D})"
         )
     tile = bwd_tile(config.head_dim, config.causal, config.has_softcap)
     if (config.tile_m, config.tile_n, config.num_warps) != tile:
