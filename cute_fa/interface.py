@@ -453,6 +453,7 @@ def _device_of(*named_tensors) -> torch.device:
 
 
 _capabilities: dict[int, tuple[int, int]] = {}
+_sm_counts: dict[int, int] = {}  # device index -> SMs (persistent grids)
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
@@ -461,6 +462,14 @@ def _capability(device: torch.device) -> tuple[int, int]:
     if cap is None:
         cap = _capabilities[index] = tuple(torch.cuda.get_device_capability(index))
     return cap
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    count = _sm_counts.get(index)
+    if count is None:
+        count = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
 
 
 def _compiled_kernel(config):
@@ -552,6 +561,8 @@ def _make_plan(
     # max_seqlen_q, which the plan then keeps for every call of its signature).
     seqlen_hint = max_seqlen_q if shapes.varlen_q else shapes.seqlen_q
     _, config = dispatch.fwd_plan(_capability(device), shapes.request, seqlen_hint)
+    if getattr(config, "num_ctas", 0):  # a persistent grid: one CTA an SM of this device
+        config = config.replace(num_ctas=_sm_count(device))
     kernel = None if no_work else _compiled_kernel(config)
     wl, wr = _kernel_window(local, window_left, window_right)
     plan = _Plan(

@@ -17,6 +17,7 @@ from cute_fa.config import FwdConfig
 from cute_fa.dsl.copy import acc_to_smem, row_store_copy, store_rows
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask, block_range
+from cute_fa.dsl.scheduler import tile_coords, tile_count
 from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import OnlineSoftmax, mn_view_wgmma, score_scales, softcap_scores
 
@@ -33,6 +34,7 @@ from .support import (
     fwd_can_implement,
     fwd_kv_stages,
     fwd_num_consumers,
+    fwd_q_stages,
 )
 from .sync import tma_pipeline
 
@@ -186,6 +188,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
         self.kv_stages = fwd_kv_stages(config)
         self.defer_rescale = config.defer_rescale
         self.regs_producer, self.regs_consumer = SM90_FWD_REGS[self.num_consumers]
+        self.num_ctas = config.num_ctas  # persistent grid; 0: one CTA a tile
+        self.q_stages = fwd_q_stages(config)
 
     can_implement = staticmethod(fwd_can_implement)
 
@@ -235,8 +239,9 @@ class FlashAttentionForwardSm90(AttentionKernel):
 
         tiled_mma_qk, tiled_mma_pv = self.make_tiled_mmas()
 
+        # Q stage s, consumer c: slice s * num_consumers + c.
         sQ_layout = sm90_utils.make_smem_layout_a(
-            LayoutEnum.ROW_MAJOR, (wg_m, tile_n, d), self.dtype, self.num_consumers
+            LayoutEnum.ROW_MAJOR, (wg_m, tile_n, d), self.dtype, self.num_consumers * self.q_stages
         )
         sK_layout = sm90_utils.make_smem_layout_b(
             LayoutEnum.ROW_MAJOR, (wg_m, tile_n, d), self.dtype, self.kv_stages
@@ -254,13 +259,13 @@ class FlashAttentionForwardSm90(AttentionKernel):
         tma_v, mV_tma = cpasync.make_tiled_tma_atom(
             load, mVt, cute.slice_(sV_layout, (None, None, 0)), (dv, tile_n)
         )
-        self.tx_q = cute.size_in_bytes(self.dtype, sQ_layout)
+        self.tx_q = cute.size_in_bytes(self.dtype, sQ_layout) // self.q_stages
         self.tx_k = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
         self.tx_v = cute.size_in_bytes(self.dtype, cute.slice_(sV_layout, (None, None, 0)))
 
         @cute.struct
         class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
@@ -274,6 +279,9 @@ class FlashAttentionForwardSm90(AttentionKernel):
         if cutlass.const_expr(mCuSeqlensQ is not None):
             batch = cute.size(mCuSeqlensQ.shape[0]) - 1
         grid = (cute.ceil_div(max_seqlen_q, self.tile_m), cute.size(mQ.shape[2]), batch)
+        if cutlass.const_expr(self.num_ctas > 0):  # dense only: max_seqlen_q is mQ's seqlen
+            num_tiles = tile_count(max_seqlen_q, self.tile_m, cute.size(mQ.shape[2]), batch)
+            grid = (cutlass.min(num_tiles, self.num_ctas), 1, 1)
         self.kernel(
             mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE, tma_q, tma_k, tma_v,
             score_scale, scale_log2, window_left, window_right,
@@ -317,14 +325,10 @@ class FlashAttentionForwardSm90(AttentionKernel):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // WARPGROUP)
-        m_block, head, batch = cute.arch.block_idx()
-        if cutlass.const_expr(self.causal):
-            m_block = cute.arch.grid_dim()[0] - 1 - m_block
-
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         consumer_warps = self.num_consumers * WARPGROUP // 32
-        pipeline_q = tma_pipeline(storage.mbar_q, 1, self.tx_q, consumer_warps)
+        pipeline_q = tma_pipeline(storage.mbar_q, self.q_stages, self.tx_q, consumer_warps)
         pipeline_k = tma_pipeline(storage.mbar_k, self.kv_stages, self.tx_k, consumer_warps)
         pipeline_v = tma_pipeline(storage.mbar_v, self.kv_stages, self.tx_v, consumer_warps)
         cute.arch.mbarrier_init_fence()
@@ -333,12 +337,78 @@ class FlashAttentionForwardSm90(AttentionKernel):
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        gmem = (mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE,
+                mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)  # fmt: skip
+        smem_tiles = (sQ, sK, sV)
+        pipes = (pipeline_q, pipeline_k, pipeline_v)
+        window = (window_left, window_right)
+        # The tiles of this CTA (Note [persistent tiles]): the first, and with a persistent
+        # grid every grid-size-th after it.
+        tile = cute.arch.block_idx()[0]
+        num_tiles = tile_count(mQ.shape[1], self.tile_m, mQ.shape[2], mQ.shape[0])
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.regs_producer)
+            if warp_idx == 0:
+                for atom in (tma_q, tma_k, tma_v):
+                    cpasync.prefetch_descriptor(atom)
+                q_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.q_stages
+                )
+                kv_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.kv_stages
+                )
+                tma = (tma_q, tma_k, tma_v)
+                if cutlass.const_expr(self.num_ctas > 0):
+                    while tile < num_tiles:
+                        q_state, kv_state = self.load_tile(
+                            tile, gmem, tma, smem_tiles, pipes, q_state, kv_state, window
+                        )
+                        tile += cute.arch.grid_dim()[0]
+                else:
+                    self.load_tile(tile, gmem, tma, smem_tiles, pipes, q_state, kv_state, window)
+        else:
+            cute.arch.setmaxregister_increase(self.regs_consumer)
+            consumer = wg_idx - 1
+            mmas = (tiled_mma_qk, tiled_mma_pv, copy_r2g)
+            scales = (score_scale, scale_log2)
+            states = (
+                pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages),
+                pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages),
+                pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages),
+            )
+            if consumer == self.num_consumers - 1:
+                self.end_turn(consumer)  # the last consumer hands the first turn to consumer 0
+            if cutlass.const_expr(self.num_ctas > 0):
+                while tile < num_tiles:
+                    states = self.consume_tile(
+                        tile, gmem, smem_tiles, pipes, states, mmas, consumer, tidx % WARPGROUP,
+                        scales, window,
+                    )  # fmt: skip
+                    tile += cute.arch.grid_dim()[0]
+            else:
+                self.consume_tile(
+                    tile, gmem, smem_tiles, pipes, states, mmas, consumer, tidx % WARPGROUP,
+                    scales, window,
+                )  # fmt: skip
 
+    @cute.jit
+    def tile_work(self, tile: Int32, gmem: tuple, window: tuple):
+        """Where tile number ``tile`` lies and which key blocks it visits: (m_block, its
+        sequence's (seqlen_q, seqlen_k), the (head, batch) slices of Q, K, V (TMA coordinate
+        tensors), O and LSE, and block_range's four bounds)."""
+        (mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE,
+         mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK) = gmem  # fmt: skip
+        if cutlass.const_expr(self.num_ctas > 0):
+            m_block, head, batch = tile_coords(tile, mQ.shape[1], self.tile_m, mQ.shape[2])
+        else:
+            m_block, head, batch = cute.arch.block_idx()
+            if cutlass.const_expr(self.causal):
+                m_block = cute.arch.grid_dim()[0] - 1 - m_block
         offset_q, seqlen_q, offset_k, seqlen_k = seqlen_info(
             batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK
         )
         n_block_min, n_block_max, n_block_no_right, n_block_no_left = block_range(
-            m_block, seqlen_q, seqlen_k, window_left, window_right,
+            m_block, seqlen_q, seqlen_k, window[0], window[1],
             self.tile_m, self.tile_n, self.causal, self.local,
         )  # fmt: skip
         if cutlass.const_expr(mCuSeqlensQ is not None or mSeqUsedQ is not None):
@@ -363,25 +433,50 @@ class FlashAttentionForwardSm90(AttentionKernel):
         if cutlass.const_expr(mCuSeqlensK is not None):
             mK_cur = cute.domain_offset((offset_k, 0), mK_cur)
             mV_cur = cute.domain_offset((0, offset_k), mV_cur)
-        if wg_idx == 0:
-            cute.arch.setmaxregister_decrease(self.regs_producer)
-            if warp_idx == 0:
-                self.load(
-                    mQ_cur, mK_cur, mV_cur, tma_q, tma_k, tma_v, sQ, sK, sV,
-                    pipeline_q, pipeline_k, pipeline_v, m_block, n_block_min, n_block_max,
-                )  # fmt: skip
-        else:
-            cute.arch.setmaxregister_increase(self.regs_consumer)
-            consumer = wg_idx - 1
-            row_start = m_block * self.tile_m + consumer * self.wg_m
-            self.consume(
-                mO_cur, mLSE_cur, sQ, sK, sV,
-                pipeline_q, pipeline_k, pipeline_v, tiled_mma_qk, tiled_mma_pv, copy_r2g,
-                consumer, tidx % WARPGROUP, row_start, seqlen_q, seqlen_k,
-                n_block_min, n_block_max, n_block_no_right, n_block_no_left, score_scale,
-                scale_log2,
-                window_left, window_right,
-            )  # fmt: skip
+        views = (mQ_cur, mK_cur, mV_cur, mO_cur, mLSE_cur)
+        blocks = (n_block_min, n_block_max, n_block_no_right, n_block_no_left)
+        return m_block, seqlen_q, seqlen_k, views, blocks
+
+    @cute.jit
+    def load_tile(
+        self,
+        tile: Int32,
+        gmem: tuple,
+        tma: tuple,
+        smem_tiles: tuple,
+        pipes: tuple,
+        q_state: pipeline.PipelineState,
+        kv_state: pipeline.PipelineState,
+        window: tuple,
+    ):
+        """Producer warp, one tile: its Q, K and V loads; returns the advanced states."""
+        m_block, _, _, views, blocks = self.tile_work(tile, gmem, window)
+        return self.load(
+            views[0], views[1], views[2], *tma, *smem_tiles, *pipes, q_state, kv_state, m_block,
+            blocks[0], blocks[1],
+        )  # fmt: skip
+
+    @cute.jit
+    def consume_tile(
+        self,
+        tile: Int32,
+        gmem: tuple,
+        smem_tiles: tuple,
+        pipes: tuple,
+        states: tuple,
+        mmas: tuple,
+        consumer: Int32,
+        tidx: Int32,
+        scales: tuple,
+        window: tuple,
+    ):
+        """Consumer warpgroup, one tile; returns the advanced (q, k, v) states."""
+        m_block, seqlen_q, seqlen_k, views, blocks = self.tile_work(tile, gmem, window)
+        row_start = m_block * self.tile_m + consumer * self.wg_m
+        return self.consume(
+            views[3], views[4], *smem_tiles, *pipes, *states, *mmas, consumer, tidx, row_start,
+            seqlen_q, seqlen_k, *blocks, *scales, *window,
+        )  # fmt: skip
 
     @cute.jit
     def load(
@@ -398,11 +493,15 @@ class FlashAttentionForwardSm90(AttentionKernel):
         pipeline_q: pipeline.PipelineTmaAsync,
         pipeline_k: pipeline.PipelineTmaAsync,
         pipeline_v: pipeline.PipelineTmaAsync,
+        q_state: pipeline.PipelineState,
+        kv_state: pipeline.PipelineState,
         m_block: Int32,
         n_block_min: Int32,
         n_block_max: Int32,
     ):
-        """Producer warp: Q once, then K[n] and V[n] for n from n_block_max - 1 down.
+        """Producer warp, one tile: Q into the next Q stage, then K[n] and V[n] for n from
+        n_block_max - 1 down; nothing when the tile visits no key block. Returns the advanced
+        (q_state, kv_state).
 
         mQ_tma / mK_tma: (seqlen, d), mV_tma: (dv, seqlen) TMA coordinate tensors of this
         (head, batch), already shifted to the sequence start for varlen.
@@ -420,17 +519,13 @@ class FlashAttentionForwardSm90(AttentionKernel):
         tVsV, tVgV = cpasync.tma_partition(
             tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
-        for atom in (tma_q, tma_k, tma_v):
-            cpasync.prefetch_descriptor(atom)
         if n_block_max > n_block_min:
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             pipeline_q.producer_acquire(q_state)
             for c in cutlass.range_constexpr(self.num_consumers):
-                cute.copy(tma_q, tQgQ[None, m_block * self.num_consumers + c], tQsQ[None, c],
+                cute.copy(tma_q, tQgQ[None, m_block * self.num_consumers + c],
+                          tQsQ[None, q_state.index * self.num_consumers + c],
                           tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))  # fmt: skip
-            kv_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Producer, self.kv_stages
-            )
+            q_state.advance()
             for i in cutlass.range(n_block_max - n_block_min, unroll=1):
                 n_block = n_block_max - 1 - i
                 pipeline_k.producer_acquire(kv_state)
@@ -440,6 +535,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
                 cute.copy(tma_v, tVgV[None, n_block], tVsV[None, kv_state.index],
                           tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))  # fmt: skip
                 kv_state.advance()
+        return q_state, kv_state
 
     @cute.jit
     def consume(
@@ -452,6 +548,9 @@ class FlashAttentionForwardSm90(AttentionKernel):
         pipeline_q: pipeline.PipelineTmaAsync,
         pipeline_k: pipeline.PipelineTmaAsync,
         pipeline_v: pipeline.PipelineTmaAsync,
+        q_state: pipeline.PipelineState,
+        k_state: pipeline.PipelineState,
+        v_state: pipeline.PipelineState,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         copy_r2g: cute.TiledCopy,
@@ -469,9 +568,10 @@ class FlashAttentionForwardSm90(AttentionKernel):
         window_left: Int32,
         window_right: Int32,
     ):
-        """Consumer warpgroup: its 64 query rows against every visited key block, then store."""
+        """Consumer warpgroup, one tile: its 64 query rows against every visited key block,
+        then store; returns the advanced (q_state, k_state, v_state)."""
         wg_m, tile_n, dv = self.wg_m, self.tile_n, self.tile_hdimv
-        sQ_c = sQ[None, None, consumer]
+        sQ_c = sQ[None, None, q_state.index * self.num_consumers + consumer]
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
         tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ_c))
@@ -498,10 +598,6 @@ class FlashAttentionForwardSm90(AttentionKernel):
         mma = (thr_qk, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_O, rP, tScS, acc_S, corr)
         pipes = (pipeline_k, pipeline_v)
         score_args = (score_scale, row_start, seqlen_q, seqlen_k, window_left, window_right)
-        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-        if consumer == self.num_consumers - 1:
-            self.end_turn(consumer)  # the last consumer hands the first turn to consumer 0
         # Blocks [start_unmasked, n_block_max) may cut the seqlen tail, the causal diagonal or
         # the right window edge (the first visited block always counts as such);
         # [start_left_masked, start_unmasked) need no mask; [n_block_min, start_left_masked)
@@ -513,7 +609,6 @@ class FlashAttentionForwardSm90(AttentionKernel):
                 cutlass.max(n_block_no_left, n_block_min), start_unmasked
             )
         if n_blocks > 0:
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipeline_q.consumer_wait(q_state)
             self.step(n_block_max - 1, k_state, v_state, softmax, consumer, mma, pipes, score_args,
                       True, True)  # fmt: skip
@@ -541,6 +636,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
                 v_state.advance()
         if n_blocks > 0:
             self.last_pv(v_state, softmax, consumer, mma, pipes)
+            v_state.advance()
 
         # Epilogue: O / l once (rows that saw no key: O = 0, LSE = -inf), O -> this consumer's
         # slice of sQ (its WGMMAs have all completed) -> 16-byte global stores.
@@ -561,6 +657,13 @@ class FlashAttentionForwardSm90(AttentionKernel):
         ).arrive_and_wait()
         gO = cute.local_tile(cute.domain_offset((row_start, 0), mO), (wg_m, dv), (0, 0))
         store_rows(sO, gO, rows_left, copy_r2g, tidx)
+        if n_blocks > 0:
+            # The Q stage (O staged in it) goes back to the producer for a later tile's Q: the
+            # generic-proxy reads and writes of O above come before that TMA write.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            pipeline_q.consumer_release(q_state)
+            q_state.advance()
+        return q_state, k_state, v_state
 
     @cute.jit
     def zero_v_tail(

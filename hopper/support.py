@@ -87,8 +87,21 @@ SM90_FWD_KV_STAGE_CHOICES = (2, 3)
 # order of the default. Read when a launch plan is made.
 DEFER_RESCALE_ENV = "CUTE_FA_SM90_FWD_DEFER_RESCALE"
 
-# Both switches become fields of the compile key (FwdConfig.kv_stages, .defer_rescale; see
-# fwd_tuned), so a kernel compiled under one setting is never served under the other.
+# Tuning switch: CUTE_FA_SM90_FWD_PERSISTENT=1 launches one CTA an SM, each looping over its
+# share of the tiles (Note [persistent tiles], cute_fa/dsl/scheduler.py), for the calls whose
+# tiles all cost the same (fwd_persistent_fits); =0 or unset: one CTA a tile. Read when a
+# launch plan is made.
+PERSISTENT_ENV = "CUTE_FA_SM90_FWD_PERSISTENT"
+# CTAs of a persistent grid when the device is not known (precompile for sm_90a): the SMs of an
+# H100 SXM or H200. A plan for a device puts that device's count in the config (interface).
+SM90_SMS = 132
+# Q stages of a persistent grid: two where they fit next to the K/V ring (the next tile's Q
+# loads while this one runs; its O is staged in this one's Q stage), else one.
+SM90_FWD_PERSISTENT_Q_STAGES = 2
+
+# These switches become fields of the compile key (FwdConfig.kv_stages, .defer_rescale,
+# .num_ctas; see fwd_tuned), so a kernel compiled under one setting is never served under
+# another.
 
 
 def _env_choice(name: str, choices: tuple[str, ...]) -> str:
@@ -105,18 +118,40 @@ def fwd_kv_stages(config: FwdConfig) -> int:
     return config.kv_stages or SM90_FWD_KV_STAGES
 
 
+def fwd_persistent_fits(config: FwdConfig) -> bool:
+    """Whether every tile of ``config``'s calls costs the same, so a static persistent schedule
+    is balanced: dense, no causal mask or window, no seqused."""
+    return not (
+        config.causal or config.local or config.varlen_q or config.varlen_k
+        or config.seqused_q or config.seqused_k
+    )  # fmt: skip
+
+
+def fwd_q_stages(config: FwdConfig) -> int:
+    """Q stages of the sm90 forward: 1, or SM90_FWD_PERSISTENT_Q_STAGES for a persistent grid
+    where they fit in shared memory."""
+    if not config.num_ctas:
+        return 1
+    smem = fwd_smem_bytes(config, fwd_kv_stages(config), SM90_FWD_PERSISTENT_Q_STAGES)
+    return SM90_FWD_PERSISTENT_Q_STAGES if smem <= SMEM_CAPACITY.get(config.target, 0) else 1
+
+
 def fwd_tuned(config: FwdConfig) -> FwdConfig:
     """``config`` with the tuning switches applied (dispatch calls this): the K/V stages of
-    CUTE_FA_SM90_FWD_KV_STAGES where Q and that many stages fit in shared memory, and
-    CUTE_FA_SM90_FWD_DEFER_RESCALE. Defaults leave the config (and its name) unchanged."""
+    CUTE_FA_SM90_FWD_KV_STAGES where Q and that many stages fit in shared memory,
+    CUTE_FA_SM90_FWD_DEFER_RESCALE, and CUTE_FA_SM90_FWD_PERSISTENT where the tiles cost the same
+    (SM90_SMS CTAs; the interface sets the device's count). Defaults leave the config (and its
+    name) unchanged."""
     value = _env_choice(KV_STAGES_ENV, tuple(str(s) for s in SM90_FWD_KV_STAGE_CHOICES))
     stages = int(value) if value else SM90_FWD_KV_STAGES
     if fwd_smem_bytes(config, stages) > SMEM_CAPACITY.get(config.target, 0):
         stages = SM90_FWD_KV_STAGES
     defer = _env_choice(DEFER_RESCALE_ENV, ("0", "1")) == "1"
+    persistent = _env_choice(PERSISTENT_ENV, ("0", "1")) == "1" and fwd_persistent_fits(config)
     return config.replace(
-        kv_stages=0 if stages == SM90_FWD_KV_STAGES else stages, defer_rescale=defer
-    )
+        kv_stages=0 if stages == SM90_FWD_KV_STAGES else stages, defer_rescale=defer,
+        num_ctas=SM90_SMS if persistent else 0,
+    )  # fmt: skip
 
 
 def fwd_num_consumers(tile_m: int) -> int:
@@ -184,10 +219,12 @@ def fwd_tile(
     return tile_m, tile_n, fwd_num_warps(tile_m)
 
 
-def fwd_smem_bytes(config: FwdConfig, kv_stages: int = SM90_FWD_KV_STAGES) -> int:
-    """Shared memory of the Q tile and the K and V rings (16-bit elements), barriers and
+def fwd_smem_bytes(
+    config: FwdConfig, kv_stages: int = SM90_FWD_KV_STAGES, q_stages: int = 1
+) -> int:
+    """Shared memory of the Q stages and the K and V rings (16-bit elements), barriers and
     alignment included."""
-    return (config.tile_m * config.head_dim
+    return (q_stages * config.tile_m * config.head_dim
             + kv_stages * config.tile_n * (config.head_dim + config.head_dim_v)) * 2 \
         + SM90_FWD_SMEM_SLACK  # fmt: skip
 
@@ -234,9 +271,14 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
             f"O in {SM90_FWD_REGS[3][1]} registers a thread, which fits at most "
             f"{SM90_FWD_3WG_MAX_TILE_N[config.head_dim]} keys at head_dim {config.head_dim}"
         )
-    smem = fwd_smem_bytes(config, fwd_kv_stages(config))
+    smem = fwd_smem_bytes(config, fwd_kv_stages(config), fwd_q_stages(config))
     if smem > SMEM_CAPACITY.get(config.target, 0):
         return False, f"tiles need {smem} B of shared memory, more than {config.target} has"
+    if config.num_ctas and not fwd_persistent_fits(config):
+        return False, (
+            "a persistent grid (num_ctas) takes dense calls without a causal mask, window or "
+            "seqused (their tiles cost different amounts; Note [persistent tiles])"
+        )
     return True, ""
 
 
