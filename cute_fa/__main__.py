@@ -80,6 +80,7 @@ def _default_target(arch: str) -> str:
 
 # A query length past every length threshold of the tile choice (precompile covers both sides).
 LONG_SEQLEN_HINT = 1 << 20
+SHORT_SEQLEN_HINT = 1
 
 
 def precompile_configs(arch: str, target: str, head_dims, dtypes, variants) -> list:
@@ -96,10 +97,13 @@ def precompile_configs(arch: str, target: str, head_dims, dtypes, variants) -> l
                 )
                 config, reason = fwd_config_for_target(cls, target, request)
                 plans.append((config, f"{dtype} d{d} {variant}", reason))
-                # A tile that dispatch picks only for long query sequences (sm90 d64 causal).
-                long, _ = fwd_config_for_target(cls, target, request, LONG_SEQLEN_HINT)
-                if long is not None and long != config:
-                    plans.append((long, f"{dtype} d{d} {variant} (long sequences)", ""))
+                # What dispatch picks only for long query sequences (the sm90 d64 causal tile)
+                # or only for short ones (the sm90 persistent grid, for SM90_SMS SMs: an H100
+                # SXM or H200; another count compiles its own at the first call).
+                for hint, label in ((LONG_SEQLEN_HINT, "long"), (SHORT_SEQLEN_HINT, "short")):
+                    other, _ = fwd_config_for_target(cls, target, request, hint)
+                    if other is not None and other != config:
+                        plans.append((other, f"{dtype} d{d} {variant} ({label} sequences)", ""))
     return plans
 
 

@@ -145,7 +145,8 @@ def _sm90_config(target: str, request: FwdRequest, seqlen_q: int | None = None) 
     return sm90_support.fwd_tuned(
         FwdConfig(
             arch=90, target=target, tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, **flags
-        )
+        ),
+        seqlen_q,
     )
 
 

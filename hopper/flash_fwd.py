@@ -74,11 +74,18 @@ class FlashAttentionForwardSm90(AttentionKernel):
     for d 192, 80 for d 256: what fits Q plus two K/V stages in 227 KiB; the reasons are there).
 
     Grid and work split
-      grid = (ceil(max_seqlen_q / tile_m), num_heads, batch) (varlen q: batch =
-      len(cu_seqlens_q) - 1); one CTA owns tile_m (128 or 192) query
-      rows of one (head, batch) and visits its key blocks from the last to the first (the one
-      that cuts the seqlen tail or the causal diagonal comes first). Causal grids run query
-      blocks in reverse (longest rows first).
+      A tile is tile_m (128 or 192) query rows of one (head, batch); its CTA visits the tile's
+      key blocks from the last to the first (the one that cuts the seqlen tail or the causal
+      diagonal comes first).
+      One CTA a tile (config.num_ctas == 0): grid = (ceil(max_seqlen_q / tile_m), num_heads,
+      batch) (varlen q: batch = len(cu_seqlens_q) - 1). Causal grids run query blocks in
+      reverse (longest rows first).
+      Persistent (config.num_ctas = the device's SMs; dispatch picks it for dense calls without
+      a causal mask, window or seqused up to 2k query rows, ``support.fwd_tuned``): grid =
+      min(tiles, num_ctas) CTAs, CTA b takes tiles b, b + grid, ... (query block fastest;
+      cute_fa/dsl/scheduler.py, Note [persistent tiles]). The producer and each consumer run the
+      same tile loop; pipeline states and the pingpong turns carry over from tile to tile, so
+      the producer loads the next tile's Q, K and V while the consumers finish this one.
     Warp roles (1 + num_consumers warpgroups: 384 threads launched at <= 168 registers a
     thread with two consumers, 512 threads at <= 128 with three; ``support.SM90_FWD_REGS``)
       warpgroup 0: producer. Warp 0 issues every TMA load (Q once, then K[n] and V[n] of each
@@ -109,15 +116,21 @@ class FlashAttentionForwardSm90(AttentionKernel):
       is never waited for.
     Shared memory (swizzled WGMMA layouts written by TMA: 128-byte swizzle, 64-byte where the
     contiguous extent is 96 elements)
-      sQ  (64, d, num_consumers): one 64-row slice per consumer; reused by that consumer for
-                      its O tile (the first dv columns of it; dv <= d).
+      sQ  (64, d, num_consumers * q_stages): one 64-row slice per consumer and Q stage (stage
+                      s, consumer c: s * num_consumers + c); reused by that consumer for its O
+                      tile (the first dv columns of it; dv <= d).
       sK  (tile_n, d, kv_stages)      K-major B operand of S = Q K^T.
       sV  (dv, tile_n, kv_stages)     V^T viewed MN-major: the B operand of O = P V.
     Pipelines (mbarriers, cutlass.pipeline.PipelineTmaAsync; producer = 1 warp whose TMA
     transaction bytes complete "full"; consumers arrive on "empty" with one thread per warp)
-      pipeline_q:  producer -> every consumer, 1 stage, 4 * num_consumers consumer-warp
-                   arrivals (8 or 12); loaded once (num_consumers TMA boxes of 64 x d on one
-                   barrier), never released.
+      pipeline_q:  producer -> every consumer, q_stages (1; 2 with a persistent grid where
+                   they fit: d <= 128), 4 * num_consumers consumer-warp arrivals (8 or 12);
+                   one stage a tile (num_consumers TMA boxes of 64 x d on one barrier),
+                   released after the tile's epilogue, which stages O in it (a fence.proxy.async
+                   orders those generic-proxy accesses before the next TMA write). A tile that
+                   visits no key block (causal / window / varlen, never persistent) loads no Q
+                   and stages its zeros in the stage the next Q would take: safe only because
+                   such grids run one tile a CTA.
       pipeline_k:  producer -> every consumer, kv_stages, 4 * num_consumers arrivals;
                    K[n] is released once S = Q K[n]^T has completed.
       pipeline_v:  producer -> every consumer, kv_stages, 4 * num_consumers arrivals;
@@ -175,7 +188,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
     Neither tuning switch is part of the compile key (FwdConfig); support.py says how to
       compare them.
     Not yet: TMA-store epilogue, head_dim_v != head_dim other than 192 x 128, tuned
-      tile shapes and stage counts, persistent scheduling.
+      tile shapes and stage counts, persistent scheduling of causal, window and varlen calls
+      (tiles of unequal cost want a dynamic or longest-first schedule).
     """
 
     arch = 90

@@ -87,11 +87,17 @@ SM90_FWD_KV_STAGE_CHOICES = (2, 3)
 # order of the default. Read when a launch plan is made.
 DEFER_RESCALE_ENV = "CUTE_FA_SM90_FWD_DEFER_RESCALE"
 
-# Tuning switch: CUTE_FA_SM90_FWD_PERSISTENT=1 launches one CTA an SM, each looping over its
-# share of the tiles (Note [persistent tiles], cute_fa/dsl/scheduler.py), for the calls whose
-# tiles all cost the same (fwd_persistent_fits); =0 or unset: one CTA a tile. Read when a
-# launch plan is made.
+# A persistent grid launches one CTA an SM, each looping over its share of the tiles (Note
+# [persistent tiles], cute_fa/dsl/scheduler.py); it takes the calls whose tiles all cost the
+# same (fwd_persistent_fits). Default: where the longest query sequence is at most
+# SM90_FWD_PERSISTENT_MAX_SEQLEN rows. On the H200 (bf16, hidden 2048, non-causal, same
+# session, docs/performance.md) against one CTA a tile: +15 % at 512 rows (d64, d128), +3 %
+# (d256); +6-7 % / +3 % at 1k; +1-3 % at 2k; -2 to +2 % at 4k and -1.5 to -2.5 % at 16k, where
+# the hardware's dynamic CTA placement balances SMs of unequal speed better than a static
+# round robin. Switch: CUTE_FA_SM90_FWD_PERSISTENT=1 for every call that fits, =0 for none.
+# Read when a launch plan is made.
 PERSISTENT_ENV = "CUTE_FA_SM90_FWD_PERSISTENT"
+SM90_FWD_PERSISTENT_MAX_SEQLEN = 2048
 # CTAs of a persistent grid when the device is not known (precompile for sm_90a): the SMs of an
 # H100 SXM or H200. A plan for a device puts that device's count in the config (interface).
 SM90_SMS = 132
@@ -136,18 +142,21 @@ def fwd_q_stages(config: FwdConfig) -> int:
     return SM90_FWD_PERSISTENT_Q_STAGES if smem <= SMEM_CAPACITY.get(config.target, 0) else 1
 
 
-def fwd_tuned(config: FwdConfig) -> FwdConfig:
-    """``config`` with the tuning switches applied (dispatch calls this): the K/V stages of
+def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
+    """``config`` with the tuning choices applied (dispatch calls this): the K/V stages of
     CUTE_FA_SM90_FWD_KV_STAGES where Q and that many stages fit in shared memory,
-    CUTE_FA_SM90_FWD_DEFER_RESCALE, and CUTE_FA_SM90_FWD_PERSISTENT where the tiles cost the same
-    (SM90_SMS CTAs; the interface sets the device's count). Defaults leave the config (and its
-    name) unchanged."""
+    CUTE_FA_SM90_FWD_DEFER_RESCALE, and a persistent grid (SM90_SMS CTAs; the interface sets
+    the device's count) where the tiles cost the same and ``seqlen_q`` (the call's longest
+    query sequence) is at most SM90_FWD_PERSISTENT_MAX_SEQLEN, or as CUTE_FA_SM90_FWD_PERSISTENT
+    says."""
     value = _env_choice(KV_STAGES_ENV, tuple(str(s) for s in SM90_FWD_KV_STAGE_CHOICES))
     stages = int(value) if value else SM90_FWD_KV_STAGES
     if fwd_smem_bytes(config, stages) > SMEM_CAPACITY.get(config.target, 0):
         stages = SM90_FWD_KV_STAGES
     defer = _env_choice(DEFER_RESCALE_ENV, ("0", "1")) == "1"
-    persistent = _env_choice(PERSISTENT_ENV, ("0", "1")) == "1" and fwd_persistent_fits(config)
+    forced = _env_choice(PERSISTENT_ENV, ("0", "1"))
+    short = seqlen_q is not None and seqlen_q <= SM90_FWD_PERSISTENT_MAX_SEQLEN
+    persistent = (forced == "1" or (not forced and short)) and fwd_persistent_fits(config)
     return config.replace(
         kv_stages=0 if stages == SM90_FWD_KV_STAGES else stages, defer_rescale=defer,
         num_ctas=SM90_SMS if persistent else 0,

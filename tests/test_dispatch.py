@@ -283,3 +283,35 @@ def test_bwd_arch_override(monkeypatch):
         bwd_config("sm_90a", "bf16", 128, 128)
     monkeypatch.setenv(BWD_ARCH_ENV, "80")
     assert bwd_config("sm_90a", "bf16", 128, 128).arch == 80
+
+
+def test_sm90_persistent_grid_choice(monkeypatch):
+    """A persistent grid for dense calls whose tiles cost the same, up to
+    SM90_FWD_PERSISTENT_MAX_SEQLEN query rows; CUTE_FA_SM90_FWD_PERSISTENT forces it either way
+    where it fits; never for causal, windows or varlen."""
+    from cute_fa.hopper.support import PERSISTENT_ENV, SM90_FWD_PERSISTENT_MAX_SEQLEN, SM90_SMS
+
+    monkeypatch.delenv(PERSISTENT_ENV, raising=False)
+    monkeypatch.delenv(dispatch.FWD_ARCH_ENV, raising=False)
+    short, long = SM90_FWD_PERSISTENT_MAX_SEQLEN, SM90_FWD_PERSISTENT_MAX_SEQLEN + 1
+
+    def num_ctas(seqlen_q, **kw):
+        return dispatch.fwd_plan((9, 0), req(**kw), seqlen_q)[1].num_ctas
+
+    assert num_ctas(short) == SM90_SMS
+    assert num_ctas(short, head_dim=64, head_dim_v=64, has_softcap=True) == SM90_SMS
+    assert num_ctas(long) == 0 and num_ctas(None) == 0
+    for kw in (dict(causal=True), dict(local=True), dict(varlen_q=True), dict(seqused_k=True)):
+        assert num_ctas(short, **kw) == 0, kw
+    monkeypatch.setenv(PERSISTENT_ENV, "1")
+    assert num_ctas(long) == SM90_SMS and num_ctas(short, causal=True) == 0
+    monkeypatch.setenv(PERSISTENT_ENV, "0")
+    assert num_ctas(short) == 0
+    monkeypatch.setenv(PERSISTENT_ENV, "2")
+    with pytest.raises(ValueError, match=PERSISTENT_ENV):
+        num_ctas(short)
+    # The persistent config is its own compile key and an sm90 kernel implements it.
+    monkeypatch.delenv(PERSISTENT_ENV)
+    cls, config = dispatch.fwd_plan((9, 0), req(), short)
+    assert "persistent" in config.name and cls.can_implement(config)[0]
+    assert not cls.can_implement(config.replace(causal=True))[0]
