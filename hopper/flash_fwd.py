@@ -17,7 +17,7 @@ from cute_fa.config import FwdConfig
 from cute_fa.dsl.copy import acc_to_smem, row_store_copy, store_rows
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask, block_range
-from cute_fa.dsl.scheduler import tile_coords, tile_count
+from cute_fa.dsl.scheduler import next_tile, tile_coords, unit_count
 from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import OnlineSoftmax, mn_view_wgmma, score_scales, softcap_scores
 
@@ -294,8 +294,10 @@ class FlashAttentionForwardSm90(AttentionKernel):
             batch = cute.size(mCuSeqlensQ.shape[0]) - 1
         grid = (cute.ceil_div(max_seqlen_q, self.tile_m), cute.size(mQ.shape[2]), batch)
         if cutlass.const_expr(self.num_ctas > 0):  # dense only: max_seqlen_q is mQ's seqlen
-            num_tiles = tile_count(max_seqlen_q, self.tile_m, cute.size(mQ.shape[2]), batch)
-            grid = (cutlass.min(num_tiles, self.num_ctas), 1, 1)
+            units = unit_count(
+                max_seqlen_q, self.tile_m, cute.size(mQ.shape[2]), batch, self.causal
+            )
+            grid = (cutlass.min(units, self.num_ctas), 1, 1)
         self.kernel(
             mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE, tma_q, tma_k, tma_v,
             score_scale, scale_log2, window_left, window_right,
@@ -356,10 +358,12 @@ class FlashAttentionForwardSm90(AttentionKernel):
         smem_tiles = (sQ, sK, sV)
         pipes = (pipeline_q, pipeline_k, pipeline_v)
         window = (window_left, window_right)
-        # The tiles of this CTA (Note [persistent tiles]): the first, and with a persistent
-        # grid every grid-size-th after it.
-        tile = cute.arch.block_idx()[0]
-        num_tiles = tile_count(mQ.shape[1], self.tile_m, mQ.shape[2], mQ.shape[0])
+        # The tiles of this CTA (Note [persistent tiles]): the one of its block index, or with
+        # a persistent grid the work units (tiles; causal: pairs of tiles) from its block index
+        # on, a grid apart; ``second`` picks a pair's second tile.
+        unit, second = cute.arch.block_idx()[0], Int32(0)
+        num_units = unit_count(mQ.shape[1], self.tile_m, mQ.shape[2], mQ.shape[0], self.causal)
+        stride = cute.arch.grid_dim()[0]
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.regs_producer)
             if warp_idx == 0:
@@ -373,13 +377,17 @@ class FlashAttentionForwardSm90(AttentionKernel):
                 )
                 tma = (tma_q, tma_k, tma_v)
                 if cutlass.const_expr(self.num_ctas > 0):
-                    while tile < num_tiles:
+                    while unit < num_units:
                         q_state, kv_state = self.load_tile(
-                            tile, gmem, tma, smem_tiles, pipes, q_state, kv_state, window
+                            (unit, second), gmem, tma, smem_tiles, pipes, q_state, kv_state,
+                            window,
+                        )  # fmt: skip
+                        unit, second = next_tile(
+                            unit, second, stride, mQ.shape[1], self.tile_m, self.causal
                         )
-                        tile += cute.arch.grid_dim()[0]
                 else:
-                    self.load_tile(tile, gmem, tma, smem_tiles, pipes, q_state, kv_state, window)
+                    self.load_tile((unit, second), gmem, tma, smem_tiles, pipes, q_state,
+                                   kv_state, window)  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             consumer = wg_idx - 1
@@ -393,27 +401,32 @@ class FlashAttentionForwardSm90(AttentionKernel):
             if consumer == self.num_consumers - 1:
                 self.end_turn(consumer)  # the last consumer hands the first turn to consumer 0
             if cutlass.const_expr(self.num_ctas > 0):
-                while tile < num_tiles:
+                while unit < num_units:
                     states = self.consume_tile(
-                        tile, gmem, smem_tiles, pipes, states, mmas, consumer, tidx % WARPGROUP,
-                        scales, window,
+                        (unit, second), gmem, smem_tiles, pipes, states, mmas, consumer,
+                        tidx % WARPGROUP, scales, window,
                     )  # fmt: skip
-                    tile += cute.arch.grid_dim()[0]
+                    unit, second = next_tile(
+                        unit, second, stride, mQ.shape[1], self.tile_m, self.causal
+                    )
             else:
                 self.consume_tile(
-                    tile, gmem, smem_tiles, pipes, states, mmas, consumer, tidx % WARPGROUP,
-                    scales, window,
+                    (unit, second), gmem, smem_tiles, pipes, states, mmas, consumer,
+                    tidx % WARPGROUP, scales, window,
                 )  # fmt: skip
 
     @cute.jit
-    def tile_work(self, tile: Int32, gmem: tuple, window: tuple):
-        """Where tile number ``tile`` lies and which key blocks it visits: (m_block, its
+    def tile_work(self, tile: tuple, gmem: tuple, window: tuple):
+        """Where tile ``tile`` (unit, second; Note [persistent tiles]) lies and which key blocks
+        it visits: (m_block, its
         sequence's (seqlen_q, seqlen_k), the (head, batch) slices of Q, K, V (TMA coordinate
         tensors), O and LSE, and block_range's four bounds)."""
         (mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE,
          mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK) = gmem  # fmt: skip
         if cutlass.const_expr(self.num_ctas > 0):
-            m_block, head, batch = tile_coords(tile, mQ.shape[1], self.tile_m, mQ.shape[2])
+            m_block, head, batch = tile_coords(
+                tile[0], tile[1], mQ.shape[1], self.tile_m, mQ.shape[2], self.causal
+            )
         else:
             m_block, head, batch = cute.arch.block_idx()
             if cutlass.const_expr(self.causal):
@@ -454,7 +467,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
     @cute.jit
     def load_tile(
         self,
-        tile: Int32,
+        tile: tuple,
         gmem: tuple,
         tma: tuple,
         smem_tiles: tuple,
@@ -473,7 +486,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
     @cute.jit
     def consume_tile(
         self,
-        tile: Int32,
+        tile: tuple,
         gmem: tuple,
         smem_tiles: tuple,
         pipes: tuple,
@@ -533,7 +546,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         tVsV, tVgV = cpasync.tma_partition(
             tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
-        if n_block_max > n_block_min:
+        if self.tile_has_q(n_block_min, n_block_max):
             pipeline_q.producer_acquire(q_state)
             for c in cutlass.range_constexpr(self.num_consumers):
                 cute.copy(tma_q, tQgQ[None, m_block * self.num_consumers + c],
@@ -622,8 +635,10 @@ class FlashAttentionForwardSm90(AttentionKernel):
             start_left_masked = cutlass.min(
                 cutlass.max(n_block_no_left, n_block_min), start_unmasked
             )
-        if n_blocks > 0:
+        has_q = self.tile_has_q(n_block_min, n_block_max)
+        if has_q:
             pipeline_q.consumer_wait(q_state)
+        if n_blocks > 0:
             self.step(n_block_max - 1, k_state, v_state, softmax, consumer, mma, pipes, score_args,
                       True, True)  # fmt: skip
             k_state.advance()
@@ -671,13 +686,22 @@ class FlashAttentionForwardSm90(AttentionKernel):
         ).arrive_and_wait()
         gO = cute.local_tile(cute.domain_offset((row_start, 0), mO), (wg_m, dv), (0, 0))
         store_rows(sO, gO, rows_left, copy_r2g, tidx)
-        if n_blocks > 0:
+        if has_q:
             # The Q stage (O staged in it) goes back to the producer for a later tile's Q: the
             # generic-proxy reads and writes of O above come before that TMA write.
             cute.arch.fence_proxy("async.shared", space="cta")
             pipeline_q.consumer_release(q_state)
             q_state.advance()
         return q_state, k_state, v_state
+
+    @cute.jit
+    def tile_has_q(self, n_block_min: Int32, n_block_max: Int32):
+        """Whether a tile loads (and its consumers wait for and release) a Q stage: every tile
+        of a persistent grid, whose next tile's Q may take the stage this one's O is staged in;
+        otherwise those that visit a key block."""
+        if cutlass.const_expr(self.num_ctas > 0):
+            return True
+        return n_block_max > n_block_min
 
     @cute.jit
     def zero_v_tail(

@@ -125,11 +125,14 @@ def fwd_kv_stages(config: FwdConfig) -> int:
 
 
 def fwd_persistent_fits(config: FwdConfig) -> bool:
-    """Whether every tile of ``config``'s calls costs the same, so a static persistent schedule
-    is balanced: dense, no causal mask or window, no seqused."""
+    """Whether a static persistent schedule balances ``config``'s calls: dense, no window or
+    seqused, so every tile costs the same, or (causal) every pair of tiles (Note [persistent
+    tiles])."""
+    if config.causal and config.tile_m == SM90_FWD_TILE_M_3WG:
+        return False  # three consumers spill with the persistent loop (6 LDL/STL at d 64)
     return not (
-        config.causal or config.local or config.varlen_q or config.varlen_k
-        or config.seqused_q or config.seqused_k
+        config.local or config.varlen_q or config.varlen_k or config.seqused_q
+        or config.seqused_k
     )  # fmt: skip
 
 
@@ -285,8 +288,8 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
         return False, f"tiles need {smem} B of shared memory, more than {config.target} has"
     if config.num_ctas and not fwd_persistent_fits(config):
         return False, (
-            "a persistent grid (num_ctas) takes dense calls without a causal mask, window or "
-            "seqused (their tiles cost different amounts; Note [persistent tiles])"
+            "a persistent grid (num_ctas) takes dense calls without a window or seqused (their "
+            "tiles cost different amounts; Note [persistent tiles])"
         )
     return True, ""
 

@@ -151,8 +151,9 @@ COMPILE_CASES = [
     # Persistent grids (Note [persistent tiles]): two Q stages at d 64 (192 rows) and d 128,
     # one at d 256.
     pytest.param(64, 64, "bf16", {"num_ctas": 132}, id="d64-persistent"),
-    pytest.param(128, 128, "fp16", {"num_ctas": 132, "has_softcap": True},
-                 id="d128-fp16-softcap-persistent"),  # fmt: skip
+    pytest.param(
+        128, 128, "fp16", {"num_ctas": 132, "has_softcap": True}, id="d128-fp16-softcap-persistent"
+    ),  # fmt: skip
     pytest.param(256, 256, "bf16", {"num_ctas": 132}, id="d256-persistent"),
 ]
 

@@ -247,7 +247,8 @@ def test_sm90_tile_m_switch(monkeypatch):
     assert dispatch.fwd_plan((9, 0), causal64, 2048)[1].tile_m == 192
     assert dispatch.fwd_plan((9, 0), req(head_dim=128, head_dim_v=128), 8192)[1].tile_m == 128
     plans = cli.precompile_configs("sm90", "sm_90a", [64], ["bf16"], ["causal"])
-    assert sorted(config.tile_m for config, _, _ in plans) == [128, 192]
+    # Plain, long sequences (192 rows) and short ones (128 rows on a persistent grid).
+    assert sorted((c.tile_m, c.num_ctas) for c, _, _ in plans) == [(128, 0), (128, 132), (192, 0)]
     monkeypatch.setenv(TILE_M_ENV, "192")
     for causal in (False, True):
         _, config = dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64, causal=causal))
@@ -286,7 +287,7 @@ def test_bwd_arch_override(monkeypatch):
 
 
 def test_sm90_persistent_grid_choice(monkeypatch):
-    """A persistent grid for dense calls whose tiles cost the same, up to
+    """A persistent grid for dense calls (causal too: pairs of tiles), up to
     SM90_FWD_PERSISTENT_MAX_SEQLEN query rows; CUTE_FA_SM90_FWD_PERSISTENT forces it either way
     where it fits; never for causal, windows or varlen."""
     from cute_fa.hopper.support import PERSISTENT_ENV, SM90_FWD_PERSISTENT_MAX_SEQLEN, SM90_SMS
@@ -300,11 +301,14 @@ def test_sm90_persistent_grid_choice(monkeypatch):
 
     assert num_ctas(short) == SM90_SMS
     assert num_ctas(short, head_dim=64, head_dim_v=64, has_softcap=True) == SM90_SMS
+    assert num_ctas(short, causal=True) == SM90_SMS
     assert num_ctas(long) == 0 and num_ctas(None) == 0
-    for kw in (dict(causal=True), dict(local=True), dict(varlen_q=True), dict(seqused_k=True)):
+    for kw in (dict(local=True), dict(varlen_q=True), dict(seqused_k=True)):
         assert num_ctas(short, **kw) == 0, kw
     monkeypatch.setenv(PERSISTENT_ENV, "1")
-    assert num_ctas(long) == SM90_SMS and num_ctas(short, causal=True) == 0
+    assert num_ctas(long) == SM90_SMS and num_ctas(short, local=True) == 0
+    # d64 causal from 2048 rows runs three consumers, which spill with the persistent loop.
+    assert num_ctas(long, head_dim=64, head_dim_v=64, causal=True) == 0
     monkeypatch.setenv(PERSISTENT_ENV, "0")
     assert num_ctas(short) == 0
     monkeypatch.setenv(PERSISTENT_ENV, "2")
@@ -314,4 +318,4 @@ def test_sm90_persistent_grid_choice(monkeypatch):
     monkeypatch.delenv(PERSISTENT_ENV)
     cls, config = dispatch.fwd_plan((9, 0), req(), short)
     assert "persistent" in config.name and cls.can_implement(config)[0]
-    assert not cls.can_implement(config.replace(causal=True))[0]
+    assert not cls.can_implement(config.replace(local=True))[0]

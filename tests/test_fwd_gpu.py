@@ -291,18 +291,22 @@ def test_fwd_deterministic_run_to_run():
     assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
 
 
-PERSISTENT_CASES = [(64, 64, 1000, 777), (96, 96, 700, 700), (128, 128, 1000, 777),
+# (d, dv, seqlen_q, seqlen_k): several tiles a CTA at batch 6 x 16 heads. Causal with
+# seqlen_q > seqlen_k has tiles that see no key (d256: all but the last row); 800 rows are an
+# odd number of query blocks (a causal pair of one tile).
+PERSISTENT_CASES = [(64, 64, 1000, 777), (96, 96, 800, 800), (128, 128, 1000, 777),
                     (192, 128, 700, 300), (256, 256, 1000, 1)]  # fmt: skip
 
 
 @pytest.mark.parametrize("softcap", [0.0, 15.0], ids=["nocap", "cap15"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(
     "d,dv,seqlen_q,seqlen_k", PERSISTENT_CASES, ids=[f"d{c[0]}x{c[1]}" for c in PERSISTENT_CASES]
 )
-def test_fwd_persistent_grid(monkeypatch, d, dv, seqlen_q, seqlen_k, softcap):
-    """CUTE_FA_SM90_FWD_PERSISTENT=1 (one CTA an SM looping over tiles): several tiles a CTA
-    (b * h * query blocks > 2 * SMs), against attention_ref, bitwise equal across two runs, and
-    the plan really is persistent."""
+def test_fwd_persistent_grid(monkeypatch, d, dv, seqlen_q, seqlen_k, causal, softcap):
+    """CUTE_FA_SM90_FWD_PERSISTENT=1 (one CTA an SM looping over tiles; causal: over pairs of
+    tiles): several work units a CTA, against attention_ref, bitwise equal across two runs,
+    and the plan really is persistent."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the persistent grid is an sm90 forward switch")
     from cute_fa import dispatch
@@ -310,20 +314,22 @@ def test_fwd_persistent_grid(monkeypatch, d, dv, seqlen_q, seqlen_k, softcap):
 
     monkeypatch.setenv("CUTE_FA_SM90_FWD_PERSISTENT", "1")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    b, h, h_kv = 3, 16, 4
+    b, h, h_kv = 6, 16, 4
     q, k, v = _qkv(b, seqlen_q, seqlen_k, h, h_kv, d, torch.bfloat16, softcap)
     v = torch.randn(b, seqlen_k, h_kv, dv, device="cuda", dtype=torch.bfloat16)
     poison_free_memory(_reserve_for((b, seqlen_q, h, dv), torch.bfloat16, (b, h, seqlen_q)))
-    out, lse = cute_fa.flash_attn_func(q, k, v, softcap=softcap, return_lse=True)
+    kw = dict(causal=causal, softcap=softcap, return_lse=True)
+    out, lse = cute_fa.flash_attn_func(q, k, v, **kw)
     _, config = dispatch.fwd_plan((9, 0), cute_fa.interface._check_metadata(
-        q, k, v, None, None, None, None, causal=False, local=False, softcap=softcap
+        q, k, v, None, None, None, None, causal=causal, local=False, softcap=softcap
     ).request, seqlen_q)  # fmt: skip
     assert config.num_ctas, config.name
     assert config.replace(num_ctas=sms) in fwd_cache()._memory, "the persistent kernel did not run"
-    tiles = b * h * -(-seqlen_q // config.tile_m)
-    assert tiles > 2 * sms, f"{tiles} tiles: too few for several a CTA"
-    check_against_ref(out, lse, q, k, v, softcap=softcap)
-    out2, lse2 = cute_fa.flash_attn_func(q, k, v, softcap=softcap, return_lse=True)
+    m_blocks = -(-seqlen_q // config.tile_m)
+    units = b * h * (-(-m_blocks // 2) if causal else m_blocks)
+    assert units > 1.4 * sms, f"{units} work units: too few for several a CTA"
+    check_against_ref(out, lse, q, k, v, causal=causal, softcap=softcap)
+    out2, lse2 = cute_fa.flash_attn_func(q, k, v, **kw)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 

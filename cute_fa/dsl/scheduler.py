@@ -9,26 +9,77 @@ from cutlass import Int32
 
 # Note [persistent tiles]
 # ~~~~~~~~~~~~~~~~~~~~~~~
-# A persistent kernel launches a fixed grid of G CTAs (one an SM) and CTA b computes the tiles
-# b, b + G, b + 2 G, ... of the num_m_blocks * num_heads * batch tiles, so the producer loads
-# the next tile's Q, K and V while the consumers finish the current one: no CTA launch, no
-# barrier set-up, no cold pipeline between tiles. Tiles are numbered with the query block
-# fastest (the order the launch grid (m_block, head, batch) of the one-CTA-a-tile kernels has),
+# A persistent kernel launches a fixed grid of G CTAs (one an SM) and CTA b computes the work
+# units b, b + G, b + 2 G, ... of the call, so the producer loads the next tile's Q, K and V
+# while the consumers finish the current one: no CTA launch, no barrier set-up, no cold
+# pipeline between tiles. A unit is one (query block, head, batch) tile, numbered with the
+# query block fastest (the order of the launch grid (m_block, head, batch) of one CTA a tile),
 # so the tiles in flight at once share a few heads' K and V in L2. Every tile of a dense call
-# without a causal mask or window costs the same, so the static round robin is balanced; with
-# varying work a tile (causal, varlen) the hardware's own CTA scheduler balances better.
+# without a causal mask costs the same, so the static round robin is balanced.
+# Causal (``pairs``): a tile's cost grows with its query block, so a unit is a pair of tiles of
+# one (head, batch), query blocks n_m - 1 - j and then j (the longest first; the middle block
+# of an odd n_m alone): every pair costs about the same, n_m + 1 key blocks of a square mask,
+# and consecutive units still share their head's K and V.
 
 
 @cute.jit
-def tile_count(seqlen_q: Int32, tile_m: cutlass.Constexpr[int], num_heads: Int32, batch: Int32):
-    """Number of (query block, head, batch) tiles."""
-    return (seqlen_q + (tile_m - 1)) // tile_m * num_heads * batch
+def _num_m_blocks(seqlen_q: Int32, tile_m: cutlass.Constexpr[int]):
+    return (seqlen_q + (tile_m - 1)) // tile_m
 
 
 @cute.jit
-def tile_coords(tile: Int32, seqlen_q: Int32, tile_m: cutlass.Constexpr[int], num_heads: Int32):
-    """(m_block, head, batch) of tile number ``tile``, query block fastest."""
-    num_m_blocks = (seqlen_q + (tile_m - 1)) // tile_m
-    m_block = tile % num_m_blocks
-    rest = tile // num_m_blocks
+def unit_count(
+    seqlen_q: Int32,
+    tile_m: cutlass.Constexpr[int],
+    num_heads: Int32,
+    batch: Int32,
+    pairs: cutlass.Constexpr[bool],
+):
+    """Number of work units: tiles, or pairs of tiles with ``pairs``."""
+    num_m = _num_m_blocks(seqlen_q, tile_m)
+    if cutlass.const_expr(pairs):
+        num_m = (num_m + 1) // 2
+    return num_m * num_heads * batch
+
+
+@cute.jit
+def tile_coords(
+    unit: Int32,
+    second: Int32,
+    seqlen_q: Int32,
+    tile_m: cutlass.Constexpr[int],
+    num_heads: Int32,
+    pairs: cutlass.Constexpr[bool],
+):
+    """(m_block, head, batch) of the first (``second`` 0) or second tile of work unit ``unit``."""
+    num_m = _num_m_blocks(seqlen_q, tile_m)
+    if cutlass.const_expr(pairs):
+        half = (num_m + 1) // 2
+        j = unit % half
+        rest = unit // half
+        m_block = num_m - 1 - j
+        if second != 0:
+            m_block = j
+    else:
+        m_block = unit % num_m
+        rest = unit // num_m
     return m_block, rest % num_heads, rest // num_heads
+
+
+@cute.jit
+def next_tile(
+    unit: Int32,
+    second: Int32,
+    stride: Int32,
+    seqlen_q: Int32,
+    tile_m: cutlass.Constexpr[int],
+    pairs: cutlass.Constexpr[bool],
+):
+    """(unit, second) of the tile a CTA runs after ``(unit, second)``; ``stride``: the grid."""
+    next_unit, next_second = unit + stride, Int32(0)
+    if cutlass.const_expr(pairs):
+        num_m = _num_m_blocks(seqlen_q, tile_m)
+        j = unit % ((num_m + 1) // 2)
+        if second == 0 and num_m - 1 - j != j:
+            next_unit, next_second = unit, Int32(1)
+    return next_unit, next_second
