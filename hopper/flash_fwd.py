@@ -81,9 +81,11 @@ class FlashAttentionForwardSm90(AttentionKernel):
       batch) (varlen q: batch = len(cu_seqlens_q) - 1). Causal grids run query blocks in
       reverse (longest rows first).
       Persistent (config.num_ctas = the device's SMs; dispatch picks it for dense calls without
-      a causal mask, window or seqused up to 2k query rows, ``support.fwd_tuned``): grid =
-      min(tiles, num_ctas) CTAs, CTA b takes tiles b, b + grid, ... (query block fastest;
-      cute_fa/dsl/scheduler.py, Note [persistent tiles]). The producer and each consumer run the
+      a window or seqused at d <= 128 up to 2k query rows, causal 8k, ``support.fwd_tuned``):
+      grid = min(units, num_ctas) CTAs, CTA b takes work units b, b + grid, ... (a unit is a
+      tile, query block fastest; causal: a pair of tiles of one head, query blocks n - 1 - j
+      then j; cute_fa/dsl/scheduler.py, Note [persistent tiles]). Every tile of a persistent
+      grid loads its Q stage, one that sees no key (causal, seqlen_q > seqlen_k) too. The producer and each consumer run the
       same tile loop; pipeline states and the pingpong turns carry over from tile to tile, so
       the producer loads the next tile's Q, K and V while the consumers finish this one.
     Warp roles (1 + num_consumers warpgroups: 384 threads launched at <= 168 registers a
@@ -127,10 +129,10 @@ class FlashAttentionForwardSm90(AttentionKernel):
                    they fit: d <= 128), 4 * num_consumers consumer-warp arrivals (8 or 12);
                    one stage a tile (num_consumers TMA boxes of 64 x d on one barrier),
                    released after the tile's epilogue, which stages O in it (a fence.proxy.async
-                   orders those generic-proxy accesses before the next TMA write). A tile that
-                   visits no key block (causal / window / varlen, never persistent) loads no Q
-                   and stages its zeros in the stage the next Q would take: safe only because
-                   such grids run one tile a CTA.
+                   orders those generic-proxy accesses before the next TMA write). With one CTA
+                   a tile, a tile that visits no key block loads no Q and stages its zeros in
+                   the unloaded stage; a persistent tile always loads its Q (``tile_has_q``),
+                   so the stage its O takes is its own.
       pipeline_k:  producer -> every consumer, kv_stages, 4 * num_consumers arrivals;
                    K[n] is released once S = Q K[n]^T has completed.
       pipeline_v:  producer -> every consumer, kv_stages, 4 * num_consumers arrivals;
@@ -188,8 +190,9 @@ class FlashAttentionForwardSm90(AttentionKernel):
     Neither tuning switch is part of the compile key (FwdConfig); support.py says how to
       compare them.
     Not yet: TMA-store epilogue, head_dim_v != head_dim other than 192 x 128, tuned
-      tile shapes and stage counts, persistent scheduling of causal, window and varlen calls
-      (tiles of unequal cost want a dynamic or longest-first schedule).
+      tile shapes and stage counts, persistent scheduling of window and varlen calls (tiles of
+      unequal cost want a dynamic schedule); three consumers spill in the persistent loop when
+      causal, so d 64 causal from 2k rows runs one CTA a tile.
     """
 
     arch = 90

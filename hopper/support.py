@@ -88,16 +88,23 @@ SM90_FWD_KV_STAGE_CHOICES = (2, 3)
 DEFER_RESCALE_ENV = "CUTE_FA_SM90_FWD_DEFER_RESCALE"
 
 # A persistent grid launches one CTA an SM, each looping over its share of the tiles (Note
-# [persistent tiles], cute_fa/dsl/scheduler.py); it takes the calls whose tiles all cost the
-# same (fwd_persistent_fits). Default: where the longest query sequence is at most
-# SM90_FWD_PERSISTENT_MAX_SEQLEN rows. On the H200 (bf16, hidden 2048, non-causal, same
-# session, docs/performance.md) against one CTA a tile: +15 % at 512 rows (d64, d128), +3 %
-# (d256); +6-7 % / +3 % at 1k; +1-3 % at 2k; -2 to +2 % at 4k and -1.5 to -2.5 % at 16k, where
-# the hardware's dynamic CTA placement balances SMs of unequal speed better than a static
-# round robin. Switch: CUTE_FA_SM90_FWD_PERSISTENT=1 for every call that fits, =0 for none.
-# Read when a launch plan is made.
+# [persistent tiles], cute_fa/dsl/scheduler.py); it takes dense calls without a window or
+# seqused (fwd_persistent_fits). Default: where Q gets two stages (d <= 128: the next tile's Q
+# loads while this one runs) and the longest query sequence is at most
+# SM90_FWD_PERSISTENT_MAX_SEQLEN rows (non-causal) or ..._CAUSAL (causal). On the H200 (bf16,
+# hidden 2048, one session each, docs/performance.md), against one CTA a tile:
+#   non-causal: +15 % at 512 rows (d64, d128), +6-7 % at 1k, +1-3 % at 2k; -2 to +2 % at 4k and
+#     -1.5 to -2.5 % at 16k, where the hardware's dynamic CTA placement balances SMs of unequal
+#     speed better than a static round robin;
+#   causal (pairs of tiles): d64 (128 rows) +29 % / +16 % at 512 / 1k; d128 +24 %, +12 %, +8 %,
+#     +5 %, +4 % from 512 to 8k, -2.4 % at 16k;
+#   d256 (one Q stage): -2 to -4 % causal at 512 / 1k and 16k, +2-6 % causal at 2k-8k, +3 %
+#     non-causal up to 2k: within the noise either way, so not by default.
+# Switch: CUTE_FA_SM90_FWD_PERSISTENT=1 for every call that fits, =0 for none. Read when a
+# launch plan is made.
 PERSISTENT_ENV = "CUTE_FA_SM90_FWD_PERSISTENT"
 SM90_FWD_PERSISTENT_MAX_SEQLEN = 2048
+SM90_FWD_PERSISTENT_MAX_SEQLEN_CAUSAL = 8192
 # CTAs of a persistent grid when the device is not known (precompile for sm_90a): the SMs of an
 # H100 SXM or H200. A plan for a device puts that device's count in the config (interface).
 SM90_SMS = 132
@@ -149,21 +156,29 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
     """``config`` with the tuning choices applied (dispatch calls this): the K/V stages of
     CUTE_FA_SM90_FWD_KV_STAGES where Q and that many stages fit in shared memory,
     CUTE_FA_SM90_FWD_DEFER_RESCALE, and a persistent grid (SM90_SMS CTAs; the interface sets
-    the device's count) where the tiles cost the same and ``seqlen_q`` (the call's longest
-    query sequence) is at most SM90_FWD_PERSISTENT_MAX_SEQLEN, or as CUTE_FA_SM90_FWD_PERSISTENT
-    says."""
+    the device's count) where it fits, Q gets two stages and ``seqlen_q`` (the call's longest
+    query sequence) is at most SM90_FWD_PERSISTENT_MAX_SEQLEN(_CAUSAL), or as
+    CUTE_FA_SM90_FWD_PERSISTENT says."""
     value = _env_choice(KV_STAGES_ENV, tuple(str(s) for s in SM90_FWD_KV_STAGE_CHOICES))
     stages = int(value) if value else SM90_FWD_KV_STAGES
     if fwd_smem_bytes(config, stages) > SMEM_CAPACITY.get(config.target, 0):
         stages = SM90_FWD_KV_STAGES
     defer = _env_choice(DEFER_RESCALE_ENV, ("0", "1")) == "1"
     forced = _env_choice(PERSISTENT_ENV, ("0", "1"))
-    short = seqlen_q is not None and seqlen_q <= SM90_FWD_PERSISTENT_MAX_SEQLEN
-    persistent = (forced == "1" or (not forced and short)) and fwd_persistent_fits(config)
-    return config.replace(
-        kv_stages=0 if stages == SM90_FWD_KV_STAGES else stages, defer_rescale=defer,
-        num_ctas=SM90_SMS if persistent else 0,
+    config = config.replace(
+        kv_stages=0 if stages == SM90_FWD_KV_STAGES else stages, defer_rescale=defer
+    )
+    persistent = config.replace(num_ctas=SM90_SMS)
+    limit = (
+        SM90_FWD_PERSISTENT_MAX_SEQLEN_CAUSAL if config.causal else SM90_FWD_PERSISTENT_MAX_SEQLEN
+    )
+    by_default = (
+        seqlen_q is not None and seqlen_q <= limit
+        and fwd_q_stages(persistent) == SM90_FWD_PERSISTENT_Q_STAGES
     )  # fmt: skip
+    if (forced == "1" or (not forced and by_default)) and fwd_persistent_fits(config):
+        return persistent
+    return config
 
 
 def fwd_num_consumers(tile_m: int) -> int:

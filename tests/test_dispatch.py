@@ -287,28 +287,38 @@ def test_bwd_arch_override(monkeypatch):
 
 
 def test_sm90_persistent_grid_choice(monkeypatch):
-    """A persistent grid for dense calls (causal too: pairs of tiles), up to
-    SM90_FWD_PERSISTENT_MAX_SEQLEN query rows; CUTE_FA_SM90_FWD_PERSISTENT forces it either way
-    where it fits; never for causal, windows or varlen."""
-    from cute_fa.hopper.support import PERSISTENT_ENV, SM90_FWD_PERSISTENT_MAX_SEQLEN, SM90_SMS
+    """A persistent grid by default where Q gets two stages (d <= 128) up to
+    SM90_FWD_PERSISTENT_MAX_SEQLEN query rows (causal: ..._CAUSAL; pairs of tiles);
+    CUTE_FA_SM90_FWD_PERSISTENT forces it either way where it fits; never for windows, varlen
+    or seqused."""
+    from cute_fa.hopper.support import (
+        PERSISTENT_ENV,
+        SM90_FWD_PERSISTENT_MAX_SEQLEN,
+        SM90_FWD_PERSISTENT_MAX_SEQLEN_CAUSAL,
+        SM90_SMS,
+    )
 
     monkeypatch.delenv(PERSISTENT_ENV, raising=False)
     monkeypatch.delenv(dispatch.FWD_ARCH_ENV, raising=False)
     short, long = SM90_FWD_PERSISTENT_MAX_SEQLEN, SM90_FWD_PERSISTENT_MAX_SEQLEN + 1
+    d256 = dict(head_dim=256, head_dim_v=256)
 
     def num_ctas(seqlen_q, **kw):
         return dispatch.fwd_plan((9, 0), req(**kw), seqlen_q)[1].num_ctas
 
     assert num_ctas(short) == SM90_SMS
     assert num_ctas(short, head_dim=64, head_dim_v=64, has_softcap=True) == SM90_SMS
-    assert num_ctas(short, causal=True) == SM90_SMS
     assert num_ctas(long) == 0 and num_ctas(None) == 0
+    assert num_ctas(SM90_FWD_PERSISTENT_MAX_SEQLEN_CAUSAL, causal=True) == SM90_SMS
+    assert num_ctas(SM90_FWD_PERSISTENT_MAX_SEQLEN_CAUSAL + 1, causal=True) == 0
+    assert num_ctas(short, **d256) == 0  # one Q stage: not by default
     for kw in (dict(local=True), dict(varlen_q=True), dict(seqused_k=True)):
         assert num_ctas(short, **kw) == 0, kw
     monkeypatch.setenv(PERSISTENT_ENV, "1")
-    assert num_ctas(long) == SM90_SMS and num_ctas(short, local=True) == 0
+    assert num_ctas(long) == SM90_SMS and num_ctas(short, **d256) == SM90_SMS
+    assert num_ctas(short, local=True) == 0
     # d64 causal from 2048 rows runs three consumers, which spill with the persistent loop.
-    assert num_ctas(long, head_dim=64, head_dim_v=64, causal=True) == 0
+    assert num_ctas(1 << 20, head_dim=64, head_dim_v=64, causal=True) == 0
     monkeypatch.setenv(PERSISTENT_ENV, "0")
     assert num_ctas(short) == 0
     monkeypatch.setenv(PERSISTENT_ENV, "2")
