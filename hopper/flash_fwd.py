@@ -85,9 +85,10 @@ class FlashAttentionForwardSm90(AttentionKernel):
       grid = min(units, num_ctas) CTAs, CTA b takes work units b, b + grid, ... (a unit is a
       tile, query block fastest; causal: a pair of tiles of one head, query blocks n - 1 - j
       then j; cute_fa/dsl/scheduler.py, Note [persistent tiles]). Every tile of a persistent
-      grid loads its Q stage, one that sees no key (causal, seqlen_q > seqlen_k) too. The producer and each consumer run the
-      same tile loop; pipeline states and the pingpong turns carry over from tile to tile, so
-      the producer loads the next tile's Q, K and V while the consumers finish this one.
+      grid loads its Q stage, one that sees no key (causal, seqlen_q > seqlen_k) too. The
+      producer and each consumer run the same tile loop; pipeline states and the pingpong
+      turns carry over from tile to tile, so the producer loads the next tile's Q, K and V
+      while the consumers finish this one.
     Warp roles (1 + num_consumers warpgroups: 384 threads launched at <= 168 registers a
     thread with two consumers, 512 threads at <= 128 with three; ``support.SM90_FWD_REGS``)
       warpgroup 0: producer. Warp 0 issues every TMA load (Q once, then K[n] and V[n] of each
