@@ -64,7 +64,9 @@ SM90_FWD_3WG_FLAGS_OFF = ("local", "has_softcap")
 # Where 192 rows are the default: d 64 without a causal mask. On the H200 (bf16, standard grid,
 # same run, docs/performance.md) 192 rows against 128: non-causal +4-7 % at 512 / 1k, +6-16 % at
 # 2k-16k; causal -12 % at 512 / 1k (a third consumer on rows past the diagonal and past the
-# end), +1-16 % at 2k-16k. So causal calls take 192 rows from 2048 query rows up (the plan of
+# end), +1-16 % at 2k-16k. So causal calls took 192 rows from 2048 query rows up; since the
+# persistent grid (128 rows; three consumers spill in it) is +5 % at 2k and -2 % at 4k against
+# 192 rows (same session), from 4096 (the plan of
 # a call knows its longest query sequence; without it, 128).
 SM90_FWD_3WG_DEFAULT = (64,)
 SM90_FWD_3WG_CAUSAL_MIN_SEQLEN = 4096
