@@ -533,3 +533,74 @@ def cache_target() -> str:
     from cute_fa.config import target_for_capability
 
     return target_for_capability(*torch.cuda.get_device_capability())
+
+
+# --------------------------------------------------------------------------------------------
+# Note [tvm_ffi's optional CUDA driver]
+
+
+def test_import_block_is_for_one_module_in_one_thread():
+    import threading
+
+    name = "cute_fa_no_such_module_for_the_test"  # blocked: "deferred"; else: "No module"
+    seen = {}
+
+    def import_it(where):
+        try:
+            __import__(name)
+        except ModuleNotFoundError as e:
+            seen[where] = str(e)
+
+    with cache._imports_blocked(name):
+        import_it("blocked thread")
+        other = threading.Thread(target=import_it, args=("other thread",))
+        other.start()
+        other.join()
+        import json  # noqa: F401  (other modules import as usual)
+    import_it("after")
+    assert "deferred by cute_fa" in seen["blocked thread"]
+    assert "No module named" in seen["other thread"] and "No module named" in seen["after"]
+    assert not any(isinstance(f, cache._BlockImport) for f in sys.meta_path)
+
+
+def test_module_stand_in_forwards_once_the_module_is_imported(monkeypatch):
+    import types
+
+    name = "cute_fa_fake_driver_for_the_test"
+    stand_in = cache._ModuleOnceImported(name)
+    assert stand_in.CUstream is cache._NoInstances
+    assert not isinstance(object(), stand_in.CUstream)
+    with pytest.raises(AttributeError):
+        stand_in.cuInit  # noqa: B018
+    fake = types.ModuleType(name)
+    fake.CUstream = type("CUstream", (), {})
+    monkeypatch.setitem(sys.modules, name, fake)
+    assert stand_in.CUstream is fake.CUstream
+    assert isinstance(fake.CUstream(), stand_in.CUstream)
+
+
+_IMPORT_TVM_FFI = """
+import sys
+import torch
+had = "cuda.bindings.driver" in sys.modules
+from cute_fa import cache
+tvm_ffi = cache.import_tvm_ffi()
+driver = tvm_ffi.core.cuda_driver
+print("had", had, "loaded", "cuda.bindings.driver" in sys.modules, type(driver).__name__)
+import cuda.bindings.driver as real
+print("forwards", driver.CUstream is real.CUstream)
+"""
+
+
+def test_import_tvm_ffi_defers_only_what_is_not_loaded():
+    """In a new process: tvm_ffi gets the real driver module where torch loaded it (torch 2.13
+    does), else the stand-in, which forwards to the module once something imports it."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _IMPORT_TVM_FFI], capture_output=True, text=True, check=True
+    )
+    out = proc.stdout
+    assert "forwards True" in out, (out, proc.stderr)
+    if "had True" in out:
+        assert "loaded True module" in out, out
+    else:
+        assert "loaded False _ModuleOnceImported" in out, out
