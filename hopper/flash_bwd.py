@@ -264,7 +264,10 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       handshake: the LDG.E.STRONG.GPU spin, two MEMBAR.ALL.GPU (acquire, release), two
       FENCE.VIEW.ASYNC.G and one REDG.E.ADD.S32.STRONG.GPU (the increment); the consumers'
       code, registers (168 at launch) and the absence of spills are unchanged.
-    Not yet: learnable sink; pingpong between the consumers; a
+    A learnable sink needs nothing here: the torch layer applies it to the forward's (out,
+      LSE) and hands this kernel the matching dO and dLSE (Note [learnable sink] in
+      cute_fa/interface.py).
+    Not yet: pingpong between the consumers; a
       second sdQ buffer (deterministic mode would hold the consumers less). Tried and dropped
       (docs/performance.md Log): the next block's S^T / dP^T issued behind this block's dQ (a
       commit group in flight across the loop's back edge makes ptxas serialize every WGMMA);
