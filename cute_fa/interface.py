@@ -561,7 +561,7 @@ def _make_plan(
     # max_seqlen_q, which the plan then keeps for every call of its signature).
     seqlen_hint = max_seqlen_q if shapes.varlen_q else shapes.seqlen_q
     _, config = dispatch.fwd_plan(_capability(device), shapes.request, seqlen_hint)
-    if getattr(config, "num_ctas", 0):  # a persistent grid: one CTA an SM of this device
+    if getattr(config, "num_ctas", 0) and not no_work:  # persistent: one CTA an SM of it
         config = config.replace(num_ctas=_sm_count(device))
     kernel = None if no_work else _compiled_kernel(config)
     wl, wr = _kernel_window(local, window_left, window_right)

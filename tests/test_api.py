@@ -219,6 +219,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(interface, "_plans", {})
     monkeypatch.setattr(interface, "_device_of", lambda *named: named[0][0].device)
     monkeypatch.setattr(interface, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(interface, "_sm_count", lambda device: 132)
     monkeypatch.setattr(interface, "_compiled_kernel", compiled_kernel)
     return kernel
 
