@@ -162,80 +162,12 @@ def gc_paused():
 
 
 def import_tvm_ffi():
-    """The ``tvm_ffi`` module; the first import in the process counts as a step. Imported
-    without loading ``cuda.bindings.driver`` when nothing has loaded it yet (Note [tvm_ffi's
-    optional CUDA driver])."""
+    """The ``tvm_ffi`` module; the first import in the process counts as a step."""
     module = sys.modules.get("tvm_ffi")
     if module is None:
         with _step("import tvm_ffi"):
-            import torch  # noqa: F401  (tvm_ffi imports it first; not inside the block below)
-
-            deferred = _DRIVER not in sys.modules
-            with _imports_blocked(_DRIVER) if deferred else contextlib.nullcontext():
-                import tvm_ffi as module
-            core = sys.modules.get("tvm_ffi.core")
-            if deferred and core is not None and getattr(core, "cuda_driver", 0) is None:
-                core.cuda_driver = _ModuleOnceImported(_DRIVER)
+            import tvm_ffi as module
     return module
-
-
-# Note [tvm_ffi's optional CUDA driver]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# ``import tvm_ffi`` tries ``from cuda.bindings import driver`` (tvm_ffi/core, function.pxi)
-# only to recognise ``cuda.bindings.driver.CUstream`` arguments of types without the
-# ``__cuda_stream__`` protocol, and loading that extension module is about half of a disk-cache
-# hit's time on the GPU host (22 of 40 ms of ``import tvm_ffi`` there, where torch does not load
-# it). cute_fa's kernels take no stream argument (the environment stream), so the first import
-# runs with that one module blocked (for the importing thread only) and then gives tvm_ffi,
-# in place of the module it could not load, a stand-in that resolves attributes in the real
-# module once anything has imported it. A CUstream object can only exist after its module was
-# imported, so tvm_ffi's ``isinstance(arg, cuda_driver.CUstream)`` answers as it would have;
-# before that it compares with a class that has no instances. Nothing changes where torch (or
-# anything else) loaded the module first.
-_DRIVER = "cuda.bindings.driver"
-
-
-class _NoInstances:
-    """A class no object is an instance of (a CUstream before its module exists)."""
-
-
-class _ModuleOnceImported:
-    """Stands in for the module ``name`` until something imports it, then forwards to it
-    (Note [tvm_ffi's optional CUDA driver])."""
-
-    def __init__(self, name: str):
-        self._name = name
-
-    def __getattr__(self, attr: str):
-        module = sys.modules.get(self._name)
-        if module is not None:
-            return getattr(module, attr)
-        if attr[:1].isupper():  # a class of the module: nothing can be an instance of it yet
-            return _NoInstances
-        raise AttributeError(f"{self._name} is not imported (no attribute {attr!r} yet)")
-
-
-class _BlockImport:
-    """A meta-path finder that makes the import of one module fail in one thread."""
-
-    def __init__(self, name: str):
-        self.name, self.thread = name, threading.get_ident()
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname == self.name and threading.get_ident() == self.thread:
-            raise ModuleNotFoundError(f"{fullname} deferred by cute_fa", name=fullname)
-        return None
-
-
-@contextlib.contextmanager
-def _imports_blocked(name: str):
-    """Within the block, importing module ``name`` in this thread raises ModuleNotFoundError."""
-    finder = _BlockImport(name)
-    sys.meta_path.insert(0, finder)
-    try:
-        yield
-    finally:
-        sys.meta_path.remove(finder)
 
 
 # --------------------------------------------------------------------------------------------
