@@ -71,8 +71,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
     rows (measured faster, ``support.SM90_FWD_3WG_DEFAULT``), 128 (two) otherwise;
     CUTE_FA_SM90_FWD_TILE_M picks 128 or 192 where it fits (``support.fwd_tile_ms``: what fits
     160 registers a consumer thread). tile_n from ``support.fwd_tile`` (128 for d <= 128, 112
-    for d 192, 80 for d 256: what fits Q plus two K/V stages in 227 KiB; d 128 without a causal
-    mask, window or softcap past 2048 query rows: 176; the reasons are there).
+    for d 192, 80 for d 256: what fits Q plus two K/V stages in 227 KiB; the reasons are there).
 
     Grid and work split
       A tile is tile_m (128 or 192) query rows of one (head, batch); its CTA visits the tile's

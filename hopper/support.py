@@ -26,13 +26,9 @@ from cute_fa.config import SMEM_CAPACITY, BwdConfig, FwdConfig, SettingError
 SM90_FWD_TILE_M = 128
 SM90_FWD_WARPS = 12
 SM90_FWD_TILE_N = {64: 128, 96: 128, 128: 128, 192: 112, 256: 80}
-# Key blocks for long query sequences (past SM90_FWD_PERSISTENT_MAX_SEQLEN rows, where the
-# persistent grid and its second Q stage are not used) without a causal mask, window or
-# softcap: d 128 takes 176 keys (S 88 + P 44 + O 64 registers, 0 spills; Q + two K/V stages
-# 208 KiB). On the H200 (same session, non-causal, `CUTE_FA_SM90_FWD_TILE_N=176`): 2k 646.7
-# against 632.9 (128 keys, persistent), 4k 658.2 / 635.1, 8k 644.9 / 643.1, 16k 664.7 / 662.7
-# TFLOPs/s; causal lost 5-12 % (more masked work on the diagonal), so it keeps 128.
-SM90_FWD_TILE_N_LONG = {128: 176}
+# Not taken: 176 keys at d 128 (S 88 + P 44 + O 64 registers, 0 spills; 208 KiB with two K/V
+# stages). Non-causal it measured +0-4 % in one session and -1 to -3 % at 4k / 8k in the next
+# (noise of that size between runs); causal -3 to -12 % (docs/performance.md, Log).
 SM90_FWD_HEAD_DIMS = tuple(SM90_FWD_TILE_N)
 # (head_dim, head_dim_v) pairs: equal head dims, and 192 x 128 (DeepSeek's q/k 192, v 128).
 SM90_FWD_HEAD_DIM_PAIRS = tuple((d, d) for d in SM90_FWD_HEAD_DIMS) + ((192, 128),)
@@ -243,13 +239,8 @@ def fwd_tile(
 
     ``tile_m`` None: the tile dispatch picks (``fwd_tile_m`` of the head dim and features);
     128 or 192: the tile of that many query rows (``fwd_can_implement`` asks for the config's).
-    ``seqlen_q`` (the call's longest query sequence) past SM90_FWD_PERSISTENT_MAX_SEQLEN picks
-    the keys of SM90_FWD_TILE_N_LONG where they apply.
     """
     tile_n = SM90_FWD_TILE_N.get(head_dim, SM90_FWD_TILE[1])
-    long_rows = seqlen_q is not None and seqlen_q > SM90_FWD_PERSISTENT_MAX_SEQLEN
-    if head_dim in SM90_FWD_TILE_N_LONG and long_rows and not (causal or local or has_softcap):
-        tile_n = SM90_FWD_TILE_N_LONG[head_dim]
     override = os.environ.get(TILE_N_ENV, "").strip()
     if override:
         if not override.isdigit() or int(override) % 16 or not 16 <= int(override) <= 256:
@@ -299,10 +290,8 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
             f"{' or '.join(SM90_FWD_3WG_FLAGS_OFF)} (more spills)"
         )
     tile_m = config.tile_m if config.tile_m in tile_ms else SM90_FWD_TILE_M
-    flags = (config.local, config.has_softcap)
-    tile = fwd_tile(config.head_dim, config.causal, tile_m, *flags)
-    long_tile = fwd_tile(config.head_dim, config.causal, tile_m, *flags, seqlen_q=1 << 30)
-    if (config.tile_m, config.tile_n, config.num_warps) not in (tile, long_tile):
+    tile = fwd_tile(config.head_dim, config.causal, tile_m)
+    if (config.tile_m, config.tile_n, config.num_warps) != tile:
         return False, (
             f"tile {config.tile_m}x{config.tile_n}w{config.num_warps} is not an sm90 forward "
             f"tile of head_dim {config.head_dim} (tile_m in {tile_ms}: "

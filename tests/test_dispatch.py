@@ -331,20 +331,3 @@ def test_sm90_persistent_grid_choice(monkeypatch):
     cls, config = dispatch.fwd_plan((9, 0), req(), short)
     assert "persistent" in config.name and cls.can_implement(config)[0]
     assert not cls.can_implement(config.replace(local=True))[0]
-
-
-def test_sm90_d128_long_rows_take_176_keys(monkeypatch):
-    """d128 without a causal mask, window or softcap takes 176 keys past
-    SM90_FWD_PERSISTENT_MAX_SEQLEN query rows (one CTA a tile), 128 up to it (persistent)."""
-    from cute_fa.hopper.support import SM90_FWD_PERSISTENT_MAX_SEQLEN as short
-
-    for env in ("CUTE_FA_SM90_FWD_TILE_N", "CUTE_FA_SM90_FWD_PERSISTENT", dispatch.FWD_ARCH_ENV):
-        monkeypatch.delenv(env, raising=False)
-    cls, config = dispatch.fwd_plan((9, 0), req(), short + 1)
-    assert (config.tile_n, config.num_ctas) == (176, 0) and cls.can_implement(config)[0]
-    assert dispatch.fwd_plan((9, 0), req(), short)[1].tile_n == 128
-    for kw in (dict(causal=True), dict(local=True), dict(has_softcap=True)):
-        assert dispatch.fwd_plan((9, 0), req(**kw), 1 << 20)[1].tile_n == 128, kw
-    assert dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64), 1 << 20)[1].tile_n == 128
-    plans = cli.precompile_configs("sm90", "sm_90a", [128], ["bf16"], ["plain"])
-    assert sorted((c.tile_n, c.num_ctas) for c, _, _ in plans) == [(128, 0), (128, 132), (176, 0)]
