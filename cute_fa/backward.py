@@ -42,7 +42,7 @@ import torch
 
 from .ampere.support import bwd_can_implement
 from .cache import CompileCache, compile_tvm_ffi, export_tvm_ffi, load_tvm_ffi
-from .config import BwdConfig, SettingError, sm80_bwd_tile, target_for_capability
+from .config import BWD_TILE_ENV, BwdConfig, SettingError, sm80_bwd_tile, target_for_capability
 from .hopper import support as sm90_support
 
 # Which main kernel runs (Note [backward dispatch]): on sm_90a the sm90 kernel
@@ -248,6 +248,37 @@ def _batch_dim(t: torch.Tensor | None, varlen: bool) -> torch.Tensor | None:
     return t.unsqueeze(0) if t is not None and varlen else t
 
 
+_launch_kernels: dict[tuple, tuple] = {}
+_MAX_LAUNCH_KERNELS = 256
+
+
+def _kernels(target, dtype, head_dim, head_dim_v, causal, local, has_softcap, varlen_q,
+             varlen_k, seqused_q, seqused_k, deterministic, has_dlse, switches):  # fmt: skip
+    """(config, preprocess, main, postprocess) of a backward request, kept per request (the
+    arguments; ``switches``: the values of CUTE_FA_BWD_ARCH and CUTE_FA_BWD_TILE): a training
+    step's backward calls then skip building the compile keys and the three cache lookups
+    (~10-25 us of Python a call)."""
+    key = (target, dtype, head_dim, head_dim_v, causal, local, has_softcap, varlen_q, varlen_k,
+           seqused_q, seqused_k, deterministic, has_dlse, switches)  # fmt: skip
+    found = _launch_kernels.get(key)
+    if found is None:
+        config = bwd_config(
+            target, dtype, head_dim, head_dim_v, causal=causal, local=local,
+            has_softcap=has_softcap, varlen_q=varlen_q, varlen_k=varlen_k, seqused_q=seqused_q,
+            seqused_k=seqused_k, deterministic=deterministic,
+        )  # fmt: skip
+        found = (
+            config,
+            bwd_pre_cache().get(pre_config(config, has_dlse)),
+            bwd_cache().get(config),
+            bwd_post_cache().get(post_config(config)),
+        )
+        if len(_launch_kernels) >= _MAX_LAUNCH_KERNELS:
+            _launch_kernels.clear()
+        _launch_kernels[key] = found
+    return found
+
+
 def run_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -294,15 +325,11 @@ def run_backward(
         )
 
     target = target_for_capability(*_capability(q.device))
-    config = bwd_config(
-        target, _DTYPE_NAMES[dtype], head_dim, head_dim_v, causal=causal, local=local,
-        has_softcap=softcap > 0, varlen_q=varlen_q, varlen_k=varlen_k,
-        seqused_q=seqused_q is not None, seqused_k=seqused_k is not None,
-        deterministic=deterministic,
+    config, pre, main, post = _kernels(
+        target, _DTYPE_NAMES[dtype], head_dim, head_dim_v, causal, local, softcap > 0, varlen_q,
+        varlen_k, seqused_q is not None, seqused_k is not None, deterministic, dlse is not None,
+        (os.environ.get(BWD_ARCH_ENV, ""), os.environ.get(BWD_TILE_ENV, "")),
     )  # fmt: skip
-    pre = bwd_pre_cache().get(pre_config(config, dlse is not None))
-    main = bwd_cache().get(config)
-    post = bwd_post_cache().get(post_config(config))
 
     if dout.dtype != dtype:
         dout = dout.to(dtype)

@@ -360,3 +360,34 @@ def test_gpu_seqused_q_rows_are_zero():
     )
     assert sum(lens) == out.shape[0]
     assert (out[2:5] == 0).all() and torch.isneginf(lse[:, 2:5]).all()
+
+
+def test_backward_kernels_are_looked_up_once_per_request(monkeypatch):
+    """run_backward keeps (config, kernels) per request; CUTE_FA_BWD_ARCH still takes effect."""
+    from cute_fa import backward, interface
+
+    built = []
+
+    class Cache:
+        def get(self, key):
+            built.append(key)
+            return lambda *args: None
+
+    for name in ("bwd_cache", "bwd_pre_cache", "bwd_post_cache"):
+        monkeypatch.setattr(backward, name, lambda: Cache())
+    monkeypatch.setattr(backward, "_launch_kernels", {})
+    monkeypatch.setattr(interface, "_capability", lambda device: (9, 0))
+    monkeypatch.delenv(backward.BWD_ARCH_ENV, raising=False)
+    q, k, v = cpu_qkv()
+    out, lse = torch.zeros_like(q), torch.zeros(2, 4, 16)
+    args = (q, k, v, out, lse, None, None, None, None, None, None, 0.125, True, None, None, 0.0)
+
+    def run(deterministic=False):
+        backward.run_backward(torch.ones_like(out), *args, deterministic)
+        return [key for key in built if hasattr(key, "tile_m")]  # main-kernel configs
+
+    assert [c.arch for c in run()] == [90]
+    assert len(run()) == 1 and len(built) == 3  # the second call looked nothing up
+    assert [c.deterministic for c in run(deterministic=True)] == [False, True]
+    monkeypatch.setenv(backward.BWD_ARCH_ENV, "80")
+    assert [c.arch for c in run()] == [90, 90, 80]
