@@ -381,7 +381,9 @@ def run_backward(
     post(dq_accum, _batch_dim(dq, varlen_q), softmax_scale)
 
     if grouped:
+        # One reduction kernel each: torch sums 16-bit tensors in fp32 and rounds the result
+        # once (as an fp32 sum then a cast would, without the cast's kernel and buffer).
         group = nheads // nheads_kv
-        dk = dk.unflatten(-2, (nheads_kv, group)).sum(-2, dtype=torch.float32).to(dtype)
-        dv = dv.unflatten(-2, (nheads_kv, group)).sum(-2, dtype=torch.float32).to(dtype)
+        dk = dk.unflatten(-2, (nheads_kv, group)).sum(-2)
+        dv = dv.unflatten(-2, (nheads_kv, group)).sum(-2)
     return dq, dk, dv
