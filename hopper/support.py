@@ -105,6 +105,8 @@ DEFER_RESCALE_ENV = "CUTE_FA_SM90_FWD_DEFER_RESCALE"
 #     +5 %, +4 % from 512 to 8k, -2.4 % at 16k;
 #   d256 (one Q stage): -2 to -4 % causal at 512 / 1k and 16k, +2-6 % causal at 2k-8k, +3 %
 #     non-causal up to 2k: within the noise either way, so not by default.
+# d96 also gets two Q stages and so the default; its speed was not measured (the rule follows
+# d64 / d128). (192, 128) and d192 have one stage, like d256.
 # Switch: CUTE_FA_SM90_FWD_PERSISTENT=1 for every call that fits, =0 for none. Read when a
 # launch plan is made.
 PERSISTENT_ENV = "CUTE_FA_SM90_FWD_PERSISTENT"
