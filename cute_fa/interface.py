@@ -452,24 +452,25 @@ def _device_of(*named_tensors) -> torch.device:
     return device
 
 
-_capabilities: dict[int, tuple[int, int]] = {}
-_sm_counts: dict[int, int] = {}  # device index -> SMs (persistent grids)
+_device_facts: dict[int, tuple[tuple[int, int], int]] = {}  # index -> (capability, SMs)
+
+
+def _facts(device: torch.device) -> tuple[tuple[int, int], int]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    facts = _device_facts.get(index)
+    if facts is None:
+        props = torch.cuda.get_device_properties(index)
+        facts = _device_facts[index] = ((props.major, props.minor), props.multi_processor_count)
+    return facts
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    cap = _capabilities.get(index)
-    if cap is None:
-        cap = _capabilities[index] = tuple(torch.cuda.get_device_capability(index))
-    return cap
+    return _facts(device)[0]
 
 
 def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    count = _sm_counts.get(index)
-    if count is None:
-        count = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return count
+    """SMs of the device (the CTAs of a persistent grid)."""
+    return _facts(device)[1]
 
 
 def _compiled_kernel(config):
@@ -803,14 +804,10 @@ def _check_learnable_sink(sink, nheads: int, q: torch.Tensor) -> None:
 def _apply_learnable_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor):
     """(out, lse) of attention with one more logit per head, ``sink``, in every row's softmax
     denominator (Note [learnable sink])."""
-    if lse.dim() == 3:  # (batch, nheads, seqlen_q); out (batch, seqlen_q, nheads, dv)
-        logit = sink.to(lse.dtype).view(1, -1, 1)
-        lse_all = torch.logaddexp(lse, logit)
-        ratio = torch.exp(lse - lse_all).transpose(1, 2)
-    else:  # packed queries: (nheads, total_q); out (total_q, nheads, dv)
-        logit = sink.to(lse.dtype).view(-1, 1)
-        lse_all = torch.logaddexp(lse, logit)
-        ratio = torch.exp(lse - lse_all).transpose(0, 1)
+    # lse (batch, nheads, seqlen_q) and out (batch, seqlen_q, nheads, dv), or packed queries:
+    # lse (nheads, total_q) and out (total_q, nheads, dv). Either way heads are lse's dim -2.
+    lse_all = torch.logaddexp(lse, sink.to(lse.dtype).unsqueeze(-1))
+    ratio = torch.exp(lse - lse_all).transpose(-1, -2)
     # A row with lse = -inf (no key) and a sink of -inf: nothing at all, out 0 (not NaN).
     ratio = torch.where(torch.isnan(ratio), torch.zeros_like(ratio), ratio)
     wide = out if out.element_size() >= 4 else out.float()  # 16-bit out: scale in fp32

@@ -193,7 +193,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
     Not yet: TMA-store epilogue, head_dim_v != head_dim other than 192 x 128, tuned
       tile shapes and stage counts, persistent scheduling of window and varlen calls (tiles of
       unequal cost want a dynamic schedule); three consumers spill in the persistent loop when
-      causal, so d 64 causal from 2k rows runs one CTA a tile.
+      causal, so d 64 causal from 4k rows (192 rows a tile) runs one CTA a tile.
     """
 
     arch = 90
@@ -422,9 +422,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
     @cute.jit
     def tile_work(self, tile: tuple, gmem: tuple, window: tuple):
         """Where tile ``tile`` (unit, second; Note [persistent tiles]) lies and which key blocks
-        it visits: (m_block, its
-        sequence's (seqlen_q, seqlen_k), the (head, batch) slices of Q, K, V (TMA coordinate
-        tensors), O and LSE, and block_range's four bounds)."""
+        it visits: (m_block, its sequence's seqlen_q and seqlen_k, the (head, batch) slices of
+        Q, K, V (TMA coordinate tensors), O and LSE, and block_range's four bounds)."""
         (mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE,
          mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK) = gmem  # fmt: skip
         if cutlass.const_expr(self.num_ctas > 0):
