@@ -97,8 +97,3 @@ def store_zeros(gX: cute.Tensor, rows_left: Int32, copy_r2g: cute.TiledCopy, tid
     for m in cutlass.range_constexpr(cute.size(tXgX.shape[1])):
         if tXcX[0, m, 0][0] < rows_left:
             cute.copy(copy_r2g, tXrX[None, m, None], tXgX[None, m, None])
-
-
-def transposed(sX: cute.Tensor, rows: int, cols: int) -> cute.Tensor:
-    """(cols, rows) view of a (rows, cols) shared-memory tile, for ldmatrix.trans operands."""
-    return cute.composition(sX, cute.make_layout((cols, rows), stride=(rows, 1)))

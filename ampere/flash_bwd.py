@@ -9,7 +9,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
-from cute_fa.dsl.copy import elem_ptr
+from cute_fa.dsl.copy import elem_ptr, transposed
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import (
     apply_mask,
@@ -20,7 +20,7 @@ from cute_fa.dsl.mask import (
 from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import lse_for_recompute, mn_view, score_scales, softcap_scores
 
-from .copy import gmem_tiled_copies, load_rows, smem_layout, store_acc, store_zeros, transposed
+from .copy import gmem_tiled_copies, load_rows, smem_layout, store_acc, store_zeros
 from .mma import gemm
 from .support import bwd_can_implement, bwd_q_stages
 
@@ -438,14 +438,14 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         barrier.arrive_and_wait()
 
         # dV += P^T dO, dK += dS^T Q, dQ = dS K.
-        self.mma_ss(mma_dkv, acc_dV, transposed(sP, tm, tn), transposed(sdO, tm, d),
+        self.mma_ss(mma_dkv, acc_dV, transposed(sP), transposed(sdO),
                     ldsm_t, ldsm_t, tidx)  # fmt: skip
-        self.mma_ss(mma_dkv, acc_dK, transposed(sdS, tm, tn), transposed(sQ, tm, d),
+        self.mma_ss(mma_dkv, acc_dK, transposed(sdS), transposed(sQ),
                     ldsm_t, ldsm_t, tidx)  # fmt: skip
         thr_dq = mma_dq.get_slice(tidx)
         acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, d)), Float32)
         acc_dQ.fill(0.0)
-        self.mma_ss(mma_dq, acc_dQ, sdS, transposed(sK, tn, d), ldsm, ldsm_t, tidx)
+        self.mma_ss(mma_dq, acc_dQ, sdS, transposed(sK), ldsm, ldsm_t, tidx)
         gdQ = cute.local_tile(mdQaccum, (tm, d), (m_block, 0))
         tdQgdQ = thr_dq.partition_C(gdQ)
         tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((tm, d)))

@@ -14,7 +14,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from cute_fa.config import FwdConfig
-from cute_fa.dsl.copy import acc_to_smem, row_store_copy, store_rows
+from cute_fa.dsl.copy import acc_to_smem, row_store_copy, store_rows, transposed
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask, block_range
 from cute_fa.dsl.scheduler import next_tile, tile_coords, unit_count
@@ -25,7 +25,6 @@ from .fragments import (
     acc_as_rs_operand,
     convert_in_chunks,
     gemm_over_k,
-    transposed,
     zero_rows_from,
 )
 from .support import (

@@ -1,6 +1,6 @@
 """WGMMA helpers shared by the sm90 kernels: issuing one GEMM over the k slices of its fragments,
 a WGMMA accumulator reused, in 16 bits, as the register A operand of the next WGMMA (P V in
-the forward, P^T dO and dS^T Q in the backward), and shared-memory tile views and fills."""
+the forward, P^T dO and dS^T Q in the backward), and zeroing the rows of a shared-memory tile."""
 
 from __future__ import annotations
 
@@ -66,13 +66,6 @@ def acc_as_rs_operand(rP: cute.Tensor) -> cute.Tensor:
         ),
     )
     return cute.make_tensor(rP.iterator, layout)
-
-
-def transposed(t: cute.Tensor) -> cute.Tensor:
-    """The same elements with the first two modes swapped (a (rows, cols, ...) smem tile viewed
-    as (cols, rows, ...)); a K-major WGMMA layout becomes the MN-major one of the other GEMM."""
-    modes = [1, 0] + list(range(2, cute.rank(t.layout)))
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
 @cute.jit

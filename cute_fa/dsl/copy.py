@@ -1,6 +1,6 @@
 """Copies every architecture's kernels make: an fp32 MMA accumulator to a 16-bit shared-memory
-tile, a shared-memory tile to global memory in 16-byte row-predicated stores, and the address of
-one element (for atomics)."""
+tile, a shared-memory tile to global memory in 16-byte row-predicated stores, the address of
+one element (for atomics), and the transposed view of a tile."""
 
 from __future__ import annotations
 
@@ -62,3 +62,11 @@ def store_rows(
     for m in cutlass.range_constexpr(cute.size(tXgX.shape[1])):
         if tXcX[0, m, 0][0] < rows_left:
             cute.copy(copy_r2g, tXrX[None, m, None], tXgX[None, m, None])
+
+
+def transposed(t: cute.Tensor) -> cute.Tensor:
+    """The same elements with the first two modes swapped: a (rows, cols, ...) tile viewed as
+    (cols, rows, ...) (an ldmatrix.trans operand on sm80; on sm90 a K-major WGMMA operand viewed
+    MN-major for the other GEMM)."""
+    modes = [1, 0] + list(range(2, cute.rank(t.layout)))
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
