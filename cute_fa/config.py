@@ -208,6 +208,13 @@ SM80_BWD_TILES = {
     256: (64, 64, 8),
 }
 
+# Where shared memory is 99 KiB (sm_86, sm_89, sm_120a: consumer GPUs), the table's 64x128 tile of
+# d96 (105 KiB) and d128 (129 KiB) does not fit; 64 keys a CTA do (65 / 81 KiB, one Q/dO stage;
+# SASS for sm_86: 0 spills, 174-242 registers with every feature flag). d192 and d256 fit no
+# tile there (d256 at 64x64: 145 KiB) and raise NotImplementedError with the reason. Not run on
+# those GPUs; the H200 runs this tile as the sm80 kernel (tests/test_bwd_gpu.py).
+SM80_BWD_TILES_SMALL_SMEM = {96: (64, 64, 8), 128: (64, 64, 8)}
+
 # Causal overrides where shared memory holds them: d64 causal 128x128 w8 measured +7-9 % over
 # 64x128 w8 at 2k and 8k on the H200 (docs/bench/2026-11-30-h200-bwd-d64-128x128w8.csv;
 # non-causal +0-1 %, so it keeps the table's tile).
@@ -238,6 +245,9 @@ def sm80_bwd_tile(head_dim: int, target: str, causal: bool = False) -> tuple[int
             raise SettingError(f"{BWD_TILE_ENV}={override!r}: expected e.g. 64x128w8")
         tile_m, tile_n, num_warps = (int(g) for g in match.groups())
         return tile_m, tile_n, num_warps
-    if causal and head_dim in SM80_BWD_TILES_CAUSAL and SMEM_CAPACITY.get(target, 0) >= 160 * 1024:
+    big_smem = SMEM_CAPACITY.get(target, 0) >= 160 * 1024
+    if causal and head_dim in SM80_BWD_TILES_CAUSAL and big_smem:
         return SM80_BWD_TILES_CAUSAL[head_dim]
+    if not big_smem and head_dim in SM80_BWD_TILES_SMALL_SMEM:
+        return SM80_BWD_TILES_SMALL_SMEM[head_dim]
     return SM80_BWD_TILES[head_dim]

@@ -165,6 +165,22 @@ def test_bwd(d, causal, window, h_kv, seqlen_q, seqlen_k):
     run_bwd_and_check(batch, seqlen_q, seqlen_k, NHEADS, h_kv, d, causal=causal, window=window)
 
 
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (1000, 1000), (300, 100)],
+                         ids=["113x203", "1000", "300x100"])  # fmt: skip
+@pytest.mark.parametrize("causal,window", [MASKS[0], MASKS[1], MASKS[2]])
+@pytest.mark.parametrize("d", [96, 128], ids=["d96", "d128"])
+def test_bwd_sm80_small_smem_tile(monkeypatch, d, causal, window, seqlen_q, seqlen_k):
+    """The sm80 backward's tile for 99 KiB of shared memory (sm_86 / sm_89 / sm_120a: 64 x 64,
+    8 warps; config.SM80_BWD_TILES_SMALL_SMEM), run here as the sm80 kernel with that tile."""
+    from cute_fa.config import SM80_BWD_TILES_SMALL_SMEM
+
+    tile_m, tile_n, warps = SM80_BWD_TILES_SMALL_SMEM[d]
+    monkeypatch.setenv("CUTE_FA_BWD_ARCH", "80")
+    monkeypatch.setenv("CUTE_FA_BWD_TILE", f"{tile_m}x{tile_n}w{warps}")
+    run_bwd_and_check(2, seqlen_q, seqlen_k, NHEADS, 2, d, causal=causal, window=window,
+                      softcap=15.0 if d == 128 else 0.0)  # fmt: skip
+
+
 SOFTCAP_CASES = [(64, True, (None, None)), (128, True, (None, None)), (256, True, (None, None)),
                  (128, False, (32, 32))]  # fmt: skip
 

@@ -220,3 +220,26 @@ def test_bwd_config_uses_the_tile_table() -> None:
         assert bwd_config("sm_90a", "bf16", d, d, causal=True).arch == family
     with pytest.raises(NotImplementedError, match="head_dim"):
         bwd_config("sm_90a", "bf16", 80, 80)
+
+
+@pytest.mark.parametrize("d", [96, 128])
+def test_main_kernel_compiles_for_small_smem_targets(d: int) -> None:
+    """99 KiB of shared memory (sm_86 / sm_89 / sm_120a): d96 and d128 take 64 keys a CTA."""
+    _check_main(_main_config(d, "sm_86", causal=True, has_softcap=True, varlen_q=True,
+                             varlen_k=True))  # fmt: skip
+
+
+def test_small_smem_targets_get_a_backward_that_fits() -> None:
+    from cute_fa.ampere.support import bwd_can_implement
+
+    from cute_fa.backward import bwd_config
+
+    for target in ("sm_86", "sm_89", "sm_120a"):
+        for d in (64, 96, 128):
+            config = bwd_config(target, "bf16", d, d, causal=d == 128)
+            assert bwd_can_implement(config) == (True, ""), (target, d)
+        assert (config.tile_m, config.tile_n) == (64, 64)  # d128
+        for d in (192, 256):
+            with pytest.raises(NotImplementedError, match="shared memory"):
+                bwd_config(target, "bf16", d, d)
+    assert sm80_bwd_tile(128, "sm_80") == (64, 128, 8)  # big shared memory keeps the table's
