@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cute_fa.config import SM80_BWD_TILES, SM80_FWD_TILES
+from cute_fa.config import SM80_BWD_TILES, SM80_BWD_TILES_SMALL_SMEM, SM80_FWD_TILES
 from cute_fa.tune import (
     BWD_CANDIDATES,
     CANDIDATES,
@@ -36,6 +36,8 @@ def test_command_line():
 def test_the_backward_tile_is_among_the_candidates_and_implementable(d):
     assert SM80_BWD_TILES[d] in BWD_CANDIDATES[d]
     assert SM80_BWD_TILES[d] in bwd_candidate_tiles(d, "sm_90a", causal=False)
+    if d in SM80_BWD_TILES_SMALL_SMEM:  # the 99 KiB targets' tile is a candidate there
+        assert SM80_BWD_TILES_SMALL_SMEM[d] in bwd_candidate_tiles(d, "sm_86", causal=False)
 
 
 def test_backward_candidates_are_filtered_by_shared_memory():
