@@ -128,14 +128,15 @@ def test_feature_matrix_is_generated_from_can_implement(monkeypatch):
     assert rows["bf16, head_dim 128"] == expect
     assert rows["causal"] == expect
     assert all(cell.startswith("-(") for cell in rows["bf16, head_dim 80"])
-    # The backward tiles need more than the 99 KiB of shared memory of sm86/sm89/sm120.
     for target in ("sm_80", "sm_90a", "sm_100a"):
         family = "sm90" if target == "sm_90a" else "sm80"  # Note [backward dispatch]
         assert rows["backward, head_dim 128"][columns.index(target)] == family
         assert rows["backward, causal"][columns.index(target)] == family
     # The sm90 backward does deterministic dQ too (semaphores in its dQ writer warp).
     assert rows["backward, deterministic=True"][columns.index("sm_90a")] == "sm90"
-    assert rows["backward, head_dim 128"][columns.index("sm_86")].startswith("-(")
+    # 99 KiB of shared memory (sm86/sm89/sm120): d128 takes a 64-key tile, d256 fits none.
+    assert rows["backward, head_dim 128"][columns.index("sm_86")] == "sm80"
+    assert rows["backward, head_dim 256"][columns.index("sm_86")].startswith("-(")
     served = [cell.startswith("sm") for cell in rows["backward, deterministic=True"]]
     assert served == [cell.startswith("sm") for cell in rows["backward, head_dim 128"]]
     assert any("head_dim=80" in note for note in notes)
