@@ -22,7 +22,7 @@ from cute_fa.dsl.softmax import lse_for_recompute, mn_view, score_scales, softca
 
 from .copy import gmem_tiled_copies, load_rows, smem_layout, store_acc, store_zeros
 from .mma import gemm
-from .support import bwd_can_implement, bwd_q_stages
+from .support import bwd_can_implement, bwd_q_stages, dq_accum_offset
 
 
 def warp_rows(rows: int, cols: int, num_warps: int, preferred: int) -> int:
@@ -38,6 +38,21 @@ def warp_rows(rows: int, cols: int, num_warps: int, preferred: int) -> int:
     return min(splits, key=lambda m: (rows * num_warps // m + cols * m, abs(m - preferred)))
 
 
+def tiled_mma(dtype, rows: int, cols: int, num_warps: int, preferred: int) -> cute.TiledMma:
+    """m16n8k16 tiled MMA of a (rows, cols) product over ``num_warps`` warps (``warp_rows``)."""
+    m = warp_rows(rows, cols, num_warps, preferred)
+    atom = warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16))
+    return cute.make_tiled_mma(
+        atom, (m, num_warps // m, 1), permutation_mnk=(16 * m, 16 * num_warps // m, 16)
+    )
+
+
+def dq_tiled_mma(dtype, tile_m: int, head_dim: int, num_warps: int) -> cute.TiledMma:
+    """The tiled MMA of dQ = dS K, whose C fragments fix the order of the dQ accumulator
+    (Note [dQ accumulator in fragment order]); the postprocess reads it with the same one."""
+    return tiled_mma(dtype, tile_m, head_dim, num_warps, 2)
+
+
 class FlashAttentionBackwardSm80(AttentionKernel):
     """Exact attention backward (dQ, dK, dV), FA2 design, for every GPU from sm80 up.
 
@@ -46,7 +61,9 @@ class FlashAttentionBackwardSm80(AttentionKernel):
       (query head, batch), keeps their dK and dV in registers and walks the query blocks that
       see them (causal/local skip the rest), tile_m rows at a time. P is recomputed from Q, K
       and the forward's LSE: neither S nor P ever goes to global memory. dQ of each query block
-      is added to an fp32 buffer with atomics (the postprocess kernel scales and casts it).
+      is added to an fp32 buffer with atomics, each block's tile_m x d floats in the order of
+      the dQ MMA's fragments (Note [dQ accumulator in fragment order] in ``support``: one L2
+      line per warp instruction); the postprocess kernel reorders, scales and casts it.
       GQA: the CTA of query head h reads K/V head h // (h / h_kv) and writes dK/dV for head h;
       the caller sums each group.
     Warps (num_warps, all identical)
@@ -68,7 +85,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
       dS = P (dP - delta)  (softcap: times 1 - tanh^2)
       P, dS -> sP, sdS; barrier
       dV += P^T dO, dK += dS^T Q                      (ldmatrix.trans A and B)
-      dQ = dS K; atomically added to dQaccum          (ldmatrix.trans B)
+      dQ = dS K; atomically added to dQaccum          (ldmatrix.trans B; fragment order)
       barrier (this stage and sP, sdS free: block m + 2 may load into the stage)
     Deterministic mode (config.deterministic): before its dQ atomics for query block m, thread 0
       spins until the semaphore of (batch, head, m) equals the number of key blocks before this one
@@ -139,12 +156,10 @@ class FlashAttentionBackwardSm80(AttentionKernel):
             sdPsum: cute.struct.Align[cute.struct.MemRange[Float32, tm * stages], 128]
 
         copy_g2s, copy_r2g = gmem_tiled_copies(self.dtype, self.num_threads, d)
-        atom = warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16))
         w = self.num_warps
-        mma_sdp, mma_dkv, mma_dq = (
-            cute.make_tiled_mma(atom, (m, w // m, 1), permutation_mnk=(16 * m, 16 * w // m, 16))
-            for m in (warp_rows(tm, tn, w, 2), warp_rows(tn, d, w, 4), warp_rows(tm, d, w, 2))
-        )
+        mma_sdp = tiled_mma(self.dtype, tm, tn, w, 2)
+        mma_dkv = tiled_mma(self.dtype, tn, d, w, 4)
+        mma_dq = dq_tiled_mma(self.dtype, tm, d, w)
 
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
 
@@ -206,12 +221,14 @@ class FlashAttentionBackwardSm80(AttentionKernel):
             head_kv = head // (mQ.shape[2] // mK.shape[2])
             qb = 0 if cutlass.const_expr(mCuSeqlensQ is not None) else batch
             kb = 0 if cutlass.const_expr(mCuSeqlensK is not None) else batch
+            # dQaccum blocks of sequence b start tile_m * b rows further down (varlen).
+            offset_acc = dq_accum_offset(offset_q, batch, tm, mCuSeqlensQ is not None)
             q_rows = (
                 cute.domain_offset((offset_q, 0), mQ[qb, None, head, None]),
                 cute.domain_offset((offset_q, 0), mdO[qb, None, head, None]),
                 cute.domain_offset((offset_q,), mLSE[qb, head, None]),
                 cute.domain_offset((offset_q,), mdPsum[qb, head, None]),
-                cute.domain_offset((offset_q, 0), mdQaccum[qb, head, None, None]),
+                cute.domain_offset((offset_acc, 0), mdQaccum[qb, head, None, None]),
                 mdQsemaphore[batch, head, None] if cutlass.const_expr(self.deterministic) else None,
             )
             mK_cur = cute.domain_offset((offset_k, 0), mK[kb, None, head_kv, None])
@@ -233,7 +250,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
                 store_zeros(gdK, keys_left, copy_r2g, tidx)
                 store_zeros(gdV, keys_left, copy_r2g, tidx)
             else:
-                smem = cutlass.utils.SmemAllocator()
+                smem = cutlass.memory.SmemAllocator()
                 storage = smem.allocate(SharedStorage)
                 smem_tiles = (
                     storage.sK.get_tensor(sK_layout),
@@ -446,8 +463,10 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, d)), Float32)
         acc_dQ.fill(0.0)
         self.mma_ss(mma_dq, acc_dQ, sdS, transposed(sK), ldsm, ldsm_t, tidx)
+        # The block's tm x d floats in fragment order: value i of thread t at i * threads + t,
+        # so each atomic instruction of a warp covers 32 consecutive floats.
         gdQ = cute.local_tile(mdQaccum, (tm, d), (m_block, 0))
-        tdQgdQ = thr_dq.partition_C(gdQ)
+        block = cute.make_tensor(gdQ.iterator, cute.make_layout(tm * d))
         tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((tm, d)))
         if cutlass.const_expr(self.deterministic):
             # Wait for this block's turn: the key blocks before it that see query block
@@ -462,7 +481,9 @@ class FlashAttentionBackwardSm80(AttentionKernel):
             barrier.arrive_and_wait()
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
             if tdQcdQ[i][0] < rows_left:
-                cute.arch.atomic_add(elem_ptr(tdQgdQ, i).llvm_ptr, acc_dQ[i])
+                cute.arch.atomic_add(
+                    elem_ptr(block, i * self.num_threads + tidx).llvm_ptr, acc_dQ[i]
+                )
         barrier.arrive_and_wait()
         if cutlass.const_expr(self.deterministic):
             # Release: every thread's atomics precede the barrier, the barrier precedes thread

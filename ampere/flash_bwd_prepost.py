@@ -15,11 +15,16 @@ from dataclasses import dataclass
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32
 from cutlass.cute.runtime import make_fake_stream
 
 from cute_fa.config import DTYPES
-from cute_fa.dsl.fake import DTYPE, fake_accum, fake_lse, fake_qkv
+from cute_fa.dsl.fake import DTYPE, fake_accum, fake_int32_vector, fake_lse, fake_qkv
+
+from .copy import smem_layout, store_acc
+from .flash_bwd import dq_tiled_mma
+from .support import dq_accum_offset
 
 MAX_HEAD_DIM = 256
 
@@ -51,12 +56,20 @@ class BwdPreConfig:
 
 @dataclass(frozen=True)
 class BwdPostConfig:
-    """Compile key of the backward postprocess kernel (dQ = dQaccum * scale, cast)."""
+    """Compile key of the backward postprocess kernel (dQ = dQaccum * scale, cast).
+
+    ``tile_m`` = 0: dQaccum is row-major (the sm90 backward's). ``tile_m`` > 0: it is in the
+    fragment order of the sm80 backward's dQ MMA for (tile_m, num_warps), and ``varlen_q`` says
+    whether sequences are packed (Note [dQ accumulator in fragment order] in
+    ``ampere/support.py``)."""
 
     arch: int
     target: str
     dtype: str
     head_dim: int
+    tile_m: int = 0
+    num_warps: int = 0
+    varlen_q: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -67,7 +80,9 @@ class BwdPostConfig:
 
     @property
     def name(self) -> str:
-        return f"bwdpost_sm{self.arch}_{self.target}_{self.dtype}_d{self.head_dim}"
+        order = f"_frag{self.tile_m}w{self.num_warps}" if self.tile_m else ""
+        varlen = "_varlen" if self.varlen_q else ""
+        return f"bwdpost_sm{self.arch}_{self.target}_{self.dtype}_d{self.head_dim}{order}{varlen}"
 
 
 def _check_dim(dim: int, what: str) -> str:
@@ -100,12 +115,13 @@ class FlashAttentionBackwardPreprocessSm80:
     given, and dQaccum[b, h, i, :] = 0: everything the main backward kernel needs zeroed or
     precomputed per query row.
 
-    Grid: (ceil(rows / tile_m), heads, batch), with rows = O.shape[1] (the packed total for
-    varlen, whose batch dim is 1). One CTA of 128 threads handles tile_m rows of one (head,
-    batch): a row of O / dO is read as 128-bit chunks by ``tpr`` neighbouring lanes (tpr a power
-    of two up to 8), each lane sums its products in fp32 and ``log2(tpr)`` butterfly shuffles
-    finish the row; the row's first lane stores delta. The same CTA writes zeros over its rows
-    of dQaccum with 128-bit stores. Rows past the tensor's end are neither read nor written.
+    Grid: (ceil(rows / tile_m), heads, batch), with rows = dQaccum.shape[2] (at least O's rows,
+    the packed total for varlen, whose batch dim is 1; more where the sm80 backward pads it).
+    One CTA of 128 threads handles tile_m rows of one (head, batch): a row of O / dO is read as
+    128-bit chunks by ``tpr`` neighbouring lanes (tpr a power of two up to 8), each lane sums
+    its products in fp32 and ``log2(tpr)`` butterfly shuffles finish the row; the row's first
+    lane stores delta. The same CTA writes zeros over its rows of dQaccum with 128-bit stores.
+    Rows past a tensor's end are neither read nor written.
     """
 
     arch = 80
@@ -161,7 +177,9 @@ class FlashAttentionBackwardPreprocessSm80:
     ):
         copy_o = _row_copy(self.dtype, self.num_threads, self.head_dim_v, self.elems, 8)
         copy_acc = _row_copy(Float32, self.num_threads, self.head_dim, 4, 16)
-        grid = (cute.ceil_div(mO.shape[1], self.tile_m), cute.size(mO.shape[2]), mO.shape[0])
+        # dQaccum has at least O's rows (more when padded: Note [dQ accumulator in fragment
+        # order]); the grid covers all of them.
+        grid = (cute.ceil_div(mdQaccum.shape[2], self.tile_m), cute.size(mO.shape[2]), mO.shape[0])
         self.kernel(mO, mdO, mdLSE, mdPsum, mdQaccum, copy_o, copy_acc).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream
         )
@@ -216,22 +234,31 @@ class FlashAttentionBackwardPreprocessSm80:
         tQcQ = thr_acc.partition_D(cute.make_identity_tensor((tile_m, d)))
         zeros = cute.make_fragment_like(tQgQ[None, 0, None], Float32)
         zeros.fill(0.0)
+        acc_rows_left = mdQaccum.shape[2] - row0
         for m in cutlass.range_constexpr(cute.size(tQgQ.shape[1])):
-            if tQcQ[0, m, 0][0] < rows_left:
+            if tQcQ[0, m, 0][0] < acc_rows_left:
                 cute.copy(copy_acc, zeros, tQgQ[None, m, None])
 
 
 class FlashAttentionBackwardPostprocessSm80:
-    """dQ[b, i, h, :] = (dQaccum[b, h, i, :] * softmax_scale).to(dtype).
+    """dQ[b, i, h, :] = (dQaccum[b, h, i', :] * softmax_scale).to(dtype).
 
-    Grid: (ceil(rows / tile_m), heads, batch), rows = dQ.shape[1]. One CTA of 128 threads
-    converts tile_m rows of one (head, batch); each thread takes 8 consecutive elements at a
-    time: two 128-bit fp32 loads and one 128-bit 16-bit store. Rows past the end are skipped.
+    Rows (config.tile_m = 0, the sm90 backward's accumulator): i' = i. Grid: (ceil(rows / 64),
+      heads, batch), rows = dQ.shape[1]. One CTA of 128 threads converts 64 rows of one (head,
+      batch); each thread takes 8 consecutive elements at a time: two 128-bit fp32 loads and one
+      128-bit 16-bit store. Rows past the end are skipped.
+    Fragment order (config.tile_m > 0, the sm80 backward's): each tile_m x d block holds the dQ
+      MMA's C fragments, value j of thread t at j * threads + t (Note [dQ accumulator in fragment
+      order] in ``support``). Grid: (ceil(max_seqlen_q / tile_m), heads, batch or sequences), one
+      CTA of the main kernel's num_warps warps per block: thread t loads its values (each load
+      instruction of a warp reads 128 consecutive bytes), scales them, stages them in shared
+      memory in the MMA's C layout and writes the block's rows below the sequence's length
+      (cu_seqlens only: rows past seqused get the zeros nobody added to) with 128-bit stores.
     """
 
     arch = 80
-    num_threads = 128
-    tile_m = 64
+    rows_threads = 128
+    rows_tile_m = 64
 
     def __init__(self, config: BwdPostConfig):
         ok, reason = self.can_implement(config)
@@ -240,22 +267,39 @@ class FlashAttentionBackwardPostprocessSm80:
         self.config = config
         self.dtype = DTYPE[config.dtype]
         self.head_dim = config.head_dim
+        self.fragments = config.tile_m > 0
+        if self.fragments:
+            self.tile_m, self.num_threads = config.tile_m, 32 * config.num_warps
+        else:
+            self.tile_m, self.num_threads = self.rows_tile_m, self.rows_threads
 
     @staticmethod
     def can_implement(config: BwdPostConfig) -> tuple[bool, str]:
         if config.arch != 80:
             return False, f"config is for sm{config.arch}, this kernel is sm80"
         reason = _check_dim(config.head_dim, "head_dim")
-        return (not reason), reason
+        if reason:
+            return False, reason
+        if config.tile_m == 0 and (config.num_warps or config.varlen_q):
+            return False, "num_warps and varlen_q only go with a fragment order (tile_m > 0)"
+        if config.tile_m and (config.head_dim % 16 or config.tile_m % 16 or config.num_warps <= 0):
+            return False, (
+                f"fragment order needs head_dim and tile_m multiples of 16 and warps, got "
+                f"{config.head_dim}, {config.tile_m}, {config.num_warps} warps"
+            )
+        return True, ""
 
     @staticmethod
     def fake_args(config: BwdPostConfig) -> tuple:
-        """Arguments of ``__call__`` for ``cute.compile``: mdQaccum (b, h, s, d) fp32,
-        mdQ (b, s, h, d), softmax_scale: Float32, stream. Varlen: b = 1, s = total_q."""
+        """Arguments of ``__call__`` for ``cute.compile``: mdQaccum (b, h, s_acc, d) fp32,
+        mdQ (b, s, h, d), softmax_scale: Float32, mCuSeqlensQ (sequences + 1,) int32 or None,
+        max_seqlen_q: Int32, stream. Varlen: b = 1, s = total_q."""
         return (
             fake_accum(config.head_dim),
             fake_qkv(DTYPE[config.dtype], config.head_dim),
             Float32(1.0),
+            fake_int32_vector() if config.varlen_q else None,
+            Int32(0),
             make_fake_stream(),
         )
 
@@ -265,14 +309,29 @@ class FlashAttentionBackwardPostprocessSm80:
         mdQaccum: cute.Tensor,
         mdQ: cute.Tensor,
         softmax_scale: Float32,
+        mCuSeqlensQ: cute.Tensor | None,
+        max_seqlen_q: Int32,
         stream: cuda.CUstream,
     ):
-        copy_acc = _row_copy(Float32, self.num_threads, self.head_dim, 8, 8)
         copy_dq = _row_copy(self.dtype, self.num_threads, self.head_dim, 8, 8)
-        grid = (cute.ceil_div(mdQ.shape[1], self.tile_m), cute.size(mdQ.shape[2]), mdQ.shape[0])
-        self.kernel(mdQaccum, mdQ, softmax_scale, copy_acc, copy_dq).launch(
-            grid=grid, block=[self.num_threads, 1, 1], stream=stream
-        )
+        if cutlass.const_expr(self.fragments):
+            mma_dq = dq_tiled_mma(self.dtype, self.tile_m, self.head_dim, self.num_threads // 32)
+            sdQ_layout = smem_layout(self.dtype, self.tile_m, self.head_dim)
+            batch = mdQ.shape[0]
+            rows = mdQ.shape[1]
+            if cutlass.const_expr(mCuSeqlensQ is not None):
+                batch = mCuSeqlensQ.shape[0] - 1
+                rows = max_seqlen_q
+            grid = (cute.ceil_div(rows, self.tile_m), cute.size(mdQ.shape[2]), batch)
+            self.kernel_fragments(
+                mdQaccum, mdQ, softmax_scale, mCuSeqlensQ, mma_dq, sdQ_layout, copy_dq
+            ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+        else:
+            copy_acc = _row_copy(Float32, self.num_threads, self.head_dim, 8, 8)
+            grid = (cute.ceil_div(mdQ.shape[1], self.tile_m), cute.size(mdQ.shape[2]), mdQ.shape[0])
+            self.kernel(mdQaccum, mdQ, softmax_scale, copy_acc, copy_dq).launch(
+                grid=grid, block=[self.num_threads, 1, 1], stream=stream
+            )
 
     @cute.kernel
     def kernel(
@@ -302,3 +361,49 @@ class FlashAttentionBackwardPostprocessSm80:
                 rQ = cute.make_fragment_like(tQgQ[None, m, None], self.dtype)
                 rQ.store((rA.load() * softmax_scale).to(self.dtype))
                 cute.copy(copy_dq, rQ, tQgQ[None, m, None])
+
+    @cute.kernel
+    def kernel_fragments(
+        self,
+        mdQaccum: cute.Tensor,
+        mdQ: cute.Tensor,
+        softmax_scale: Float32,
+        mCuSeqlensQ: cute.Tensor | None,
+        mma_dq: cute.TiledMma,
+        sdQ_layout: cute.ComposedLayout,
+        copy_dq: cute.TiledCopy,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        tile_m, d = self.tile_m, self.head_dim
+        varlen = mCuSeqlensQ is not None
+        offset_q = Int32(0)
+        seqlen_q = Int32(mdQ.shape[1])
+        if cutlass.const_expr(varlen):
+            offset_q = mCuSeqlensQ[batch]
+            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+        rows_left = seqlen_q - m_block * tile_m
+        if rows_left > 0:
+            qb = 0 if cutlass.const_expr(varlen) else batch
+            offset_acc = dq_accum_offset(offset_q, batch, tile_m, varlen)
+            gAcc = cute.local_tile(
+                cute.domain_offset((offset_acc, 0), mdQaccum[qb, head, None, None]),
+                (tile_m, d), (m_block, 0),
+            )  # fmt: skip
+            thr_dq = mma_dq.get_slice(tidx)
+            acc = cute.make_rmem_tensor(thr_dq.partition_shape_C((tile_m, d)), Float32)
+            # This thread's values: the j-th (acc's linear index j) at j * threads + tidx.
+            values = cute.size(acc)
+            mine = cute.make_tensor(
+                gAcc.iterator + tidx, cute.make_layout(values, stride=self.num_threads)
+            )
+            cute.autovec_copy(mine, cute.make_tensor(acc.iterator, cute.make_layout(values)))
+            acc.store(acc.load() * softmax_scale)
+            gdQ = cute.local_tile(
+                cute.domain_offset((offset_q, 0), mdQ[qb, None, head, None]),
+                (tile_m, d), (m_block, 0),
+            )  # fmt: skip
+            smem = cutlass.memory.SmemAllocator()
+            sdQ = smem.allocate_tensor(self.dtype, sdQ_layout, byte_alignment=1024)
+            barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_threads)
+            store_acc(acc, mma_dq, sdQ, gdQ, rows_left, copy_dq, barrier, tidx)

@@ -181,7 +181,7 @@ class FlashAttentionForwardSm80(AttentionKernel):
             if n_block_max <= n_block_min:
                 self.store_empty(mO_cur, mLSE_cur, m_block, rows_left, copy_r2g, tidx)
             else:
-                smem = cutlass.utils.SmemAllocator()
+                smem = cutlass.memory.SmemAllocator()
                 storage = smem.allocate(SharedStorage)
                 sQ = storage.sQ.get_tensor(sQ_layout)
                 sK = storage.sK.get_tensor(sKV_layout)

@@ -64,3 +64,35 @@ def bwd_can_implement(config: BwdConfig) -> tuple[bool, str]:
     if smem > SMEM_CAPACITY.get(config.target, 0):
         return False, f"tiles need {smem} B of shared memory, more than {config.target} has"
     return True, ""
+
+
+def dq_accum_rows(rows: int, num_seqs: int, tile_m: int, varlen: bool) -> int:
+    """Rows per (batch, head) of the sm80 backward's dQ accumulator for ``rows`` query rows
+    (the packed total for varlen): Note [dQ accumulator in fragment order]."""
+    if varlen:
+        return rows + num_seqs * tile_m
+    return -(-rows // tile_m) * tile_m
+
+
+def dq_accum_offset(offset_q, seq, tile_m: int, varlen: bool):
+    """First dQ accumulator row of sequence ``seq``, whose query rows start at ``offset_q``
+    (host ints or device Int32; ``varlen`` a Python bool)."""
+    return offset_q + seq * tile_m if varlen else offset_q
+
+
+# Note [dQ accumulator in fragment order]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The sm80 backward adds each query block's dQ (tile_m x d, fp32) into dQaccum with one atomic
+# per element. Stored row-major, one atomic instruction of a warp would touch 8 rows (4 lanes a
+# row in the m16n8 accumulator layout), so 8 L2 requests: ncu on the H200 (d128 / d256, 4k)
+# counted 8 requests per instruction and warps stalled on the full load/store queue for 16 % /
+# 37 % of their cycles, where FA2's kernel, 1 request per instruction, stalled for none. So a
+# block is stored in the order of the dQ MMA's C fragments: value i of thread t lies at
+# i * num_threads + t, and an instruction of a warp covers 32 consecutive floats, one 128-byte
+# line. The postprocess reads a block with the same tiled MMA (``flash_bwd.dq_tiled_mma``) and
+# writes dQ row-major. Every block needs all its tile_m rows: dense calls pad each (batch,
+# head) to a multiple of tile_m rows; varlen sequence b's blocks start at row
+# cu_seqlens_q[b] + b * tile_m, so the last block of b ends before sequence b + 1's first
+# (cu_seqlens_q[b] + b * tile_m + ceil(len_b / tile_m) * tile_m < cu_seqlens_q[b + 1] +
+# (b + 1) * tile_m), and the buffer has total_q + num_seqs * tile_m rows. The sm90 backward keeps
+# dQaccum row-major (its TMA reduce-adds write tiles of shared memory).

@@ -3,25 +3,30 @@ sequence preprocess -> main kernel -> postprocess (``run_backward``).
 
 Launch sequence (all on torch's current CUDA stream, no host sync unless noted):
   1. preprocess: ``delta = rowsum(dO * O) - dLSE`` (fp32, (b, h, sq)) and ``dQaccum = 0``
-     (fp32, (b, h, sq, d)); Note [gradient of the LSE] says why dLSE folds into delta;
+     (fp32, (b, h, sq, d); for the sm80 main kernel padded to whole query blocks and in its
+     fragment order, Note [dQ accumulator in fragment order] in ``ampere/support.py``);
+     Note [gradient of the LSE] says why dLSE folds into delta;
   2. main kernel (the backward protocol, ``cute_fa.dsl.fake.bwd_fake_args``): dK, dV per query
      head, dK already scaled by softmax_scale; dQ (unscaled) added into dQaccum with atomics
      (sm90: TMA reduce-adds; ``deterministic=True``: in key-block order, through zeroed int32
      semaphores, one per (batch, head, query block); the result is then bitwise reproducible);
-  3. postprocess: ``dQ = (dQaccum * softmax_scale).to(dtype)``;
+  3. postprocess: ``dQ = (dQaccum * softmax_scale).to(dtype)`` (reordered to rows for sm80);
   4. GQA/MQA: each group of ``h / h_kv`` query heads' dK, dV is summed in fp32 into its kv head
      (``torch.sum(..., dtype=float32)``) and cast back; with ``h == h_kv`` the kernel writes the
      returned tensors directly.
 Varlen tensors get a batch dim of 1, as in the forward. Nothing is launched when there is no
-query or no key (the gradients are zero). The only host sync: with packed keys, reading
+query or no key (the gradients are zero). The only host syncs: with packed keys, reading
 cu_seqlens_k (or seqused_k) for the longest key sequence, which sizes the main kernel's grid;
 it happens when ``max_seqlen_k`` is not given, or to check a given one when the forward's value
-checks are on (not under ``CUTE_FA_SKIP_CHECKS=1`` nor during CUDA-graph capture).
+checks are on (not under ``CUTE_FA_SKIP_CHECKS=1`` nor during CUDA-graph capture); and with
+packed queries on the sm80 kernel and no ``max_seqlen_q``, reading cu_seqlens_q (or seqused_q)
+for the postprocess's grid.
 
 Compile keys: ``BwdConfig`` (``cute_fa.config``) for the main kernel, ``BwdPreConfig`` and
 ``BwdPostConfig`` (``cute_fa.ampere.flash_bwd_prepost``, next to their kernels and fake
-arguments) for the small ones: neither depends on the mask flags or tiles, so one pre/post
-compile serves every mask variant of a head dim. Each has its own ``CompileCache`` (TVM-FFI
+arguments) for the small ones: neither depends on the mask flags or key tiles, so one
+pre/post compile serves every mask variant of a head dim (the sm80 postprocess depends on the
+main kernel's tile_m, warps and varlen_q, which fix its fragment order). Each has its own ``CompileCache`` (TVM-FFI
 export to the on-disk store, as the forward).
 
 Note [gradient of the LSE]
@@ -40,7 +45,7 @@ import os
 
 import torch
 
-from .ampere.support import bwd_can_implement
+from .ampere.support import bwd_can_implement, dq_accum_rows
 from .cache import CompileCache, compile_tvm_ffi, export_tvm_ffi, load_tvm_ffi
 from .config import BWD_TILE_ENV, BwdConfig, SettingError, sm80_bwd_tile, target_for_capability
 from .hopper import support as sm90_support
@@ -166,11 +171,15 @@ def pre_config(config: BwdConfig, has_dlse: bool):
 
 def post_config(config: BwdConfig):
     """Compile key of the postprocess kernel that goes with a main-kernel config (the sm80
-    kernel for every main kernel)."""
+    kernel for every main kernel; for the sm80 main kernel it reads dQaccum in that kernel's
+    fragment order, Note [dQ accumulator in fragment order] in ``ampere/support.py``)."""
     from .ampere.flash_bwd_prepost import BwdPostConfig
 
+    fragments = {}
+    if config.arch == 80:
+        fragments = dict(tile_m=config.tile_m, num_warps=config.num_warps, varlen_q=config.varlen_q)
     return BwdPostConfig(
-        arch=80, target=config.target, dtype=config.dtype, head_dim=config.head_dim
+        arch=80, target=config.target, dtype=config.dtype, head_dim=config.head_dim, **fragments
     )
 
 
@@ -235,11 +244,11 @@ def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
     return t if ok else t.clone(memory_format=torch.contiguous_format)  # new, aligned memory
 
 
-def _longest_keys(cu_seqlens_k: torch.Tensor, seqused_k: torch.Tensor | None) -> int:
-    """The longest key sequence the kernel visits (a host sync)."""
-    if cu_seqlens_k.shape[0] < 2:
+def _longest(cu_seqlens: torch.Tensor, seqused: torch.Tensor | None) -> int:
+    """The longest sequence of packed rows, ``seqused`` where given (a host sync)."""
+    if cu_seqlens.shape[0] < 2:
         return 0
-    lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1] if seqused_k is None else seqused_k
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1] if seqused is None else seqused
     return int(lengths.max())
 
 
@@ -304,8 +313,8 @@ def run_backward(
     gradient of ``out``, any strides) and ``dlse`` (the gradient of the returned LSE, or None).
 
     q, k, v, out and lse are the forward's own tensors (already checked there). The returned
-    gradients are contiguous, shaped and typed like q, k, v. ``max_seqlen_q`` is not needed
-    (the main kernel's grid runs over keys).
+    gradients are contiguous, shaped and typed like q, k, v. ``max_seqlen_q`` sizes the sm80
+    postprocess's grid (read from cu_seqlens_q when None).
     """
     from .interface import _capability, _check_values, _kernel_window, resolve_window
 
@@ -339,7 +348,7 @@ def run_backward(
     if not varlen_k:
         max_seqlen_k = k.shape[1]
     elif max_seqlen_k is None or _check_values(q):
-        longest = _longest_keys(cu_seqlens_k, seqused_k)
+        longest = _longest(cu_seqlens_k, seqused_k)
         if max_seqlen_k is None:
             max_seqlen_k = longest
         elif max_seqlen_k < longest:
@@ -355,7 +364,11 @@ def run_backward(
     batch4, rows = q4.shape[0], q4.shape[1]
 
     delta = torch.empty(lse3.shape, dtype=torch.float32, device=device)
-    dq_accum = torch.empty((batch4, nheads, rows, head_dim), dtype=torch.float32, device=device)
+    num_seqs = cu_seqlens_q.shape[0] - 1 if varlen_q else batch4
+    acc_rows = rows
+    if config.arch == 80:  # padded for whole blocks (Note [dQ accumulator in fragment order])
+        acc_rows = dq_accum_rows(rows, num_seqs, config.tile_m, varlen_q)
+    dq_accum = torch.empty((batch4, nheads, acc_rows, head_dim), dtype=torch.float32, device=device)
     pre(out4, dout4, dlse3, delta, dq_accum)
 
     # dK, dV per query head. Keys the kernel never visits (past seqused_k) must read as 0.
@@ -368,17 +381,23 @@ def run_backward(
     window_left, window_right = _kernel_window(local, window_left, window_right)
     semaphores = None
     if deterministic:  # one counter per (batch, head, query block); see Note [deterministic dQ]
-        batches = cu_seqlens_q.shape[0] - 1 if varlen_q else batch4
         blocks = -(-rows // config.tile_m)  # a bound on any sequence's query blocks
-        semaphores = torch.zeros((batches, nheads, blocks), dtype=torch.int32, device=device)
+        semaphores = torch.zeros((num_seqs, nheads, blocks), dtype=torch.int32, device=device)
     main(
         q4, k4, v4, dout4, lse3, delta, dq_accum, _batch_dim(dk, varlen_k),
         _batch_dim(dv, varlen_k), softmax_scale, softcap, window_left, window_right,
         max_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, semaphores,
     )  # fmt: skip
 
-    dq = torch.empty(q.shape, dtype=dtype, device=device)
-    post(dq_accum, _batch_dim(dq, varlen_q), softmax_scale)
+    # The sm80 postprocess runs over each sequence's query blocks, the longest being
+    # max_seqlen_q rows; that bound may count only seqused_q rows, whose dQ stays 0 past them.
+    fragments = config.arch == 80
+    alloc = torch.zeros if fragments and varlen_q and seqused_q is not None else torch.empty
+    dq = alloc(q.shape, dtype=dtype, device=device)
+    if fragments and varlen_q and max_seqlen_q is None:
+        max_seqlen_q = _longest(cu_seqlens_q, seqused_q)
+    post(dq_accum, _batch_dim(dq, varlen_q), softmax_scale,
+         cu_seqlens_q if fragments and varlen_q else None, max_seqlen_q or 0)  # fmt: skip
 
     if grouped:
         # One reduction kernel each: torch sums 16-bit tensors in fp32 and rounds the result

@@ -63,9 +63,8 @@ def sm90_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=
     tile_m, tile_n, num_warps = bwd_tile(d, causal)
     config = BwdConfig(90, "sm_90a", dtype, d, d, tile_m, tile_n, num_warps, causal=causal,
                        deterministic=deterministic)  # fmt: skip
-    prepost = config.replace(arch=80)  # the pre/postprocess kernels are the sm80 ones
-    pre = bwd_pre_cache().get(pre_config(prepost, False))
-    post = bwd_post_cache().get(post_config(prepost))
+    pre = bwd_pre_cache().get(pre_config(config, False))  # the sm80 pre/postprocess kernels
+    post = bwd_post_cache().get(post_config(config))  # (row-major dQaccum for sm90)
     delta = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     dq_accum = torch.empty((b, h, sq, d), dtype=torch.float32, device=q.device)
     pre(out, dout, None, delta, dq_accum)
@@ -80,7 +79,7 @@ def sm90_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=
         None, None, None, None, semaphores,
     )  # fmt: skip
     dq = torch.empty_like(q)
-    post(dq_accum, dq, softmax_scale)
+    post(dq_accum, dq, softmax_scale, None, 0)
     if h != h_kv:
         dk = dk.unflatten(2, (h_kv, h // h_kv)).sum(3, dtype=torch.float32).to(q.dtype)
         dv = dv.unflatten(2, (h_kv, h // h_kv)).sum(3, dtype=torch.float32).to(q.dtype)

@@ -113,6 +113,24 @@ def test_postprocess_compiles(d: int, dtype: str) -> None:
     assert _count(sass, r"LDG\.E(?!\.128)") == 0 and _count(sass, r"STG\.E(?!\.128)") == 0
 
 
+@pytest.mark.parametrize("varlen_q", [False, True])
+@pytest.mark.parametrize("d,tile_m", [(64, 64), (128, 64), (256, 64), (64, 128)])
+def test_postprocess_of_fragment_order_compiles(d: int, tile_m: int, varlen_q: bool) -> None:
+    """The sm80 backward's postprocess reads each thread's fragment values with one 32-bit load
+    each (a warp's load covers 128 consecutive bytes: Note [dQ accumulator in fragment order])
+    and writes dQ rows with 128-bit stores."""
+    config = BwdPostConfig(80, "sm_90a", "bf16", d, tile_m, 8, varlen_q)
+    info = inspect_cubin(_cubin(Post(config), Post.fake_args(config), config.target))
+    counts, sass = info["sass_counts"], info["sass_text"]
+    assert counts["HMMA"] == 0 and counts["LDL"] + counts["STL"] == 0
+    values = tile_m * d // 256  # fragment values a thread
+    assert info["regs"] <= values + 64, f"{info['regs']} registers for {values} values"
+    metadata = 2 if varlen_q else 0  # cu_seqlens_q[b], cu_seqlens_q[b + 1]
+    assert _count(sass, r"LDG\.E(?!\.)") == values + metadata
+    assert _count(sass, r"LDG\.E\.") == 0
+    assert _count(sass, r"STG\.E(?!\.128)") == 0 and _count(sass, r"STG\.E\.128") > 0
+
+
 def test_prepost_compile_for_sm80_and_mixed_head_dims() -> None:
     pre = BwdPreConfig(80, "sm_80", "fp16", 192, 128, True)
     _check_elementwise(inspect_cubin(_cubin(Pre(pre), Pre.fake_args(pre), "sm_80")))
@@ -126,6 +144,11 @@ def test_prepost_can_implement() -> None:
     assert not ok and "head_dim_v" in reason
     ok, reason = Post.can_implement(BwdPostConfig(90, "sm_90a", "bf16", 128))
     assert not ok and "sm90" in reason
+    assert Post.can_implement(BwdPostConfig(80, "sm_90a", "bf16", 128, 64, 8, True)) == (True, "")
+    ok, reason = Post.can_implement(BwdPostConfig(80, "sm_90a", "bf16", 128, 0, 8))
+    assert not ok and "fragment order" in reason
+    ok, reason = Post.can_implement(BwdPostConfig(80, "sm_90a", "bf16", 120, 64, 8))
+    assert not ok and "multiples of 16" in reason
     with pytest.raises(NotImplementedError, match="head_dim 12"):
         Post(BwdPostConfig(80, "sm_90a", "bf16", 12))
     with pytest.raises(ValueError, match="dtype"):
@@ -150,13 +173,21 @@ def test_prepost_through_the_disk_cache(tmp_path) -> None:
 
 
 def test_prepost_keys_ignore_masks_and_tiles() -> None:
-    """One pre/postprocess compile serves every mask variant and tile of a head dim."""
+    """One preprocess compile serves every mask variant and tile of a head dim; the sm80
+    postprocess depends only on what fixes the fragment order (tile_m, warps, varlen_q), the
+    sm90 backward's on nothing but the head dim and dtype."""
     from cute_fa.backward import post_config, pre_config
 
     a = BwdConfig(80, "sm_90a", "bf16", 128, 128, 64, 128, 8)
     b = a.replace(causal=True, has_softcap=True, varlen_q=True, tile_n=64)
     assert pre_config(a, False) == pre_config(b, False) != pre_config(a, True)
-    assert post_config(a) == post_config(b)
+    assert post_config(a) == post_config(a.replace(causal=True, has_softcap=True, tile_n=64))
+    assert post_config(a) != post_config(b) and post_config(b).varlen_q
+    assert (post_config(a).tile_m, post_config(a).num_warps) == (64, 8)
+    c = a.replace(arch=90, tile_n=128, num_warps=12)
+    rows = post_config(c)
+    assert (rows.arch, rows.tile_m, rows.num_warps, rows.varlen_q) == (80, 0, 0, False)
+    assert post_config(c.replace(varlen_q=True, tile_m=128)) == rows
 
 
 # --------------------------------------------------------------------------------------------
