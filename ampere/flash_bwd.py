@@ -74,19 +74,21 @@ class FlashAttentionBackwardSm80(AttentionKernel):
       them, else 1; ``support.bwd_q_stages``) of sQ, sdO (tile_m x d) and sLSE, sdPsum (tile_m
       fp32) for one query block each; sP, sdS (tile_m x tile_n, 16-bit), the operands that
       other warps read transposed. At the end sK / sV stage dK / dV for 128-bit stores.
-    Per query block m (cp.async groups, one per block; every wait is followed by a barrier):
-      2 stages: issue Q, dO, LSE, delta of block m + 1 into the other stage (an empty group
-        after the last block); wait for all groups but that one
-      1 stage:  issue Q, dO, LSE, delta of block m; wait for it
+    Per query block m (cp.async groups, one per block):
+      2 stages: wait for block m's group (the only one in flight); barrier (every warp is done
+        with block m - 1, so its stage and sP, sdS are free); issue Q, dO, LSE, delta of block
+        m + 1 into the other stage
+      1 stage:  issue Q, dO, LSE, delta of block m; wait for it; barrier
       (rows past seqlen_q are zero-filled in sQ / sdO and never read from sLSE / sdPsum)
-      barrier; LSE (log2 units) and delta of this thread's rows from sLSE / sdPsum
+      LSE (log2 units) and delta of this thread's rows from sLSE / sdPsum
       S = Q K^T, dP = dO V^T                          (ldmatrix A and B)
       P = exp2(S * scale * log2 e - LSE * log2 e)     (mask first; softcap: S = tanh(.), kept)
       dS = P (dP - delta)  (softcap: times 1 - tanh^2)
       P, dS -> sP, sdS; barrier
       dV += P^T dO, dK += dS^T Q                      (ldmatrix.trans A and B)
-      dQ = dS K; atomically added to dQaccum          (ldmatrix.trans B; fragment order)
-      barrier (this stage and sP, sdS free: block m + 2 may load into the stage)
+      dQ = dS K; atomically added to dQaccum          (ldmatrix.trans B; fragment order; no row
+                                                       predicate: rows past seqlen_q add zeros)
+      1 stage (or deterministic): barrier (the stage is free for block m + 1's load)
     Deterministic mode (config.deterministic): before its dQ atomics for query block m, thread 0
       spins until the semaphore of (batch, head, m) equals the number of key blocks before this one
       that visit m (its first relaxed read goes out at the start of the block, behind which the
@@ -95,7 +97,8 @@ class FlashAttentionBackwardSm80(AttentionKernel):
       key block order, whatever the schedule. The CTA walks its query blocks downward (last first),
       so that all key blocks start on the same last query blocks and each waits only for the atomics
       of the one before it, not for it to reach the block. Note [deterministic dQ] has the argument.
-    Epilogue: dK *= softmax_scale; dK, dV through sK, sV to global memory.
+    Epilogue: barrier (2 stages: the last block's dQ product has read sK); dK *= softmax_scale;
+      dK, dV through sK, sV to global memory.
     Out-of-range rows: Q and dO rows past seqlen_q are zero and their LSE is +inf (P = 0, dS = 0);
       K and V rows past seqlen_k are zero and their scores masked; rows whose forward LSE is -inf
       (no key) get P = 0.
@@ -340,7 +343,9 @@ class FlashAttentionBackwardSm80(AttentionKernel):
                     self.step_bwd(*args, False)
 
         # dK carries the softmax scale (dS is w.r.t. the scaled scores); sK and sV are free
-        # after the last block's closing barrier.
+        # once every warp has finished the last block.
+        if cutlass.const_expr(self.q_stages == 2 and not self.deterministic):
+            barrier.arrive_and_wait()
         acc_dK.store(acc_dK.load() * softmax_scale)
         store_acc(acc_dK, mma_dkv, sK, gdK, keys_left, copy_r2g, barrier, tidx)
         store_acc(acc_dV, mma_dkv, sV, gdV, keys_left, copy_r2g, barrier, tidx)
@@ -392,16 +397,19 @@ class FlashAttentionBackwardSm80(AttentionKernel):
                 sem_count = cute.arch.load(sem, Int32, sem="relaxed", scope="gpu")
 
         if cutlass.const_expr(self.q_stages == 2):
+            # This block's group is the only one in flight. Past the barrier every warp has
+            # finished the previous block, so its stage may take the next block's load.
+            cute.arch.cp_async_wait_group(0)
+            barrier.arrive_and_wait()
             if has_next:
                 self.load_q_do(q_rows, smem_tiles, m_block + m_step, 1 - stage, seqlen_q,
                                copy_g2s, tidx)  # fmt: skip
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(1)
+                cute.arch.cp_async_commit_group()
         else:
             self.load_q_do(q_rows, smem_tiles, m_block, 0, seqlen_q, copy_g2s, tidx)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
-        barrier.arrive_and_wait()
+            barrier.arrive_and_wait()
 
         # LSE (in log2 units) and delta of this thread's rows of S.
         thr_sdp = mma_sdp.get_slice(tidx)
@@ -467,7 +475,6 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         # so each atomic instruction of a warp covers 32 consecutive floats.
         gdQ = cute.local_tile(mdQaccum, (tm, d), (m_block, 0))
         block = cute.make_tensor(gdQ.iterator, cute.make_layout(tm * d))
-        tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((tm, d)))
         if cutlass.const_expr(self.deterministic):
             # Wait for this block's turn: the key blocks before it that see query block
             # m_block have added their dQ (Note [deterministic dQ]). The first read of the
@@ -479,12 +486,12 @@ class FlashAttentionBackwardSm80(AttentionKernel):
                     count = cute.arch.load(sem, Int32, sem="relaxed", scope="gpu")
                 cute.arch.fence_acq_rel_gpu()
             barrier.arrive_and_wait()
+        # No row predicate: rows past seqlen_q have dS = 0 and their block's rows belong to
+        # no other sequence (the padding of the note), so they add exact zeros.
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            if tdQcdQ[i][0] < rows_left:
-                cute.arch.atomic_add(
-                    elem_ptr(block, i * self.num_threads + tidx).llvm_ptr, acc_dQ[i]
-                )
-        barrier.arrive_and_wait()
+            cute.arch.atomic_add(elem_ptr(block, i * self.num_threads + tidx).llvm_ptr, acc_dQ[i])
+        if cutlass.const_expr(self.q_stages == 1 or self.deterministic):
+            barrier.arrive_and_wait()  # 1 stage: the next block's load reuses this one's
         if cutlass.const_expr(self.deterministic):
             # Release: every thread's atomics precede the barrier, the barrier precedes thread
             # 0's fence, the fence precedes the increment.
