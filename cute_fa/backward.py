@@ -26,8 +26,8 @@ Compile keys: ``BwdConfig`` (``cute_fa.config``) for the main kernel, ``BwdPreCo
 ``BwdPostConfig`` (``cute_fa.ampere.flash_bwd_prepost``, next to their kernels and fake
 arguments) for the small ones: neither depends on the mask flags or key tiles, so one
 pre/post compile serves every mask variant of a head dim (the sm80 postprocess depends on the
-main kernel's tile_m, warps and varlen_q, which fix its fragment order). Each has its own ``CompileCache`` (TVM-FFI
-export to the on-disk store, as the forward).
+main kernel's tile_m, warps and varlen_q, which fix its fragment order). Each has its own
+``CompileCache`` (TVM-FFI export to the on-disk store, as the forward).
 
 Note [gradient of the LSE]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -135,7 +135,7 @@ def bwd_config(
                 f"cute_fa: no backward kernel implements [{config.name}] on {target}: "
                 f"FlashAttentionBackwardSm90: {reason}"
             )
-    tile_m, tile_n, num_warps = sm80_bwd_tile(head_dim, target, causal)
+    tile_m, tile_n, num_warps = sm80_bwd_tile(head_dim, target)
     config = BwdConfig(arch=80, tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, **flags)
     ok, reason = bwd_can_implement(config)
     if not ok:

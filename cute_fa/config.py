@@ -215,10 +215,11 @@ SM80_BWD_TILES = {
 # those GPUs; the H200 runs this tile as the sm80 kernel (tests/test_bwd_gpu.py).
 SM80_BWD_TILES_SMALL_SMEM = {96: (64, 64, 8), 128: (64, 64, 8)}
 
-# Causal overrides where shared memory holds them: d64 causal 128x128 w8 measured +7-9 % over
-# 64x128 w8 at 2k and 8k on the H200 (docs/bench/2026-11-30-h200-bwd-d64-128x128w8.csv;
-# non-causal +0-1 %, so it keeps the table's tile).
-SM80_BWD_TILES_CAUSAL = {64: (128, 128, 8)}
+# Where shared memory holds 160 KiB: d64 takes 128 x 128 (two Q/dO stages, 0 spills). Causal
+# measured +7-9 % over 64 x 128 at 2k and 8k on the H200 (docs/bench/2026-11-30-h200-bwd-d64-
+# 128x128w8.csv), non-causal +3-5 % at 512-16k once dQ was added in fragment order
+# (docs/bench/2026-12-01-h200-bwd-sm80-d64-128x128w8.csv).
+SM80_BWD_TILES_LARGE_SMEM = {64: (128, 128, 8)}
 
 
 class SettingError(ValueError):
@@ -231,7 +232,7 @@ class SettingError(ValueError):
 BWD_TILE_ENV = "CUTE_FA_BWD_TILE"
 
 
-def sm80_bwd_tile(head_dim: int, target: str, causal: bool = False) -> tuple[int, int, int]:
+def sm80_bwd_tile(head_dim: int, target: str) -> tuple[int, int, int]:
     """(tile_m, tile_n, num_warps) of the sm80 backward kernel."""
     if head_dim not in SM80_BWD_TILES:
         raise NotImplementedError(
@@ -246,8 +247,8 @@ def sm80_bwd_tile(head_dim: int, target: str, causal: bool = False) -> tuple[int
         tile_m, tile_n, num_warps = (int(g) for g in match.groups())
         return tile_m, tile_n, num_warps
     big_smem = SMEM_CAPACITY.get(target, 0) >= 160 * 1024
-    if causal and head_dim in SM80_BWD_TILES_CAUSAL and big_smem:
-        return SM80_BWD_TILES_CAUSAL[head_dim]
+    if big_smem and head_dim in SM80_BWD_TILES_LARGE_SMEM:
+        return SM80_BWD_TILES_LARGE_SMEM[head_dim]
     if not big_smem and head_dim in SM80_BWD_TILES_SMALL_SMEM:
         return SM80_BWD_TILES_SMALL_SMEM[head_dim]
     return SM80_BWD_TILES[head_dim]

@@ -11,7 +11,7 @@ TFLOPs per candidate. Nothing is written back: copy a winner into the table by h
 reason.
 
 ``--mode bwd`` does the same for the sm80 backward (``SM80_BWD_TILES`` and
-``SM80_BWD_TILES_CAUSAL``): each candidate runs through the real backward
+``SM80_BWD_TILES_LARGE_SMEM``): each candidate runs through the real backward
 (``CUTE_FA_BWD_TILE`` set for the call, and ``CUTE_FA_BWD_ARCH=80`` so that Hopper runs it
 too), its dQ, dK, dV are checked against fp32 autograd of the reference on a small problem
 first, and the whole backward is timed beside SDPA FLASH's.

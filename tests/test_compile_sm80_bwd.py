@@ -36,8 +36,8 @@ HEAD_DIMS = (64, 96, 128, 192, 256)
 # Largest LDL+STL instruction count allowed per head dim of the main kernel (measured: d64 0,
 # d96 4, d128 8, d192 0, d256 0).
 SPILL_BUDGET: dict[int, int] = {64: 0, 96: 8, 128: 16, 192: 0, 256: 0}
-# The d64 causal tile (128 x 128, 8 warps: twice the dK/dV registers a thread) spills a few
-# words; it measured faster than the spill-free 64 x 128 tile anyway (config.py).
+# The d64 tile (128 x 128, 8 warps: twice the dK/dV registers a thread) spills a few words with
+# some feature flags; it measured faster than the 64 x 128 tile anyway (config.py).
 SPILL_BUDGET_BY_TILE: dict[tuple[int, int, int, int], int] = {(64, 128, 128, 8): 32}
 
 Pre = FlashAttentionBackwardPreprocessSm80
@@ -201,7 +201,7 @@ def _main_kernel_class():
 
 
 def _main_config(d: int, target: str, dtype: str = "bf16", **flags) -> BwdConfig:
-    tile_m, tile_n, num_warps = sm80_bwd_tile(d, target, flags.get("causal", False))
+    tile_m, tile_n, num_warps = sm80_bwd_tile(d, target)
     return BwdConfig(
         arch=80, target=target, dtype=dtype, head_dim=d, head_dim_v=d,
         tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, **flags,
@@ -245,7 +245,7 @@ def test_bwd_config_uses_the_tile_table() -> None:
 
     for d in HEAD_DIMS:
         config = bwd_config("sm_80", "bf16", d, d, causal=True)
-        assert (config.tile_m, config.tile_n, config.num_warps) == sm80_bwd_tile(d, "sm_80", True)
+        assert (config.tile_m, config.tile_n, config.num_warps) == sm80_bwd_tile(d, "sm_80")
         # On sm_90a the sm90 kernel serves every head dim with dv = d (Note [backward dispatch]).
         family = 90 if d in SM90_BWD_HEAD_DIMS else 80
         assert bwd_config("sm_90a", "bf16", d, d, causal=True).arch == family

@@ -198,13 +198,13 @@ def test_bench_is_dispatched_lazily(monkeypatch):
 
 def test_bwd_tile_override(monkeypatch):
     from cute_fa.backward import bwd_config
-    from cute_fa.config import BWD_TILE_ENV, SM80_BWD_TILES
+    from cute_fa.config import BWD_TILE_ENV, SM80_BWD_TILES, SM80_BWD_TILES_LARGE_SMEM
 
     # The override is the sm80 kernel's tile; on sm_90a d64 runs the sm90 kernel.
-    monkeypatch.setenv(BWD_TILE_ENV, "128x128w8")
+    monkeypatch.setenv(BWD_TILE_ENV, "64x64w8")
     assert bwd_config("sm_90a", "bf16", 64, 64).arch == 90
     config = bwd_config("sm_80", "bf16", 64, 64)
-    assert (config.tile_m, config.tile_n, config.num_warps) == (128, 128, 8)
+    assert (config.tile_m, config.tile_n, config.num_warps) == (64, 64, 8)
     monkeypatch.setenv(BWD_TILE_ENV, "64x100w8")
     with pytest.raises(NotImplementedError, match="64x100 does not fit 8 warps"):
         bwd_config("sm_80", "bf16", 64, 64)
@@ -213,6 +213,8 @@ def test_bwd_tile_override(monkeypatch):
         bwd_config("sm_80", "bf16", 64, 64)
     monkeypatch.delenv(BWD_TILE_ENV)
     config = bwd_config("sm_80", "bf16", 64, 64)
+    assert (config.tile_m, config.tile_n, config.num_warps) == SM80_BWD_TILES_LARGE_SMEM[64]
+    config = bwd_config("sm_86", "bf16", 64, 64)
     assert (config.tile_m, config.tile_n, config.num_warps) == SM80_BWD_TILES[64]
 
 
