@@ -24,6 +24,7 @@ from cute_fa.dsl.mask import (
     query_block_range,
     visited_query_block,
 )
+from cute_fa.dsl.scheduler import bwd_block_coords, bwd_grid
 from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import lse_for_recompute, mn_view_wgmma, score_scales, softcap_scores
 
@@ -117,7 +118,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
 
     Grid and work split
       grid = (ceil(max_seqlen_k / tile_n), num_heads, batch) (varlen q: batch =
-      len(cu_seqlens_q) - 1): one CTA owns tile_n keys of one (query head, batch) and walks the
+      len(cu_seqlens_q) - 1; deterministic: key blocks slowest, ``bwd_grid``): one CTA owns tile_n keys of one (query head, batch) and walks the
       query blocks that see them (``query_block_range``: causal skips the blocks above the
       diagonal, a window those outside its band), from the first to the last (deterministic
       mode: from the last to the first; ``query_block``). P is recomputed from Q, K and the
@@ -247,8 +248,10 @@ class FlashAttentionBackwardSm90(AttentionKernel):
            increment a block, after both halves.
       A CTA of key block n waits only for the increments of key blocks first_key_block(m) ..
       n - 1 of the same (batch, head), CTAs of lower index that the hardware started first
-      (grid x fastest), and their turns never depend on higher key blocks: no deadlock, even
-      with more CTAs than fit the GPU. The consumers never wait on a semaphore; they wait for
+      (the grid is (heads, batch, key blocks) here, ``bwd_grid``: key block slowest, so the
+      CTAs resident together are the first key blocks of many heads and each chain of turns
+      is short), and their turns never depend on higher key blocks: no deadlock, even with
+      more CTAs than fit the GPU. The consumers never wait on a semaphore; they wait for
       warp 1 only through DQ_EMPTY, i.e. when they are a whole block ahead of its turn (one
       sdQ buffer). Walking downward, every key block starts at the same last query blocks, so
       key block n waits for n - 1's reduce-adds (a wavefront), not for n - 1 to reach m.
@@ -414,7 +417,9 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         batch = cute.size(mQ.shape[0])
         if cutlass.const_expr(mCuSeqlensQ is not None):
             batch = mCuSeqlensQ.shape[0] - 1
-        grid = (cute.ceil_div(max_seqlen_k, tn), cute.size(mQ.shape[2]), batch)
+        grid = bwd_grid(
+            cute.ceil_div(max_seqlen_k, tn), cute.size(mQ.shape[2]), batch, self.deterministic
+        )
         self.kernel(
             mQ_tma, mK_tma, mV_tma, mdO_tma, mdQ_tma, mQ, mK, mLSE, mdPsum, mdK, mdV,
             mdQsemaphore, tma_q, tma_k, tma_v, tma_do, tma_dq, softmax_scale, score_scale,
@@ -472,7 +477,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // WARPGROUP)
-        n_block, head, batch = cute.arch.block_idx()
+        n_block, head, batch = bwd_block_coords(self.deterministic)
         tm, tn = self.tile_m, self.tile_n
 
         smem = cutlass.memory.SmemAllocator()

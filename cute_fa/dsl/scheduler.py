@@ -83,3 +83,21 @@ def next_tile(
         if second == 0 and num_m - 1 - j != j:
             next_unit, next_second = unit, Int32(1)
     return next_unit, next_second
+
+
+def bwd_grid(key_blocks, num_heads, batch, deterministic: bool) -> tuple:
+    """Launch grid of a backward main kernel, one CTA per (key block, head, batch): the key
+    block fastest, so the CTAs resident together are the key blocks of a few heads, which read
+    the same Q and dO from L2; deterministic mode puts it slowest (Note [deterministic dQ] in
+    ampere/flash_bwd.py). ``bwd_block_coords`` reads a CTA's coordinates back."""
+    if deterministic:
+        return (num_heads, batch, key_blocks)
+    return (key_blocks, num_heads, batch)
+
+
+def bwd_block_coords(deterministic: bool) -> tuple:
+    """(key block, head, batch) of this CTA in ``bwd_grid``'s order."""
+    x, y, z = cute.arch.block_idx()
+    if deterministic:
+        return z, x, y
+    return x, y, z
