@@ -58,8 +58,8 @@ class FlashAttentionBackwardSm80(AttentionKernel):
     """Exact attention backward (dQ, dK, dV), FA2 design, for every GPU from sm80 up.
 
     Grid and work split
-      grid = (ceil(max_seqlen_k / tile_n), num_heads, batch) (deterministic: (num_heads, batch,
-      ceil(max_seqlen_k / tile_n)), Note [deterministic dQ]): one CTA owns tile_n keys of one
+      grid = (ceil(max_seqlen_k / tile_n), num_heads, batch) (deterministic causal: (num_heads,
+      batch, ceil(max_seqlen_k / tile_n)), Note [deterministic dQ]): one CTA owns tile_n keys of one
       (query head, batch), keeps their dK and dV in registers and walks the query blocks that
       see them (causal/local skip the rest), tile_m rows at a time. P is recomputed from Q, K
       and the forward's LSE: neither S nor P ever goes to global memory. dQ of each query block
@@ -170,9 +170,8 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         batch = mQ.shape[0]
         if cutlass.const_expr(mCuSeqlensQ is not None):
             batch = mCuSeqlensQ.shape[0] - 1
-        grid = bwd_grid(
-            cute.ceil_div(max_seqlen_k, tn), cute.size(mQ.shape[2]), batch, self.deterministic
-        )
+        grid = bwd_grid(cute.ceil_div(max_seqlen_k, tn), cute.size(mQ.shape[2]), batch,
+                        self.deterministic, self.causal)  # fmt: skip
         self.kernel(
             mQ, mK, mV, mdO, mLSE, mdPsum, mdQaccum, mdK, mdV,
             softmax_scale, score_scale, scale_log2, window_left, window_right,
@@ -218,7 +217,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        n_block, head, batch = bwd_block_coords(self.deterministic)
+        n_block, head, batch = bwd_block_coords(self.deterministic, self.causal)
         tm, tn, d = self.tile_m, self.tile_n, self.tile_hdim
         offset_q, seqlen_q, offset_k, seqlen_k = seqlen_info(
             batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK
@@ -586,15 +585,15 @@ class FlashAttentionBackwardSm80(AttentionKernel):
 # of one critical section a key block), not for their compute. The turn order stays ascending:
 # descending turns would make a CTA wait for CTAs of higher index, which may not have started
 # when a head has more key blocks than CTAs fit on the GPU.
-# Grid order: every key block of a head first visits the same query block, so key block n
-# starts its first atomics only after n hand-overs (atomics, fence, increment, the next CTA's
-# poll), once per CTA. With the key block as the grid's fastest dimension the CTAs resident
-# together are all key blocks of one or two heads, and that chain is as long as a head has key
-# blocks (64 at 8k): 0.75x of the default at d128 8k. Deterministic mode makes the key block the
-# slowest dimension, grid = (heads, batch, key blocks): the resident CTAs are the first few key
-# blocks of many (head, batch) pairs, each chain is a few CTAs long, and key block n - 1 of a
-# pair still has the lower linear index (no deadlock). The pairs' Q and dO are then read by
-# fewer CTAs at a time from L2; the key blocks of a pair walk them in step, so the reads still
-# share lines.
+# Grid order: a deterministic causal call makes the key block the grid's slowest dimension,
+# grid = (heads, batch, key blocks), so the CTAs resident together are the first few key
+# blocks of many (head, batch) pairs rather than all key blocks of one or two heads; key block
+# n - 1 of a pair still has the lower linear index (no deadlock). Measured on the H200 at 8k
+# (det / default): sm90 d64 causal 0.71x -> 0.84x, d128 causal 0.84x -> 0.86x, sm80 d128
+# causal 0.77x -> 0.80x; but non-causal lost (sm90 d128 0.93x -> 0.87x, d64 0.87x -> 0.83x;
+# sm80 0.75x either way), so non-causal calls keep the key block fastest, where a wave's
+# CTAs share their heads' Q and dO in L2. Causal key blocks live for different lengths (key
+# block n visits the query blocks from its diagonal down), and a wave of one head's key blocks
+# leaves the SMs unevenly; why the order costs non-causal calls is not measured.
 # The sm90 backward (hopper/flash_bwd.py) keeps the semaphores, the downward walk and the
 # turns, taken by its dQ writer warp around the TMA reduce-adds of a block.

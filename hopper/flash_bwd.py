@@ -118,7 +118,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
 
     Grid and work split
       grid = (ceil(max_seqlen_k / tile_n), num_heads, batch) (varlen q: batch =
-      len(cu_seqlens_q) - 1; deterministic: key blocks slowest, ``bwd_grid``): one CTA owns tile_n keys of one (query head, batch) and walks the
+      len(cu_seqlens_q) - 1; deterministic causal: key blocks slowest, ``bwd_grid``): one CTA
+      owns tile_n keys of one (query head, batch) and walks the
       query blocks that see them (``query_block_range``: causal skips the blocks above the
       diagonal, a window those outside its band), from the first to the last (deterministic
       mode: from the last to the first; ``query_block``). P is recomputed from Q, K and the
@@ -248,13 +249,12 @@ class FlashAttentionBackwardSm90(AttentionKernel):
            increment a block, after both halves.
       A CTA of key block n waits only for the increments of key blocks first_key_block(m) ..
       n - 1 of the same (batch, head), CTAs of lower index that the hardware started first
-      (the grid is (heads, batch, key blocks) here, ``bwd_grid``: key block slowest, so the
-      CTAs resident together are the first key blocks of many heads and each chain of turns
-      is short), and their turns never depend on higher key blocks: no deadlock, even with
-      more CTAs than fit the GPU. The consumers never wait on a semaphore; they wait for
-      warp 1 only through DQ_EMPTY, i.e. when they are a whole block ahead of its turn (one
-      sdQ buffer). Walking downward, every key block starts at the same last query blocks, so
-      key block n waits for n - 1's reduce-adds (a wavefront), not for n - 1 to reach m.
+      (causal: the grid is (heads, batch, key blocks), ``bwd_grid``), and their turns never
+      depend on higher key blocks: no deadlock, even with more CTAs than fit the GPU. The
+      consumers never wait on a semaphore; they wait for warp 1 only through DQ_EMPTY, i.e.
+      when they are a whole block ahead of its turn (one sdQ buffer). Walking downward, every
+      key block starts at the same last query blocks, so key block n waits for n - 1's
+      reduce-adds (a wavefront), not for n - 1 to reach m.
     SASS (tests/test_compile_sm90_bwd.py): one warpgroup.arrive per GEMM group (S^T, dP^T,
       dV + dK, dQ: 4 a step; no ptxas serialization), no spills, no stack, at every head dim
       and flag set it accepts except d 128 causal with softcap (2 spill instructions, an 8-byte
@@ -417,9 +417,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         batch = cute.size(mQ.shape[0])
         if cutlass.const_expr(mCuSeqlensQ is not None):
             batch = mCuSeqlensQ.shape[0] - 1
-        grid = bwd_grid(
-            cute.ceil_div(max_seqlen_k, tn), cute.size(mQ.shape[2]), batch, self.deterministic
-        )
+        grid = bwd_grid(cute.ceil_div(max_seqlen_k, tn), cute.size(mQ.shape[2]), batch,
+                        self.deterministic, self.causal)  # fmt: skip
         self.kernel(
             mQ_tma, mK_tma, mV_tma, mdO_tma, mdQ_tma, mQ, mK, mLSE, mdPsum, mdK, mdV,
             mdQsemaphore, tma_q, tma_k, tma_v, tma_do, tma_dq, softmax_scale, score_scale,
@@ -477,7 +476,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // WARPGROUP)
-        n_block, head, batch = bwd_block_coords(self.deterministic)
+        n_block, head, batch = bwd_block_coords(self.deterministic, self.causal)
         tm, tn = self.tile_m, self.tile_n
 
         smem = cutlass.memory.SmemAllocator()

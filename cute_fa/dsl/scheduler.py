@@ -85,19 +85,23 @@ def next_tile(
     return next_unit, next_second
 
 
-def bwd_grid(key_blocks, num_heads, batch, deterministic: bool) -> tuple:
+def _key_blocks_slowest(deterministic: bool, causal: bool) -> bool:
+    return deterministic and causal  # measured: Note [deterministic dQ] in ampere/flash_bwd.py
+
+
+def bwd_grid(key_blocks, num_heads, batch, deterministic: bool, causal: bool) -> tuple:
     """Launch grid of a backward main kernel, one CTA per (key block, head, batch): the key
     block fastest, so the CTAs resident together are the key blocks of a few heads, which read
-    the same Q and dO from L2; deterministic mode puts it slowest (Note [deterministic dQ] in
-    ampere/flash_bwd.py). ``bwd_block_coords`` reads a CTA's coordinates back."""
-    if deterministic:
+    the same Q and dO from L2; slowest for deterministic causal calls (Note [deterministic dQ]
+    in ampere/flash_bwd.py). ``bwd_block_coords`` reads a CTA's coordinates back."""
+    if _key_blocks_slowest(deterministic, causal):
         return (num_heads, batch, key_blocks)
     return (key_blocks, num_heads, batch)
 
 
-def bwd_block_coords(deterministic: bool) -> tuple:
+def bwd_block_coords(deterministic: bool, causal: bool) -> tuple:
     """(key block, head, batch) of this CTA in ``bwd_grid``'s order."""
     x, y, z = cute.arch.block_idx()
-    if deterministic:
+    if _key_blocks_slowest(deterministic, causal):
         return z, x, y
     return x, y, z
