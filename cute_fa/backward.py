@@ -155,8 +155,8 @@ def bwd_config(
 # deterministic=True runs the sm90 kernel too (its dQ writer warp takes the turns of the
 # semaphores that run_backward allocates with the config's tile_m); on the H200 the sm80
 # kernel's deterministic mode measured 232-255 TFLOPs at d128 8k, where the sm90 kernel's
-# default measured 519-522 and its deterministic mode 0.93x (non-causal) / 0.84x (causal) of
-# that.
+# default measured 502-518 and its deterministic mode 0.94x (non-causal) / 0.87x (causal) of
+# that (docs/performance.md, 2026-12-01).
 
 
 def pre_config(config: BwdConfig, has_dlse: bool):
