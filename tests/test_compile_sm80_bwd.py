@@ -131,6 +131,37 @@ def test_postprocess_of_fragment_order_compiles(d: int, tile_m: int, varlen_q: b
     assert _count(sass, r"STG\.E(?!\.128)") == 0 and _count(sass, r"STG\.E\.128") > 0
 
 
+@pytest.mark.parametrize("tile_m", [64, 128])
+def test_dq_accum_blocks_of_packed_sequences_never_overlap(tile_m: int) -> None:
+    """Note [dQ accumulator in fragment order]: every query block of every sequence gets whole
+    tile_m rows of dQaccum, inside the buffer, shared with no other block."""
+    import itertools
+    import random
+
+    from cute_fa.ampere.support import dq_accum_offset, dq_accum_rows
+
+    rng = random.Random(0)
+    cases = [[0], [1], [tile_m], [tile_m + 1, 0, 1], [0, 0, 0], [3 * tile_m - 1, 2 * tile_m]]
+    cases += [[rng.choice([0, 1, rng.randrange(1, 4 * tile_m)]) for _ in range(rng.randrange(1, 9))]
+              for _ in range(200)]  # fmt: skip
+    for lengths in cases:
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        rows = dq_accum_rows(cu[-1], len(lengths), tile_m, varlen=True)
+        used = []
+        for b, n in enumerate(lengths):
+            start = dq_accum_offset(cu[b], b, tile_m, varlen=True)
+            used += [(start + m * tile_m, start + (m + 1) * tile_m)
+                     for m in range(-(-n // tile_m))]  # fmt: skip
+        used.sort()
+        assert all(end <= nxt for (_, end), (nxt, _) in itertools.pairwise(used)), lengths
+        assert not used or (used[0][0] >= 0 and used[-1][1] <= rows), (lengths, rows)
+    for n in (1, tile_m - 1, tile_m, tile_m + 1):  # dense: whole blocks of one (batch, head)
+        assert dq_accum_rows(n, 1, tile_m, varlen=False) == -(-n // tile_m) * tile_m
+        assert dq_accum_offset(0, 5, tile_m, varlen=False) == 0
+
+
 def test_prepost_compile_for_sm80_and_mixed_head_dims() -> None:
     pre = BwdPreConfig(80, "sm_80", "fp16", 192, 128, True)
     _check_elementwise(inspect_cubin(_cubin(Pre(pre), Pre.fake_args(pre), "sm_80")))
