@@ -253,7 +253,9 @@ class FlashAttentionBackwardPostprocessSm80:
       CTA of the main kernel's num_warps warps per block: thread t loads its values (each load
       instruction of a warp reads 128 consecutive bytes), scales them, stages them in shared
       memory in the MMA's C layout and writes the block's rows below the sequence's length
-      (cu_seqlens only: rows past seqused get the zeros nobody added to) with 128-bit stores.
+      (from cu_seqlens: rows past seqused_q get the zeros that no key block added to) with
+      128-bit stores. With varlen and seqused_q, max_seqlen_q may count only the used rows, so
+      the caller zero-fills dQ for the blocks past it (``run_backward``).
     """
 
     arch = 80
