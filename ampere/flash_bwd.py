@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -492,12 +494,17 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         # padding of the note), but without the predicate the compiler schedules the atomics
         # into the dQ product and the d64 128 x 128 tile spills (0 -> 9 LDL/STL, 20 % slower
         # causal on the H200).
+        # (Two unrolled loops: one of 64 would make the DSL warn about compile time.)
         tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((tm, d)))
-        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            if tdQcdQ[i][0] < rows_left:
-                cute.arch.atomic_add(
-                    elem_ptr(block, i * self.num_threads + tidx).llvm_ptr, acc_dQ[i]
-                )
+        values = cute.size(acc_dQ)
+        chunk = math.gcd(values, 32)
+        for j in cutlass.range_constexpr(values // chunk):
+            for k in cutlass.range_constexpr(chunk):
+                i = j * chunk + k
+                if tdQcdQ[i][0] < rows_left:
+                    cute.arch.atomic_add(
+                        elem_ptr(block, i * self.num_threads + tidx).llvm_ptr, acc_dQ[i]
+                    )
         if cutlass.const_expr(self.q_stages == 1 or self.deterministic):
             barrier.arrive_and_wait()  # 1 stage: the next block's load reuses this one's
         if cutlass.const_expr(self.deterministic):
