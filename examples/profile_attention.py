@@ -6,7 +6,12 @@ Under ``ncu`` (one kernel, after a warm-up launch), e.g. the sm90 backward main 
         --launch-count 1 --section SpeedOfLight --section WarpStateStats \\
         python examples/profile_attention.py --mode bwd --d 128 --seqlen 4096
 
-or with ``--torch-profiler``, which prints torch.profiler's table of GPU and CPU time per op
+``--impl flash`` or ``--impl cudnn`` runs torch SDPA with that backend on the same shape
+instead (its kernels under ncu, e.g. ``-k regex:flash_bwd_dq_dk_dv`` for FA2's backward), so
+that two kernels can be compared metric by metric; ``--deterministic`` passes
+``deterministic=True`` to cute_fa.
+
+Or with ``--torch-profiler``, which prints torch.profiler's table of GPU and CPU time per op
 for a few calls (after warm-up calls that compile or load the kernels):
 
     python examples/profile_attention.py --mode bwd --d 64 --seqlen 256 --batch 32 --heads 4 \\
@@ -35,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--causal", action="store_true")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--calls", type=int, default=2, help="calls after the warm-up (default 2)")
+    p.add_argument("--impl", choices=("cute_fa", "flash", "cudnn"), default="cute_fa",
+                   help="cute_fa, or torch SDPA with its FLASH or CUDNN backend")  # fmt: skip
+    p.add_argument("--deterministic", action="store_true", help="cute_fa: deterministic=True")
     p.add_argument("--torch-profiler", action="store_true")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -52,14 +60,34 @@ def main(argv: list[str] | None = None) -> int:
                            requires_grad=grad)  # fmt: skip
 
     q, k, v = tensor(heads), tensor(kv_heads), tensor(kv_heads)
-    out, _ = cute_fa.flash_attn_func(q, k, v, causal=args.causal)
+    if args.impl == "cute_fa":
+
+        def attend():
+            return cute_fa.flash_attn_func(
+                q, k, v, causal=args.causal, deterministic=args.deterministic
+            )[0]
+
+    else:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seqlen, d) views
+
+        def attend():
+            with sdpa_kernel([backend[args.impl]]):  # the backward keeps the forward's backend
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    qt, kt, vt, is_causal=args.causal, enable_gqa=kv_heads != heads
+                )
+            return o.transpose(1, 2)
+
+    out = attend()
     dout = torch.randn_like(out)
 
     def call():
         if grad:
             out.backward(dout, retain_graph=True)
         else:
-            cute_fa.flash_attn_func(q, k, v, causal=args.causal)
+            attend()
 
     call()  # warm-up: compiles or loads the kernels
     torch.cuda.synchronize()
@@ -74,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.calls):
             call()
         torch.cuda.synchronize()
-    print(f"{args.mode} x{args.calls}: batch {batch}, {args.seqlen} rows, heads {heads} / "
-          f"{kv_heads}, d {args.d}, causal {args.causal}")  # fmt: skip
+    print(f"{args.impl} {args.mode} x{args.calls}: batch {batch}, {args.seqlen} rows, heads "
+          f"{heads} / {kv_heads}, d {args.d}, causal {args.causal}")  # fmt: skip
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
     return 0
 
