@@ -21,6 +21,7 @@ from cutlass.cute.runtime import make_fake_stream
 
 from cute_fa.config import DTYPES
 from cute_fa.dsl.fake import DTYPE, fake_accum, fake_int32_vector, fake_lse, fake_qkv
+from cute_fa.dsl.seqlen import seqlen_info
 
 from .copy import smem_layout, store_acc
 from .flash_bwd import dq_tiled_mma
@@ -379,11 +380,8 @@ class FlashAttentionBackwardPostprocessSm80:
         m_block, head, batch = cute.arch.block_idx()
         tile_m, d = self.tile_m, self.head_dim
         varlen = mCuSeqlensQ is not None
-        offset_q = Int32(0)
-        seqlen_q = Int32(mdQ.shape[1])
-        if cutlass.const_expr(varlen):
-            offset_q = mCuSeqlensQ[batch]
-            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+        # The sequence's rows from cu_seqlens alone (no seqused: the rows past it get zeros).
+        offset_q, seqlen_q, _, _ = seqlen_info(batch, mdQ, mdQ, mCuSeqlensQ, None, None, None)
         rows_left = seqlen_q - m_block * tile_m
         if rows_left > 0:
             qb = 0 if cutlass.const_expr(varlen) else batch
