@@ -366,9 +366,11 @@ def run_backward(
 
     delta = torch.empty(lse3.shape, dtype=torch.float32, device=device)
     num_seqs = cu_seqlens_q.shape[0] - 1 if varlen_q else batch4
-    acc_rows = rows
-    if config.arch == 80:  # padded for whole blocks (Note [dQ accumulator in fragment order])
-        acc_rows = dq_accum_rows(rows, num_seqs, config.tile_m, varlen_q)
+    # The sm80 kernel's dQaccum is in fragment order, padded to whole query blocks (Note [dQ
+    # accumulator in fragment order]); its postprocess walks packed sequences block by block.
+    fragments = config.arch == 80
+    packed_blocks = fragments and varlen_q
+    acc_rows = dq_accum_rows(rows, num_seqs, config.tile_m, varlen_q) if fragments else rows
     dq_accum = torch.empty((batch4, nheads, acc_rows, head_dim), dtype=torch.float32, device=device)
     pre(out4, dout4, dlse3, delta, dq_accum)
 
@@ -390,15 +392,14 @@ def run_backward(
         max_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, semaphores,
     )  # fmt: skip
 
-    # The sm80 postprocess runs over each sequence's query blocks, the longest being
+    # Packed, the postprocess runs over each sequence's query blocks, the longest being
     # max_seqlen_q rows; that bound may count only seqused_q rows, whose dQ stays 0 past them.
-    fragments = config.arch == 80
-    alloc = torch.zeros if fragments and varlen_q and seqused_q is not None else torch.empty
+    alloc = torch.zeros if packed_blocks and seqused_q is not None else torch.empty
     dq = alloc(q.shape, dtype=dtype, device=device)
-    if fragments and varlen_q and max_seqlen_q is None:
+    if packed_blocks and max_seqlen_q is None:
         max_seqlen_q = _longest(cu_seqlens_q, seqused_q)
     post(dq_accum, _batch_dim(dq, varlen_q), softmax_scale,
-         cu_seqlens_q if fragments and varlen_q else None, max_seqlen_q or 0)  # fmt: skip
+         cu_seqlens_q if packed_blocks else None, max_seqlen_q or 0)  # fmt: skip
 
     if grouped:
         # One reduction kernel each: torch sums 16-bit tensors in fp32 and rounds the result
