@@ -15,8 +15,11 @@ from cute_fa.dsl.copy import elem_ptr, transposed
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import (
     apply_mask,
+    coresident_turn,
     first_key_block,
     query_block_range,
+    rotated_query_block,
+    rotated_walk_shift,
     visited_query_block,
 )
 from cute_fa.dsl.scheduler import bwd_block_coords, bwd_grid
@@ -91,15 +94,18 @@ class FlashAttentionBackwardSm80(AttentionKernel):
       P, dS -> sP, sdS; barrier
       dV += P^T dO, dK += dS^T Q                      (ldmatrix.trans A and B)
       dQ = dS K; atomically added to dQaccum          (ldmatrix.trans B; fragment order)
-      1 stage (or deterministic): barrier (the stage is free for block m + 1's load)
-    Deterministic mode (config.deterministic): before its dQ atomics for query block m, thread 0
-      spins until the semaphore of (batch, head, m) equals the number of key blocks before this one
-      that visit m (its first relaxed read goes out at the start of the block, behind which the
-      GEMMs run), then fence.acq_rel.gpu (the acquire); barrier; atomics; barrier; thread 0:
+      1 stage: barrier (the stage is free for block m + 1's load)
+    Deterministic mode (config.deterministic), warp by warp (no CTA barrier): before its dQ
+      atomics for query block m, lane 0 of each warp spins until the semaphore of (batch, head, m)
+      reaches num_warps times the number of key blocks before this one in m's turn order (its
+      first relaxed read goes out at the start of the block, behind which the GEMMs run), then
+      fence.acq_rel.gpu (the acquire); warp barrier; the warp's atomics; warp barrier; lane 0:
       fence.acq_rel.gpu and adds 1 (the release). Every element of dQaccum then sums its terms in
-      key block order, whatever the schedule. The CTA walks its query blocks downward (last first),
-      so that all key blocks start on the same last query blocks and each waits only for the atomics
-      of the one before it, not for it to reach the block. Note [deterministic dQ] has the argument.
+      one fixed order, whatever the schedule. Two orders (Note [deterministic dQ]): the chain
+      (turns in key block order, every CTA walking downward) and, where a (batch, head)'s key
+      blocks all fit on the GPU at once (config.det_coresident), the coresident order (turns in
+      the order the key blocks reach m: causal walks upward with turns descending, no mask walks
+      downward from block n - 1, wrapping), in which no key block waits for another's atomics.
     Epilogue: barrier (2 stages: the last block's dQ product has read sK); dK *= softmax_scale;
       dK, dV through sK, sV to global memory.
     Out-of-range rows: Q and dO rows past seqlen_q are zero and their LSE is +inf (P = 0, dS = 0);
@@ -115,6 +121,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         super().__init__(config)
         self.q_stages = bwd_q_stages(config)
         self.deterministic = config.deterministic
+        self.coresident = config.det_coresident
 
     # ------------------------------------------------------------------------------------------
     # Host side
@@ -173,7 +180,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         if cutlass.const_expr(mCuSeqlensQ is not None):
             batch = mCuSeqlensQ.shape[0] - 1
         grid = bwd_grid(cute.ceil_div(max_seqlen_k, tn), cute.size(mQ.shape[2]), batch,
-                        self.deterministic, self.causal)  # fmt: skip
+                        self.deterministic, self.causal, self.coresident)  # fmt: skip
         self.kernel(
             mQ, mK, mV, mdO, mLSE, mdPsum, mdQaccum, mdK, mdV,
             softmax_scale, score_scale, scale_log2, window_left, window_right,
@@ -219,7 +226,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        n_block, head, batch = bwd_block_coords(self.deterministic, self.causal)
+        n_block, head, batch = bwd_block_coords(self.deterministic, self.causal, self.coresident)
         tm, tn, d = self.tile_m, self.tile_n, self.tile_hdim
         offset_q, seqlen_q, offset_k, seqlen_k = seqlen_info(
             batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK
@@ -321,18 +328,20 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
 
-        # Query blocks in ascending order; deterministic mode walks them downward
-        # (visited_query_block).
-        m_step = -1 if cutlass.const_expr(self.deterministic) else 1
-        m_first = visited_query_block(0, m_block_min, m_block_max, self.deterministic)
+        # The order of the query blocks (``query_block``).
+        shift = Int32(0)
+        if cutlass.const_expr(self.coresident and not self.causal):
+            shift = rotated_walk_shift(seqlen_q, seqlen_k, n_block, self.tile_m, tn)
+        walk = (m_block_min, m_block_max, shift)
         num_blocks = m_block_max - m_block_min
         if cutlass.const_expr(self.q_stages == 2):
-            self.load_q_do(q_rows, smem_tiles, m_first, 0, seqlen_q, copy_g2s, tidx)
+            self.load_q_do(q_rows, smem_tiles, self.query_block(0, walk), 0, seqlen_q, copy_g2s,
+                           tidx)  # fmt: skip
             cute.arch.cp_async_commit_group()
         for i in cutlass.range(num_blocks, unroll=1):
             args = (
-                q_rows, smem_tiles, m_first + m_step * i, m_step, i + 1 < num_blocks,
-                i % self.q_stages, n_block,
+                q_rows, smem_tiles, self.query_block(i, walk), self.query_block(i + 1, walk),
+                i + 1 < num_blocks, i % self.q_stages, n_block,
                 seqlen_q, seqlen_k,
                 score_scale, scale_log2, window_left, window_right, copy_g2s,
                 mma_sdp, mma_dkv, mma_dq, acc_dK, acc_dV, barrier, tidx,
@@ -348,11 +357,22 @@ class FlashAttentionBackwardSm80(AttentionKernel):
 
         # dK carries the softmax scale (dS is w.r.t. the scaled scores); sK and sV are free
         # once every warp has finished the last block.
-        if cutlass.const_expr(self.q_stages == 2 and not self.deterministic):
+        if cutlass.const_expr(self.q_stages == 2):
             barrier.arrive_and_wait()
         acc_dK.store(acc_dK.load() * softmax_scale)
         store_acc(acc_dK, mma_dkv, sK, gdK, keys_left, copy_r2g, barrier, tidx)
         store_acc(acc_dV, mma_dkv, sV, gdV, keys_left, copy_r2g, barrier, tidx)
+
+    @cute.jit
+    def query_block(self, i: Int32, walk: tuple) -> Int32:
+        """The i-th query block this CTA visits; ``walk`` = (m_block_min, m_block_max, shift).
+        Ascending; deterministic: downward (the chain, Note [deterministic dQ]), or coresident:
+        upward (causal) / downward from ``shift`` blocks past the last, wrapping (no mask)."""
+        m_block_min, m_block_max, shift = walk
+        if cutlass.const_expr(self.coresident and not self.causal):
+            return rotated_query_block(i, m_block_min, m_block_max, shift)
+        downward = self.deterministic and not self.coresident
+        return visited_query_block(i, m_block_min, m_block_max, downward)
 
     @cute.jit
     def step_bwd(
@@ -360,7 +380,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         q_rows: tuple,
         smem_tiles: tuple,
         m_block: Int32,
-        m_step: cutlass.Constexpr[int],
+        m_next: Int32,
         has_next: cutlass.Boolean,
         stage: Int32,
         n_block: Int32,
@@ -380,8 +400,8 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         tidx: Int32,
         masked: cutlass.Constexpr[bool],
     ):
-        """One query block against this CTA's keys (with 2 stages, the next one, m_block +
-        m_step, is prefetched when ``has_next``)."""
+        """One query block against this CTA's keys (with 2 stages, the next one, m_next, is
+        prefetched when ``has_next``)."""
         tm, tn, d = self.tile_m, self.tile_n, self.tile_hdim
         mdQaccum = q_rows[4]
         sK, sV = smem_tiles[0], smem_tiles[1]
@@ -393,11 +413,18 @@ class FlashAttentionBackwardSm80(AttentionKernel):
             # Thread 0 reads this block's semaphore now; the load's latency hides behind the
             # GEMMs, and its turn has usually come by then.
             sem = elem_ptr(q_rows[5], m_block).llvm_ptr
-            turn = n_block - first_key_block(
-                m_block, seqlen_q, seqlen_k, window_left, tm, tn, self.local
-            )
+            # The semaphore counts warps: the turn comes when every warp of every key block
+            # before this one that visits m_block has added its share.
+            if cutlass.const_expr(self.coresident):
+                turn = coresident_turn(m_block, n_block, seqlen_q, seqlen_k, tm, tn, self.causal)
+            else:
+                turn = n_block - first_key_block(
+                    m_block, seqlen_q, seqlen_k, window_left, tm, tn, self.local
+                )
+            turn = turn * (self.num_threads // 32)
+            lane = tidx % 32
             sem_count = Int32(-1)
-            if tidx == 0:
+            if lane == 0:
                 sem_count = cute.arch.load(sem, Int32, sem="relaxed", scope="gpu")
 
         if cutlass.const_expr(self.q_stages == 2):
@@ -406,8 +433,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
             cute.arch.cp_async_wait_group(0)
             barrier.arrive_and_wait()
             if has_next:
-                self.load_q_do(q_rows, smem_tiles, m_block + m_step, 1 - stage, seqlen_q,
-                               copy_g2s, tidx)  # fmt: skip
+                self.load_q_do(q_rows, smem_tiles, m_next, 1 - stage, seqlen_q, copy_g2s, tidx)
                 cute.arch.cp_async_commit_group()
         else:
             self.load_q_do(q_rows, smem_tiles, m_block, 0, seqlen_q, copy_g2s, tidx)
@@ -480,16 +506,17 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         gdQ = cute.local_tile(mdQaccum, (tm, d), (m_block, 0))
         block = cute.make_tensor(gdQ.iterator, cute.make_layout(tm * d))
         if cutlass.const_expr(self.deterministic):
-            # Wait for this block's turn: the key blocks before it that see query block
+            # Wait for this warp's turn: the key blocks before this one that see query block
             # m_block have added their dQ (Note [deterministic dQ]). The first read of the
-            # semaphore went out before the GEMMs; spin (relaxed) only if the turn had not come
-            # then, and a fence makes the last read an acquire.
+            # semaphore went out before the GEMMs; lane 0 spins (relaxed) only if the turn had
+            # not come then, and a fence makes the last read an acquire. At least, not equal:
+            # warps of this CTA that went first have raised it already.
             count = sem_count
-            if tidx == 0:
-                while count != turn:
+            if lane == 0:
+                while count < turn:
                     count = cute.arch.load(sem, Int32, sem="relaxed", scope="gpu")
                 cute.arch.fence_acq_rel_gpu()
-            barrier.arrive_and_wait()
+            cute.arch.sync_warp()
         # Rows past seqlen_q (dS = 0) are skipped. Adding their zeros would be as right (the
         # padding of the note), but without the predicate the compiler schedules the atomics
         # into the dQ product and the d64 128 x 128 tile spills (0 -> 9 LDL/STL, 20 % slower
@@ -505,14 +532,15 @@ class FlashAttentionBackwardSm80(AttentionKernel):
                     cute.arch.atomic_add(
                         elem_ptr(block, i * self.num_threads + tidx).llvm_ptr, acc_dQ[i]
                     )
-        if cutlass.const_expr(self.q_stages == 1 or self.deterministic):
-            barrier.arrive_and_wait()  # 1 stage: the next block's load reuses this one's
         if cutlass.const_expr(self.deterministic):
-            # Release: every thread's atomics precede the barrier, the barrier precedes thread
-            # 0's fence, the fence precedes the increment.
-            if tidx == 0:
+            # Release, warp by warp: the lanes' atomics precede the warp barrier, the barrier
+            # precedes lane 0's fence, the fence precedes the increment.
+            cute.arch.sync_warp()
+            if lane == 0:
                 cute.arch.fence_acq_rel_gpu()
                 cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="relaxed", scope="gpu")
+        if cutlass.const_expr(self.q_stages == 1):
+            barrier.arrive_and_wait()  # the next block's load reuses this one's stage
 
     @cute.jit
     def load_q_do(
@@ -576,31 +604,52 @@ class FlashAttentionBackwardSm80(AttentionKernel):
 # ~~~~~~~~~~~~~~~~~~~~~~~
 # fp32 atomics are exact in any order only for exact sums, so dQ = sum over key blocks of dS K
 # depends on the order in which the CTAs of one (batch, head) add their terms. In deterministic
-# mode the CTA of key block n adds its term for query block m only when the semaphore of m
-# counts the key blocks before n that visit m, and then raises it by one: the terms land in key
-# block order. Which CTAs visit m: key block n walks query blocks [m_min(n), m_max(n)), and
-# both bounds are non-decreasing in n, so the key blocks that visit m are one contiguous run
-# starting at first_key_block(m) (0 without a window; with window_left, the block holding the
-# first key that the first row of m sees). The wait cannot deadlock: a CTA waits only for CTAs
-# of lower key block index in the same (batch, head), and the hardware starts thread blocks in
-# index order (x fastest), so those are running or done.
-# Walk order: with an ascending walk, causal key block n would first visit query block
-# m_min(n) ~ n * tile_n / tile_m, and wait there until key block 0 has walked up to it: half
-# the CTAs' time idle (0.47x of the default speed at d128 8k). Walking downward from
-# m_max(n) - 1, key blocks n' < n have m_max(n') <= m_max(n), so they visit each block no later
-# in their walk than n does; n waits only for the atomics of the blocks before it (a wavefront
-# of one critical section a key block), not for their compute. The turn order stays ascending:
-# descending turns would make a CTA wait for CTAs of higher index, which may not have started
-# when a head has more key blocks than CTAs fit on the GPU.
-# Grid order: a deterministic causal call makes the key block the grid's slowest dimension,
-# grid = (heads, batch, key blocks), so the CTAs resident together are the first few key
-# blocks of many (head, batch) pairs rather than all key blocks of one or two heads; key block
-# n - 1 of a pair still has the lower linear index (no deadlock). Measured on the H200 at 8k
-# (det / default): sm90 d64 causal 0.71x -> 0.84x, d128 causal 0.84x -> 0.86x, sm80 d128
+# mode every query block m has a fixed order of the key blocks that visit it (its turns) and a
+# semaphore: the CTA of key block n adds its term for m only when the semaphore counts the key
+# blocks before n in that order, and then raises it by one. (The sm80 kernel counts warps: each
+# warp adds its own elements of the block, raises the count by one, and waits for num_warps
+# times the key blocks before it; the elements of a block belong to one thread each, so a warp
+# needs no other warp of its CTA.) Which CTAs visit m: key block n walks query blocks
+# [m_min(n), m_max(n)), and both bounds are non-decreasing in n, so the key blocks that visit m
+# are one contiguous run starting at first_key_block(m) (0 without a window; with window_left,
+# the block holding the first key that the first row of m sees).
+#
+# The chain (the sm90 kernel; the sm80 kernel with a window or too many key blocks): turns in
+# ascending key block order, every CTA walking downward from m_max(n) - 1. It cannot deadlock:
+# a CTA waits only for CTAs of lower key block index in the same (batch, head), and the
+# hardware starts thread blocks in index order (x fastest), so those are running or done.
+# With an ascending walk, causal key block n would first visit query block m_min(n) ~ n *
+# tile_n / tile_m and wait there until key block 0 has walked up to it: half the CTAs' time
+# idle (0.47x of the default speed at d128 8k). Walking downward, key blocks n' < n have
+# m_max(n') <= m_max(n), so they visit each block no later in their walk than n does; but all
+# of them reach a block at the same step, so n waits for the critical sections (atomics and
+# fence) of all the key blocks before it: a lag that grows by one critical section a key block.
+# Grid order for the chain: a deterministic causal call makes the key block the grid's slowest
+# dimension, grid = (heads, batch, key blocks), so the CTAs resident together are the first few
+# key blocks of many (head, batch) pairs rather than all key blocks of one or two heads; key
+# block n - 1 of a pair still has the lower linear index (no deadlock). Measured on the H200 at
+# 8k (det / default): sm90 d64 causal 0.71x -> 0.84x, d128 causal 0.84x -> 0.86x, sm80 d128
 # causal 0.77x -> 0.80x; but non-causal lost (sm90 d128 0.93x -> 0.87x, d64 0.87x -> 0.83x;
-# sm80 0.75x either way), so non-causal calls keep the key block fastest, where a wave's
-# CTAs share their heads' Q and dO in L2. Causal key blocks live for different lengths (key
-# block n visits the query blocks from its diagonal down), and a wave of one head's key blocks
-# leaves the SMs unevenly; why the order costs non-causal calls is not measured.
-# The sm90 backward (hopper/flash_bwd.py) keeps the semaphores, the downward walk and the
-# turns, taken by its dQ writer warp around the TMA reduce-adds of a block.
+# sm80 0.75x either way), so non-causal calls keep the key block fastest.
+#
+# The coresident order (sm80 kernel, ``det_coresident``: no window, and at most half as many
+# key blocks as the GPU has SMs, ``coresident_fits`` in cute_fa/backward.py): turns in the order
+# in which the key blocks reach m, so that each key block's predecessor got there one or more
+# steps earlier and, the CTAs running at the same pace, nobody waits (``coresident_turn`` and
+# ``rotated_query_block`` in cute_fa/dsl/mask.py):
+# - causal: every key block walks upward from m_min(n); m_min(n + 1) > m_min(n) (tile_n >=
+#   tile_m), so n + 1 reaches m earlier than n: turns descending, from the last key block that
+#   visits m;
+# - no mask: key block n walks downward starting at block n - 1, wrapping (block m at step
+#   (M - 1 + n - m) mod M, M query blocks): n - 1 reaches every block one step before n, and
+#   the turns of m start at key block m + 1 (mod M) and go up, wrapping. Where a sequence has
+#   more key blocks than query blocks, two key blocks would reach m at the same step; there
+#   the kernel takes the chain (shift 0, ascending turns) for that sequence.
+# A CTA now waits for CTAs of higher index too, so every key block of its (batch, head) must
+# be resident: with thread blocks started in index order and key blocks fastest in the grid,
+# at most as many key blocks as CTAs fit at once is enough (the lowest-index CTA not started
+# yet waits only for CTAs of a head whose other CTAs cannot hold every slot); half the SMs
+# leaves room for other kernels on the GPU. In both orders the waits point to strictly earlier
+# steps or, among equal steps, one way along the key blocks, so they form no cycle.
+# The sm90 backward (hopper/flash_bwd.py) keeps the chain, its turns taken by its dQ writer
+# warp around the TMA reduce-adds of a block.

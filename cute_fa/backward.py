@@ -159,6 +159,18 @@ def bwd_config(
 # that (docs/performance.md, 2026-12-01).
 
 
+def coresident_fits(config: BwdConfig, max_seqlen_k: int, device: torch.device) -> bool:
+    """Whether a deterministic call of the sm80 kernel may take its turns in coresident order
+    (Note [deterministic dQ] in ampere/flash_bwd.py): the key blocks of one (batch, head) wait
+    for each other, so all of them must be resident at once. The kernel runs at least one CTA
+    an SM; half the SMs leaves room for other work on the GPU."""
+    if config.arch != 80 or not config.deterministic or config.local:
+        return False
+    from .interface import _sm_count
+
+    return -(-max_seqlen_k // config.tile_n) <= _sm_count(device) // 2
+
+
 def pre_config(config: BwdConfig, has_dlse: bool):
     """Compile key of the preprocess kernel that goes with a main-kernel config (the sm80
     kernel for every main kernel)."""
@@ -263,13 +275,15 @@ _MAX_LAUNCH_KERNELS = 256
 
 
 def _kernels(target, dtype, head_dim, head_dim_v, causal, local, has_softcap, varlen_q,
-             varlen_k, seqused_q, seqused_k, deterministic, has_dlse, switches):  # fmt: skip
+             varlen_k, seqused_q, seqused_k, deterministic, has_dlse, switches,
+             det_fit=None):  # fmt: skip
     """(config, preprocess, main, postprocess) of a backward request, kept per request (the
     arguments; ``switches``: the values of CUTE_FA_BWD_ARCH and CUTE_FA_BWD_TILE): a training
     step's backward calls then skip building the compile keys and the three cache lookups
-    (~10-25 us of Python a call)."""
+    (~10-25 us of Python a call). ``det_fit`` (deterministic calls without a window): the
+    longest key sequence and the device, which decide ``det_coresident``."""
     key = (target, dtype, head_dim, head_dim_v, causal, local, has_softcap, varlen_q, varlen_k,
-           seqused_q, seqused_k, deterministic, has_dlse, switches)  # fmt: skip
+           seqused_q, seqused_k, deterministic, has_dlse, switches, det_fit)  # fmt: skip
     found = _launch_kernels.get(key)
     if found is None:
         config = bwd_config(
@@ -277,6 +291,8 @@ def _kernels(target, dtype, head_dim, head_dim_v, causal, local, has_softcap, va
             has_softcap=has_softcap, varlen_q=varlen_q, varlen_k=varlen_k, seqused_q=seqused_q,
             seqused_k=seqused_k, deterministic=deterministic,
         )  # fmt: skip
+        if det_fit is not None and coresident_fits(config, *det_fit):
+            config = config.replace(det_coresident=True)
         found = (
             config,
             bwd_pre_cache().get(pre_config(config, has_dlse)),
@@ -334,13 +350,6 @@ def run_backward(
             torch.zeros(v.shape, dtype=dtype, device=v.device),
         )
 
-    target = target_for_capability(*_capability(q.device))
-    config, pre, main, post = _kernels(
-        target, _DTYPE_NAMES[dtype], head_dim, head_dim_v, causal, local, softcap > 0, varlen_q,
-        varlen_k, seqused_q is not None, seqused_k is not None, deterministic, dlse is not None,
-        (os.environ.get(BWD_ARCH_ENV, ""), os.environ.get(BWD_TILE_ENV, "")),
-    )  # fmt: skip
-
     if dout.dtype != dtype:
         dout = dout.to(dtype)
     dout = _kernel_ready(dout)
@@ -357,6 +366,14 @@ def run_backward(
                 f"max_seqlen_k ({max_seqlen_k}) is smaller than the longest key sequence "
                 f"({longest})"
             )
+
+    target = target_for_capability(*_capability(q.device))
+    det_fit = (max_seqlen_k, q.device) if deterministic and not local else None
+    config, pre, main, post = _kernels(
+        target, _DTYPE_NAMES[dtype], head_dim, head_dim_v, causal, local, softcap > 0, varlen_q,
+        varlen_k, seqused_q is not None, seqused_k is not None, deterministic, dlse is not None,
+        (os.environ.get(BWD_ARCH_ENV, ""), os.environ.get(BWD_TILE_ENV, "")), det_fit,
+    )  # fmt: skip
 
     device = q.device
     q4, out4, dout4 = (_batch_dim(t, varlen_q) for t in (q, out, dout))

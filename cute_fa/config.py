@@ -181,12 +181,18 @@ class BwdConfig:
     seqused_q: bool = False
     seqused_k: bool = False
     deterministic: bool = False  # dQ added in a fixed order (semaphores), bitwise reproducible
+    # Deterministic, sm80 kernel: the key blocks of one (batch, head) all run at once (the caller
+    # checked that they fit on the GPU), so the turns may follow the order in which they reach
+    # a query block (Note [deterministic dQ] in ampere/flash_bwd.py).
+    det_coresident: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"BwdConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.causal and self.local:
             raise ValueError("BwdConfig: causal and local are exclusive (causal is a window)")
+        if self.det_coresident and (not self.deterministic or self.local):
+            raise ValueError("BwdConfig: det_coresident needs deterministic and no window")
 
     def replace(self, **changes) -> BwdConfig:
         return dataclasses.replace(self, **changes)
@@ -194,6 +200,7 @@ class BwdConfig:
     @property
     def name(self) -> str:
         det = "_deterministic" if self.deterministic else ""
+        det += "_coresident" if self.det_coresident else ""
         return "bwd" + FwdConfig.name.fget(self)[3:] + det  # same naming as the forward
 
 

@@ -390,6 +390,8 @@ def bwd_can_implement(config: BwdConfig) -> tuple[bool, str]:
         return False, why
     if config.head_dim not in SM90_BWD_HEAD_DIMS:
         return False, f"head_dim {config.head_dim} not in {SM90_BWD_HEAD_DIMS} (sm90 backward)"
+    if config.det_coresident:
+        return False, "det_coresident is a mode of the sm80 backward"
     if (config.head_dim, config.head_dim_v) not in SM90_BWD_HEAD_DIM_PAIRS:
         return False, (
             f"head_dim_v {config.head_dim_v} with head_dim {config.head_dim} is not supported "

@@ -385,6 +385,9 @@ DETERMINISTIC_CASES = [
     pytest.param(64, False, (64, 0), 1, 700, 1000, id="d64-win64_0-mqa-700x1000"),
     pytest.param(256, False, (32, 32), 2, 203, 113, id="d256-win32_32-gqa3-203x113"),
     pytest.param(96, True, (None, None), 6, 129, 4224, id="d96-causal-mha-129x4224"),
+    # More key blocks than query blocks: the sm80 kernel's coresident order falls back to the
+    # chain without a mask (Note [deterministic dQ]).
+    pytest.param(128, False, (None, None), 2, 200, 3000, id="d128-full-gqa3-200x3000"),
 ]
 
 
@@ -402,6 +405,25 @@ def test_bwd_deterministic_bitwise(d, causal, window, h_kv, sq, sk):
         again = torch.autograd.grad(out, leaves, dout)
         for g, g2, name in zip(grads, again, ("dq", "dk", "dv"), strict=True):
             assert torch.equal(g.view(torch.int16), g2.view(torch.int16)), f"{name} differs"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_bwd_deterministic_chain_order(causal, monkeypatch):
+    """The sm80 kernel's chain order (turns in key-block order, every key block downward), which
+    deterministic calls without a window take when a head's key blocks may not all be resident
+    at once: correct and the same bytes on every run."""
+    from cute_fa import backward
+
+    monkeypatch.setattr(backward, "coresident_fits", lambda *args: False)
+    monkeypatch.setattr(backward, "_launch_kernels", {})
+    q, k, v, dout, grads = run_bwd_and_check(
+        2, 1000, 700, NHEADS, 2, 128, causal=causal, deterministic=True
+    )
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, _ = cute_fa.flash_attn_func(*leaves, causal=causal, deterministic=True)
+    again = torch.autograd.grad(out, leaves, dout)
+    for g, g2, name in zip(grads, again, ("dq", "dk", "dv"), strict=True):
+        assert torch.equal(g.view(torch.int16), g2.view(torch.int16)), f"{name} differs"
 
 
 @pytest.mark.parametrize("causal,window", [MASKS[1], MASKS[2]])

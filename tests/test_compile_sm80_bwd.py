@@ -24,6 +24,7 @@ from cute_fa.ampere import (
     FlashAttentionBackwardPostprocessSm80,
     FlashAttentionBackwardPreprocessSm80,
 )
+from cute_fa.hopper import support as sm90_support
 from cute_fa.hopper.support import SM90_BWD_HEAD_DIMS
 
 from cute_fa.config import BwdConfig, sm80_bwd_tile
@@ -52,10 +53,15 @@ MAIN_FLAG_SETS = {
     "plain": {},
     "deterministic_local_varlen": {"deterministic": True, "local": True, "varlen_q": True,
                                    "varlen_k": True},
+    "coresident_varlen": {"deterministic": True, "det_coresident": True, "varlen_q": True,
+                          "varlen_k": True},
+    "coresident_causal": {"deterministic": True, "det_coresident": True, "causal": True},
 }  # fmt: skip
 MAIN_CASES = [(d, "causal_softcap_varlen") for d in HEAD_DIMS] + [
     (128, "local_seqused"),
     (128, "deterministic_local_varlen"),
+    (128, "coresident_varlen"),
+    (64, "coresident_causal"),
     (64, "plain"),
 ]
 
@@ -282,6 +288,29 @@ def test_bwd_config_uses_the_tile_table() -> None:
         assert bwd_config("sm_90a", "bf16", d, d, causal=True).arch == family
     with pytest.raises(NotImplementedError, match="head_dim"):
         bwd_config("sm_90a", "bf16", 80, 80)
+
+
+def test_coresident_order_is_chosen_where_a_head_fits_on_half_the_gpu(monkeypatch) -> None:
+    """Deterministic sm80 calls take the coresident order (Note [deterministic dQ]) only
+    without a window and with at most SMs / 2 key blocks; the sm90 kernel has no such mode."""
+    from cute_fa import backward, interface
+
+    monkeypatch.setattr(interface, "_sm_count", lambda device: 132)
+    det = _main_config(128, "sm_90a", deterministic=True)  # 128 keys a CTA
+    assert backward.coresident_fits(det, 66 * 128, None)
+    assert not backward.coresident_fits(det, 66 * 128 + 1, None)
+    assert not backward.coresident_fits(det.replace(deterministic=False), 128, None)
+    local = _main_config(128, "sm_90a", deterministic=True, local=True)
+    assert not backward.coresident_fits(local, 128, None)
+    sm90 = backward.bwd_config("sm_90a", "bf16", 128, 128, deterministic=True)
+    assert sm90.arch == 90 and not backward.coresident_fits(sm90, 128, None)
+    ok, why = sm90_support.bwd_can_implement(sm90.replace(det_coresident=True))
+    assert not ok and "sm80" in why
+    with pytest.raises(ValueError, match="det_coresident"):
+        det.replace(det_coresident=True, local=True)
+    with pytest.raises(ValueError, match="det_coresident"):
+        det.replace(det_coresident=True, deterministic=False)
+    assert det.replace(det_coresident=True).name.endswith("_deterministic_coresident")
 
 
 @pytest.mark.parametrize("d", [96, 128])

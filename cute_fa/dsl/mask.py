@@ -100,6 +100,80 @@ def visited_query_block(i: Int32, m_block_min: Int32, m_block_max: Int32, downwa
     return m_block_max - 1 - i if downward else m_block_min + i
 
 
+# The deterministic backward's order when all key blocks of a (batch, head) run at once (the
+# sm80 kernel's ``det_coresident``; Note [deterministic dQ] in ampere/flash_bwd.py). A query
+# block's turns follow the order in which its key blocks reach it, so each key block's
+# predecessor got there a step earlier:
+# - causal: key blocks walk upward from their first query block; key block n + 1 starts one or
+#   more blocks further down, so it reaches each block no later than n: turns descending.
+# - no mask: key block n walks downward from query block n - 1, wrapping (block m at step
+#   (M - 1 + n - m) mod M of M query blocks); its predecessor n - 1 visits each block one
+#   step earlier. This needs no more key blocks than query blocks (N <= M); a longer key
+#   sequence falls back to the chain (every key block downward from M - 1, turns ascending).
+
+
+@cute.jit
+def rotated_walk_shift(
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    n_block: Int32,
+    tile_m: cutlass.Constexpr[int],
+    tile_n: cutlass.Constexpr[int],
+) -> Int32:
+    """How many blocks later than M - 1 key block ``n_block``'s downward walk starts (no mask,
+    coresident): ``n_block`` when N <= M, else 0 (the chain)."""
+    shift = Int32(0)
+    if cute.ceil_div(seqlen_k, tile_n) <= cute.ceil_div(seqlen_q, tile_m):
+        shift = n_block
+    return shift
+
+
+@cute.jit
+def rotated_query_block(i: Int32, m_block_min: Int32, m_block_max: Int32, shift: Int32) -> Int32:
+    """The i-th query block of a downward walk over [m_block_min, m_block_max) that starts
+    ``shift`` (< the block count) blocks after the last one, wrapping."""
+    count = m_block_max - m_block_min
+    j = count - 1 + shift - i
+    if j >= count:
+        j = j - count
+    return m_block_min + j
+
+
+@cute.jit
+def coresident_turn(
+    m_block: Int32,
+    n_block: Int32,
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    tile_m: cutlass.Constexpr[int],
+    tile_n: cutlass.Constexpr[int],
+    causal: cutlass.Constexpr[bool],
+) -> Int32:
+    """How many key blocks add their dQ of query block ``m_block`` before ``n_block`` in the
+    coresident order (above); ``n_block`` visits ``m_block``."""
+    num_n = cute.ceil_div(seqlen_k, tile_n)
+    turn = n_block
+    if cutlass.const_expr(causal):
+        # The visitors of m_block are key blocks 0 .. last: those whose first key some row of
+        # m_block sees (query_block_range's m_min <= m_block).
+        last = cutlass.min(num_n, cute.ceil_div((m_block + 1) * tile_m + seqlen_k - seqlen_q,
+                                                tile_n)) - 1  # fmt: skip
+        turn = last - n_block
+    else:
+        num_m = cute.ceil_div(seqlen_q, tile_m)
+        if num_n <= num_m:
+            # The key block that reaches m_block first, at step 0 (none when first >= N: then
+            # the order is 0, 1, .., N - 1).
+            first = m_block + 1
+            if first == num_m:
+                first = 0
+            if first < num_n:
+                turn = n_block - first
+                if turn < 0:
+                    turn = turn + num_n
+    return turn
+
+
 @cute.jit
 def first_key_block(
     m_block: Int32,

@@ -85,23 +85,27 @@ def next_tile(
     return next_unit, next_second
 
 
-def _key_blocks_slowest(deterministic: bool, causal: bool) -> bool:
-    return deterministic and causal  # measured: Note [deterministic dQ] in ampere/flash_bwd.py
+def _key_blocks_slowest(deterministic: bool, causal: bool, coresident: bool) -> bool:
+    # measured: Note [deterministic dQ] in ampere/flash_bwd.py
+    return deterministic and causal and not coresident
 
 
-def bwd_grid(key_blocks, num_heads, batch, deterministic: bool, causal: bool) -> tuple:
+def bwd_grid(
+    key_blocks, num_heads, batch, deterministic: bool, causal: bool, coresident: bool = False
+) -> tuple:
     """Launch grid of a backward main kernel, one CTA per (key block, head, batch): the key
     block fastest, so the CTAs resident together are the key blocks of a few heads, which read
-    the same Q and dO from L2; slowest for deterministic causal calls (Note [deterministic dQ]
-    in ampere/flash_bwd.py). ``bwd_block_coords`` reads a CTA's coordinates back."""
-    if _key_blocks_slowest(deterministic, causal):
+    the same Q and dO from L2; slowest for deterministic causal calls unless ``coresident``
+    (Note [deterministic dQ] in ampere/flash_bwd.py). ``bwd_block_coords`` reads a CTA's
+    coordinates back."""
+    if _key_blocks_slowest(deterministic, causal, coresident):
         return (num_heads, batch, key_blocks)
     return (key_blocks, num_heads, batch)
 
 
-def bwd_block_coords(deterministic: bool, causal: bool) -> tuple:
+def bwd_block_coords(deterministic: bool, causal: bool, coresident: bool = False) -> tuple:
     """(key block, head, batch) of this CTA in ``bwd_grid``'s order."""
     x, y, z = cute.arch.block_idx()
-    if _key_blocks_slowest(deterministic, causal):
+    if _key_blocks_slowest(deterministic, causal, coresident):
         return z, x, y
     return x, y, z
