@@ -15,11 +15,11 @@ from cute_fa.dsl.copy import elem_ptr, transposed
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import (
     apply_mask,
+    coresident_rotates,
     coresident_turn,
     first_key_block,
     query_block_range,
     rotated_query_block,
-    rotated_walk_shift,
     visited_query_block,
 )
 from cute_fa.dsl.scheduler import bwd_block_coords, bwd_grid
@@ -96,16 +96,18 @@ class FlashAttentionBackwardSm80(AttentionKernel):
       dQ = dS K; atomically added to dQaccum          (ldmatrix.trans B; fragment order)
       1 stage: barrier (the stage is free for block m + 1's load)
     Deterministic mode (config.deterministic), warp by warp (no CTA barrier): before its dQ
-      atomics for query block m, lane 0 of each warp spins until the semaphore of (batch, head, m)
-      reaches num_warps times the number of key blocks before this one in m's turn order (its
-      first relaxed read goes out at the start of the block, behind which the GEMMs run), then
-      fence.acq_rel.gpu (the acquire); warp barrier; the warp's atomics; warp barrier; lane 0:
-      fence.acq_rel.gpu and adds 1 (the release). Every element of dQaccum then sums its terms in
-      one fixed order, whatever the schedule. Two orders (Note [deterministic dQ]): the chain
-      (turns in key block order, every CTA walking downward) and, where a (batch, head)'s key
-      blocks all fit on the GPU at once (config.det_coresident), the coresident order (turns in
-      the order the key blocks reach m: causal walks upward with turns descending, no mask walks
-      downward from block n - 1, wrapping), in which no key block waits for another's atomics.
+      atomics for query block m, lane 0 of each warp spins with ld.acquire.gpu until the
+      semaphore of (batch, head, m) reaches num_warps times the number of key blocks before this
+      one in m's turn order; warp barrier; the warp's atomics (fire-and-forget REDG); later,
+      the release: warp barrier, lane 0 red.release.gpu adds 1 (it waits until the warp's
+      atomics are done). Every element of dQaccum then sums its terms in one fixed order,
+      whatever the schedule. Two orders (Note [deterministic dQ]): the chain (turns in key block
+      order, every CTA walking downward; the release right after the atomics) and, where a
+      (batch, head)'s key blocks all fit on the GPU at once (config.det_coresident), the
+      coresident order (turns in the order the key blocks reach m: causal walks upward with
+      turns descending, no mask walks downward from block n - 1, wrapping), in which each key
+      block's predecessor reaches m a step earlier, so the release of block m waits until the
+      next block's S and dP products are done (by then the atomics are).
     Epilogue: barrier (2 stages: the last block's dQ product has read sK); dK *= softmax_scale;
       dK, dV through sK, sV to global memory.
     Out-of-range rows: Q and dO rows past seqlen_q are zero and their LSE is +inf (P = 0, dS = 0);
@@ -329,9 +331,17 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         acc_dV.fill(0.0)
 
         # The order of the query blocks (``query_block``).
+        # Coresident order: each key block's predecessor reaches a query block at least one
+        # step earlier, so a block's turn is passed on late, during the next block
+        # (``late``; Note [deterministic dQ]).
         shift = Int32(0)
-        if cutlass.const_expr(self.coresident and not self.causal):
-            shift = rotated_walk_shift(seqlen_q, seqlen_k, n_block, self.tile_m, tn)
+        late = cutlass.Boolean(False)
+        if cutlass.const_expr(self.coresident):
+            late = cutlass.Boolean(True)
+            if cutlass.const_expr(not self.causal):
+                late = coresident_rotates(seqlen_q, seqlen_k, self.tile_m, tn)
+                if late:
+                    shift = n_block
         walk = (m_block_min, m_block_max, shift)
         num_blocks = m_block_max - m_block_min
         if cutlass.const_expr(self.q_stages == 2):
@@ -341,7 +351,8 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         for i in cutlass.range(num_blocks, unroll=1):
             args = (
                 q_rows, smem_tiles, self.query_block(i, walk), self.query_block(i + 1, walk),
-                i + 1 < num_blocks, i % self.q_stages, n_block,
+                i + 1 < num_blocks, self.query_block(i - 1, walk), i > 0, late,
+                i % self.q_stages, n_block,
                 seqlen_q, seqlen_k,
                 score_scale, scale_log2, window_left, window_right, copy_g2s,
                 mma_sdp, mma_dkv, mma_dq, acc_dK, acc_dV, barrier, tidx,
@@ -355,6 +366,9 @@ class FlashAttentionBackwardSm80(AttentionKernel):
                 else:
                     self.step_bwd(*args, False)
 
+        if cutlass.const_expr(self.deterministic):
+            if late:  # the last block's turn
+                self.release_dq_turn(q_rows[5], self.query_block(num_blocks - 1, walk), tidx)
         # dK carries the softmax scale (dS is w.r.t. the scaled scores); sK and sV are free
         # once every warp has finished the last block.
         if cutlass.const_expr(self.q_stages == 2):
@@ -382,6 +396,9 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         m_block: Int32,
         m_next: Int32,
         has_next: cutlass.Boolean,
+        m_prev: Int32,
+        has_prev: cutlass.Boolean,
+        late: cutlass.Boolean,
         stage: Int32,
         n_block: Int32,
         seqlen_q: Int32,
@@ -401,7 +418,8 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         masked: cutlass.Constexpr[bool],
     ):
         """One query block against this CTA's keys (with 2 stages, the next one, m_next, is
-        prefetched when ``has_next``)."""
+        prefetched when ``has_next``). Deterministic and ``late``: the turn of the block before,
+        m_prev (when ``has_prev``), is passed on after this block's S and dP products."""
         tm, tn, d = self.tile_m, self.tile_n, self.tile_hdim
         mdQaccum = q_rows[4]
         sK, sV = smem_tiles[0], smem_tiles[1]
@@ -410,8 +428,6 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         sLSE, sdPsum = smem_tiles[6][None, stage], smem_tiles[7][None, stage]
         rows_left = seqlen_q - m_block * tm
         if cutlass.const_expr(self.deterministic):
-            # Thread 0 reads this block's semaphore now; the load's latency hides behind the
-            # GEMMs, and its turn has usually come by then.
             sem = elem_ptr(q_rows[5], m_block).llvm_ptr
             # The semaphore counts warps: the turn comes when every warp of every key block
             # before this one that visits m_block has added its share.
@@ -423,9 +439,6 @@ class FlashAttentionBackwardSm80(AttentionKernel):
                 )
             turn = turn * (self.num_threads // 32)
             lane = tidx % 32
-            sem_count = Int32(-1)
-            if lane == 0:
-                sem_count = cute.arch.load(sem, Int32, sem="relaxed", scope="gpu")
 
         if cutlass.const_expr(self.q_stages == 2):
             # This block's group is the only one in flight. Past the barrier every warp has
@@ -464,6 +477,10 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         acc_dP.fill(0.0)
         self.mma_ss(mma_sdp, acc_S, sQ, sK, ldsm, ldsm, tidx)
         self.mma_ss(mma_sdp, acc_dP, sdO, sV, ldsm, ldsm, tidx)
+        if cutlass.const_expr(self.deterministic):
+            if late:
+                if has_prev:  # the atomics of m_prev went out a whole product ago
+                    self.release_dq_turn(q_rows[5], m_prev, tidx)
 
         dtanh = None
         if cutlass.const_expr(self.has_softcap):
@@ -506,16 +523,15 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         gdQ = cute.local_tile(mdQaccum, (tm, d), (m_block, 0))
         block = cute.make_tensor(gdQ.iterator, cute.make_layout(tm * d))
         if cutlass.const_expr(self.deterministic):
-            # Wait for this warp's turn: the key blocks before this one that see query block
-            # m_block have added their dQ (Note [deterministic dQ]). The first read of the
-            # semaphore went out before the GEMMs; lane 0 spins (relaxed) only if the turn had
-            # not come then, and a fence makes the last read an acquire. At least, not equal:
-            # warps of this CTA that went first have raised it already.
-            count = sem_count
+            # Wait for this warp's turn: the key blocks before this one in m_block's order have
+            # added their dQ (Note [deterministic dQ]). Lane 0 spins with acquire loads (a
+            # relaxed read and a fence.acq_rel instead measured 0.74-0.78x of the default
+            # speed: the fence invalidates L1 and waits for every memory access in flight).
+            # At least, not equal: warps of this CTA that went first have raised it already.
             if lane == 0:
+                count = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
                 while count < turn:
-                    count = cute.arch.load(sem, Int32, sem="relaxed", scope="gpu")
-                cute.arch.fence_acq_rel_gpu()
+                    count = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
             cute.arch.sync_warp()
         # Rows past seqlen_q (dS = 0) are skipped. Adding their zeros would be as right (the
         # padding of the note), but without the predicate the compiler schedules the atomics
@@ -533,14 +549,21 @@ class FlashAttentionBackwardSm80(AttentionKernel):
                         elem_ptr(block, i * self.num_threads + tidx).llvm_ptr, acc_dQ[i]
                     )
         if cutlass.const_expr(self.deterministic):
-            # Release, warp by warp: the lanes' atomics precede the warp barrier, the barrier
-            # precedes lane 0's fence, the fence precedes the increment.
-            cute.arch.sync_warp()
-            if lane == 0:
-                cute.arch.fence_acq_rel_gpu()
-                cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="relaxed", scope="gpu")
+            if not late:
+                self.release_dq_turn(q_rows[5], m_block, tidx)
         if cutlass.const_expr(self.q_stages == 1):
             barrier.arrive_and_wait()  # the next block's load reuses this one's stage
+
+    @cute.jit
+    def release_dq_turn(self, semaphores: cute.Tensor, m_block: Int32, tidx: Int32):
+        """Pass on this warp's turn of query block ``m_block``: the lanes' atomics precede the
+        warp barrier, which precedes lane 0's increment with release semantics (it waits until
+        the atomics are done; a fence.acq_rel before a relaxed increment, as before, also
+        invalidated L1 and made ptxas return every atomic, ATOMG for REDG)."""
+        cute.arch.sync_warp()
+        if tidx % 32 == 0:
+            sem = elem_ptr(semaphores, m_block).llvm_ptr
+            cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
 
     @cute.jit
     def load_q_do(
@@ -623,7 +646,8 @@ class FlashAttentionBackwardSm80(AttentionKernel):
 # idle (0.47x of the default speed at d128 8k). Walking downward, key blocks n' < n have
 # m_max(n') <= m_max(n), so they visit each block no later in their walk than n does; but all
 # of them reach a block at the same step, so n waits for the critical sections (atomics and
-# fence) of all the key blocks before it: a lag that grows by one critical section a key block.
+# release) of all the key blocks before it: a lag that grows by one critical section a key
+# block.
 # Grid order for the chain: a deterministic causal call makes the key block the grid's slowest
 # dimension, grid = (heads, batch, key blocks), so the CTAs resident together are the first few
 # key blocks of many (head, batch) pairs rather than all key blocks of one or two heads; key
@@ -651,5 +675,16 @@ class FlashAttentionBackwardSm80(AttentionKernel):
 # yet waits only for CTAs of a head whose other CTAs cannot hold every slot); half the SMs
 # leaves room for other kernels on the GPU. In both orders the waits point to strictly earlier
 # steps or, among equal steps, one way along the key blocks, so they form no cycle.
+# With a step of slack, the coresident order releases late: block m's increment goes out after
+# the next block's S and dP products, when its atomics are done, so the release's wait for them
+# (red.release) costs nothing; the chain releases right after the atomics (a late release
+# there makes the lag grow by a block's products a key block: measured slower).
+# What it costs (H200, the sm80 kernel, d128 8k, det / default): with thread 0 taking the turn
+# for the CTA between two CTA barriers, a relaxed spin and fence.acq_rel on both sides: 0.75x /
+# 0.80x (non-causal / causal), the same in the chain and the coresident order and with turns per
+# warp: the fences were the cost, not the waiting (the same kernel without any fence or
+# semaphore, not deterministic: 0.97x / 1.00x). A fence.acq_rel is MEMBAR.ALL.GPU plus an
+# invalidation of L1 (CCTL.IVALL), and with one after them ptxas returns the dQ atomics (ATOMG,
+# waited for, instead of REDG). Acquire loads and red.release: 0.84-0.85x / 0.87-0.88x.
 # The sm90 backward (hopper/flash_bwd.py) keeps the chain, its turns taken by its dQ writer
 # warp around the TMA reduce-adds of a block.

@@ -154,7 +154,7 @@ def bwd_config(
 # (every call the sm80 kernel takes, and (d, dv) = (192, 128), which only the sm90 backward has).
 # deterministic=True runs the sm90 kernel too (its dQ writer warp takes the turns of the
 # semaphores that run_backward allocates with the config's tile_m); on the H200 the sm80
-# kernel's deterministic mode measured 232-255 TFLOPs at d128 8k, where the sm90 kernel's
+# kernel's deterministic mode measured 266-291 TFLOPs at d128 8k, where the sm90 kernel's
 # default measured 502-518 and its deterministic mode 0.94x (non-causal) / 0.87x (causal) of
 # that (docs/performance.md, 2026-12-01).
 

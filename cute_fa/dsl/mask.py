@@ -113,19 +113,15 @@ def visited_query_block(i: Int32, m_block_min: Int32, m_block_max: Int32, downwa
 
 
 @cute.jit
-def rotated_walk_shift(
+def coresident_rotates(
     seqlen_q: Int32,
     seqlen_k: Int32,
-    n_block: Int32,
     tile_m: cutlass.Constexpr[int],
     tile_n: cutlass.Constexpr[int],
-) -> Int32:
-    """How many blocks later than M - 1 key block ``n_block``'s downward walk starts (no mask,
-    coresident): ``n_block`` when N <= M, else 0 (the chain)."""
-    shift = Int32(0)
-    if cute.ceil_div(seqlen_k, tile_n) <= cute.ceil_div(seqlen_q, tile_m):
-        shift = n_block
-    return shift
+) -> cutlass.Boolean:
+    """No mask, coresident: whether a sequence's key blocks walk rotated (key block n downward
+    from query block n - 1, wrapping): N <= M; else they take the chain."""
+    return cute.ceil_div(seqlen_k, tile_n) <= cute.ceil_div(seqlen_q, tile_m)
 
 
 @cute.jit
@@ -161,7 +157,7 @@ def coresident_turn(
         turn = last - n_block
     else:
         num_m = cute.ceil_div(seqlen_q, tile_m)
-        if num_n <= num_m:
+        if coresident_rotates(seqlen_q, seqlen_k, tile_m, tile_n):
             # The key block that reaches m_block first, at step 0 (none when first >= N: then
             # the order is 0, 1, .., N - 1).
             first = m_block + 1
