@@ -685,6 +685,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
 # warp: the fences were the cost, not the waiting (the same kernel without any fence or
 # semaphore, not deterministic: 0.97x / 1.00x). A fence.acq_rel is MEMBAR.ALL.GPU plus an
 # invalidation of L1 (CCTL.IVALL), and with one after them ptxas returns the dQ atomics (ATOMG,
-# waited for, instead of REDG). Acquire loads and red.release: 0.84-0.85x / 0.87-0.88x.
+# waited for, instead of REDG). Acquire loads and red.release: 0.84-0.86x / 0.87-0.88x in the
+# coresident order, 0.79x / 0.88x in the chain (docs/performance.md, 2026-12-01).
 # The sm90 backward (hopper/flash_bwd.py) keeps the chain, its turns taken by its dQ writer
 # warp around the TMA reduce-adds of a block.
