@@ -674,7 +674,9 @@ class FlashAttentionBackwardSm80(AttentionKernel):
 # at most as many key blocks as CTAs fit at once is enough (the lowest-index CTA not started
 # yet waits only for CTAs of a head whose other CTAs cannot hold every slot); half the SMs
 # leaves room for other kernels on the GPU. In both orders the waits point to strictly earlier
-# steps or, among equal steps, one way along the key blocks, so they form no cycle.
+# steps or, among equal steps, one way along the key blocks, so they form no cycle. Where the
+# GPU is shared in ways the SM count does not show (MPS thread limits, green contexts),
+# ``CUTE_FA_BWD_DET_ORDER=chain`` keeps every call on the chain.
 # With a step of slack, the coresident order releases late: block m's increment goes out after
 # the next block's S and dP products, when its atomics are done, so the release's wait for them
 # (red.release) costs nothing; the chain releases right after the atomics (a late release

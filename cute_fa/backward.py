@@ -55,6 +55,9 @@ from .hopper import support as sm90_support
 # for the rest; ``CUTE_FA_BWD_ARCH=80`` or ``=90`` forces one family (NotImplementedError when
 # it cannot run the call). Both use the sm80 preprocess and postprocess.
 BWD_ARCH_ENV = "CUTE_FA_BWD_ARCH"
+# "chain": deterministic calls of the sm80 kernel never take the coresident order, whose key
+# blocks wait for each other (for a GPU shared in ways the SM count does not show).
+BWD_DET_ORDER_ENV = "CUTE_FA_BWD_DET_ORDER"
 
 __all__ = [
     "bwd_config",
@@ -163,8 +166,15 @@ def coresident_fits(config: BwdConfig, max_seqlen_k: int, device: torch.device) 
     """Whether a deterministic call of the sm80 kernel may take its turns in coresident order
     (Note [deterministic dQ] in ampere/flash_bwd.py): the key blocks of one (batch, head) wait
     for each other, so all of them must be resident at once. The kernel runs at least one CTA
-    an SM; half the SMs leaves room for other work on the GPU."""
+    an SM; half the SMs leaves room for other work on the GPU. ``CUTE_FA_BWD_DET_ORDER=chain``
+    turns it off (a GPU shared in ways the SM count does not show: MPS limits, green
+    contexts)."""
     if config.arch != 80 or not config.deterministic or config.local:
+        return False
+    order = os.environ.get(BWD_DET_ORDER_ENV, "").strip()
+    if order not in ("", "auto", "chain"):
+        raise SettingError(f"{BWD_DET_ORDER_ENV}={order!r}: expected auto or chain")
+    if order == "chain":
         return False
     from .interface import _sm_count
 
@@ -372,7 +382,8 @@ def run_backward(
     config, pre, main, post = _kernels(
         target, _DTYPE_NAMES[dtype], head_dim, head_dim_v, causal, local, softcap > 0, varlen_q,
         varlen_k, seqused_q is not None, seqused_k is not None, deterministic, dlse is not None,
-        (os.environ.get(BWD_ARCH_ENV, ""), os.environ.get(BWD_TILE_ENV, "")), det_fit,
+        (os.environ.get(BWD_ARCH_ENV, ""), os.environ.get(BWD_TILE_ENV, ""),
+         os.environ.get(BWD_DET_ORDER_ENV, "")), det_fit,
     )  # fmt: skip
 
     device = q.device

@@ -318,6 +318,11 @@ def test_coresident_order_is_chosen_where_a_head_fits_on_half_the_gpu(monkeypatc
     with pytest.raises(ValueError, match="det_coresident"):
         det.replace(det_coresident=True, deterministic=False)
     assert det.replace(det_coresident=True).name.endswith("_deterministic_coresident")
+    monkeypatch.setenv(backward.BWD_DET_ORDER_ENV, "chain")
+    assert not backward.coresident_fits(det, 128, None)
+    monkeypatch.setenv(backward.BWD_DET_ORDER_ENV, "sideways")
+    with pytest.raises(backward.SettingError, match="CUTE_FA_BWD_DET_ORDER"):
+        backward.coresident_fits(det, 128, None)
 
 
 @pytest.mark.parametrize("d", [96, 128])
