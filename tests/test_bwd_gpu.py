@@ -397,11 +397,14 @@ def test_bwd_deterministic_bitwise(d, causal, window, h_kv, sq, sk):
     q, k, v, dout, grads = run_bwd_and_check(
         2, sq, sk, NHEADS, h_kv, d, causal=causal, window=window, deterministic=True
     )
-    for _ in range(3):
+    assert_same_bytes_again(q, k, v, dout, grads, 3, causal=causal, window_size=window)
+
+
+def assert_same_bytes_again(q, k, v, dout, grads, runs, **kwargs):
+    """``runs`` more deterministic backwards of the same inputs give ``grads`` byte for byte."""
+    for _ in range(runs):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out, _ = cute_fa.flash_attn_func(
-            *leaves, causal=causal, window_size=window, deterministic=True
-        )
+        out, _ = cute_fa.flash_attn_func(*leaves, deterministic=True, **kwargs)
         again = torch.autograd.grad(out, leaves, dout)
         for g, g2, name in zip(grads, again, ("dq", "dk", "dv"), strict=True):
             assert torch.equal(g.view(torch.int16), g2.view(torch.int16)), f"{name} differs"
@@ -411,19 +414,13 @@ def test_bwd_deterministic_bitwise(d, causal, window, h_kv, sq, sk):
 def test_bwd_deterministic_chain_order(causal, monkeypatch):
     """The sm80 kernel's chain order (turns in key-block order, every key block downward), which
     deterministic calls without a window take when a head's key blocks may not all be resident
-    at once: correct and the same bytes on every run."""
-    from cute_fa import backward
-
-    monkeypatch.setattr(backward, "coresident_fits", lambda *args: False)
-    monkeypatch.setattr(backward, "_launch_kernels", {})
+    at once, or with CUTE_FA_BWD_DET_ORDER=chain (set here): correct and the same bytes on
+    every run."""
+    monkeypatch.setenv("CUTE_FA_BWD_DET_ORDER", "chain")
     q, k, v, dout, grads = run_bwd_and_check(
         2, 1000, 700, NHEADS, 2, 128, causal=causal, deterministic=True
     )
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, _ = cute_fa.flash_attn_func(*leaves, causal=causal, deterministic=True)
-    again = torch.autograd.grad(out, leaves, dout)
-    for g, g2, name in zip(grads, again, ("dq", "dk", "dv"), strict=True):
-        assert torch.equal(g.view(torch.int16), g2.view(torch.int16)), f"{name} differs"
+    assert_same_bytes_again(q, k, v, dout, grads, 1, causal=causal)
 
 
 @pytest.mark.parametrize("causal,window", [MASKS[1], MASKS[2]])
