@@ -432,7 +432,9 @@ class FlashAttentionBackwardSm80(AttentionKernel):
             # The semaphore counts warps: the turn comes when every warp of every key block
             # before this one that visits m_block has added its share.
             if cutlass.const_expr(self.coresident):
-                turn = coresident_turn(m_block, n_block, seqlen_q, seqlen_k, tm, tn, self.causal)
+                # (Without a mask, ``late`` is whether this sequence's walk rotates.)
+                turn = coresident_turn(m_block, n_block, seqlen_q, seqlen_k, tm, tn, self.causal,
+                                       late)  # fmt: skip
             else:
                 turn = n_block - first_key_block(
                     m_block, seqlen_q, seqlen_k, window_left, tm, tn, self.local

@@ -144,9 +144,11 @@ def coresident_turn(
     tile_m: cutlass.Constexpr[int],
     tile_n: cutlass.Constexpr[int],
     causal: cutlass.Constexpr[bool],
+    rotates: cutlass.Boolean,
 ) -> Int32:
     """How many key blocks add their dQ of query block ``m_block`` before ``n_block`` in the
-    coresident order (above); ``n_block`` visits ``m_block``."""
+    coresident order (above); ``n_block`` visits ``m_block``; ``rotates``: the sequence's
+    ``coresident_rotates`` (no mask)."""
     num_n = cute.ceil_div(seqlen_k, tile_n)
     turn = n_block
     if cutlass.const_expr(causal):
@@ -157,7 +159,7 @@ def coresident_turn(
         turn = last - n_block
     else:
         num_m = cute.ceil_div(seqlen_q, tile_m)
-        if coresident_rotates(seqlen_q, seqlen_k, tile_m, tile_n):
+        if rotates:
             # The key block that reaches m_block first, at step 0 (none when first >= N: then
             # the order is 0, 1, .., N - 1).
             first = m_block + 1
