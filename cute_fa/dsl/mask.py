@@ -92,6 +92,17 @@ def query_block_range(
     return m_min, m_max
 
 
+@cute.jit
+def causal_block_unmasked(
+    row_start: Int32, key_start: Int32, num_keys: int, seqlen_q: Int32, seqlen_k: Int32
+) -> cutlass.Boolean:
+    """Causal backward: whether every query row from ``row_start`` on sees all keys
+    [key_start, key_start + num_keys), all of them below seqlen_k (the tile needs no mask).
+    Row i sees key j iff j <= i + seqlen_k - seqlen_q; the first row sees the fewest."""
+    last_key = key_start + num_keys - 1
+    return last_key <= row_start + seqlen_k - seqlen_q and last_key < seqlen_k
+
+
 def visited_query_block(i: Int32, m_block_min: Int32, m_block_max: Int32, downward: bool) -> Int32:
     """The i-th query block a key block's CTA visits in ``query_block_range``: ascending from
     m_block_min, or ``downward`` from m_block_max - 1 (the backwards' deterministic mode, Note
