@@ -75,6 +75,7 @@ class FwdConfig:
     # kernel's own choice and leave the name unchanged.
     kv_stages: int = 0  # K/V smem stages; 0: the kernel's default
     defer_rescale: bool = False  # O rescale and P conversion just before the next P V
+    exp2_poly: int = 0  # every exp2_poly-th exponential of an unmasked block by polynomial
     # Persistent grid (Note [persistent tiles] in cute_fa/dsl/scheduler.py): CTAs launched, one
     # an SM of the device; 0: one CTA a tile.
     num_ctas: int = 0
@@ -102,6 +103,8 @@ class FwdConfig:
             flags.append(f"kv{self.kv_stages}")
         if getattr(self, "defer_rescale", False):
             flags.append("defer")
+        if getattr(self, "exp2_poly", 0):
+            flags.append(f"poly{self.exp2_poly}")
         if getattr(self, "num_ctas", 0):
             flags.append(f"persistent{self.num_ctas}")
         dv = "" if self.head_dim_v == self.head_dim else f"x{self.head_dim_v}"

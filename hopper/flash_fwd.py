@@ -176,6 +176,11 @@ class FlashAttentionForwardSm90(AttentionKernel):
       consumers: 64 and 66 of 66). The wait itself
       stays in the step: a commit group still in flight at the loop's back edge makes ptxas
       serialize every WGMMA.
+    Exponentials on the FMA pipe (config.exp2_poly = k, CUTE_FA_SM90_FWD_EXP2_POLY): in the
+      unmasked loop every k-th exponential of a thread's row is a polynomial (Note [exp2 on the
+      FMA pipe] in cute_fa/dsl/softmax.py) instead of MUFU.EX2, which at d 64 is as busy as
+      the tensor cores (hopper/support.py). SASS of d 64, 128 rows, k = 8: the unmasked loop
+      has 58 MUFU.EX2 instead of 66 and 456 instructions instead of 399. Off by default.
     Masks (cute_fa/dsl/mask.py, Note [bottom-right aligned masks]; block_range per CTA of
       tile_m rows, apply_mask per consumer's 64 rows). Key blocks run in up to three loops, last to
       first: [start_unmasked, n_max) masked (seqlen_k tail, causal diagonal, right window
@@ -207,6 +212,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         self.regs_producer, self.regs_consumer = SM90_FWD_REGS[self.num_consumers]
         self.num_ctas = config.num_ctas  # persistent grid; 0: one CTA a tile
         self.q_stages = fwd_q_stages(config)
+        self.exp2_poly = config.exp2_poly  # 0: every exponential on MUFU
 
     can_implement = staticmethod(fwd_can_implement)
 
@@ -835,12 +841,14 @@ class FlashAttentionForwardSm90(AttentionKernel):
                 seqlen_q, seqlen_k, window_left, window_right, self.causal, self.local,
             )  # fmt: skip
         check_inf = masked and (self.causal or self.local)
+        # Polynomial exponentials take finite scores only: not on masked blocks (-inf).
+        poly = 0 if masked else self.exp2_poly
         if cutlass.const_expr(self.defer_rescale):
             # P stays fp32 in acc_S and the factors in corr until the next P V issue
             # (prepare_pv): after wait_group 0 nothing in this step writes acc_O or rP. (The
             # wait stays in this step: ptxas serializes every WGMMA when a commit group is
             # still in flight at the loop's back edge.)
-            softmax.step(acc_S, None, is_first, check_inf, corr)
+            softmax.step(acc_S, None, is_first, check_inf, corr, poly)
             if cutlass.const_expr(not is_first):
                 self.after_exponentials(softmax)
                 warpgroup.wait_group(0)
@@ -849,7 +857,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
             softmax.step(acc_S, acc_O, True, check_inf)
         else:
             corr = cute.make_rmem_tensor(softmax.num_rows, Float32)
-            softmax.step(acc_S, None, False, check_inf, corr)
+            softmax.step(acc_S, None, False, check_inf, corr, poly)
             warpgroup.wait_group(0)
             pipeline_v.consumer_release(v_state)
             softmax.rescale(acc_O, corr)

@@ -91,6 +91,17 @@ SM90_FWD_KV_STAGE_CHOICES = (2, 3)
 # exponentials of block j before the wait (flash_fwd.py, class docstring). =0 or unset: the
 # order of the default. Read when a launch plan is made.
 DEFER_RESCALE_ENV = "CUTE_FA_SM90_FWD_DEFER_RESCALE"
+# Tuning switch: CUTE_FA_SM90_FWD_EXP2_POLY=<k> (2, 4, 8 or 16) computes every k-th exponential
+# of each thread's row in the unmasked key blocks with a polynomial on the FMA pipe
+# (cute_fa/dsl/softmax.py, Note [exp2 on the FMA pipe]) instead of MUFU.EX2. Why: MUFU runs 16
+# lanes a clock an SM, the tensor cores 4096 FLOPs, so at d 64 (256 FLOPs a score in the two
+# GEMMs) the exponentials need as many MUFU clocks as the GEMMs need tensor clocks, and a
+# consumer's softmax (66 MUFU.EX2 a thread at 128 keys: 528 clocks of its SMSP's MUFU) takes
+# longer than the other consumer's GEMMs (512 clocks). A polynomial exponential is 8 FMA / ALU
+# instructions in place of one MUFU.EX2. =0 or unset: MUFU for all. Read when a launch plan is
+# made.
+EXP2_POLY_ENV = "CUTE_FA_SM90_FWD_EXP2_POLY"
+SM90_FWD_EXP2_POLY_CHOICES = (2, 4, 8, 16)
 
 # A persistent grid launches one CTA an SM, each looping over its share of the tiles (Note
 # [persistent tiles], cute_fa/dsl/scheduler.py); it takes dense calls without a window or
@@ -120,8 +131,8 @@ SM90_SMS = 132
 SM90_FWD_PERSISTENT_Q_STAGES = 2
 
 # These switches become fields of the compile key (FwdConfig.kv_stages, .defer_rescale,
-# .num_ctas; see fwd_tuned), so a kernel compiled under one setting is never served under
-# another.
+# .exp2_poly, .num_ctas; see fwd_tuned), so a kernel compiled under one setting is never served
+# under another.
 
 
 def _env_choice(name: str, choices: tuple[str, ...]) -> str:
@@ -162,19 +173,21 @@ def fwd_q_stages(config: FwdConfig) -> int:
 def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
     """``config`` with the tuning choices applied (dispatch calls this): the K/V stages of
     CUTE_FA_SM90_FWD_KV_STAGES where Q and that many stages fit in shared memory,
-    CUTE_FA_SM90_FWD_DEFER_RESCALE, and a persistent grid (SM90_SMS CTAs; the interface sets
-    the device's count) where it fits, Q gets two stages and ``seqlen_q`` (the call's longest
-    query sequence) is at most SM90_FWD_PERSISTENT_MAX_SEQLEN(_CAUSAL), or as
-    CUTE_FA_SM90_FWD_PERSISTENT says."""
+    CUTE_FA_SM90_FWD_DEFER_RESCALE, CUTE_FA_SM90_FWD_EXP2_POLY, and a persistent grid
+    (SM90_SMS CTAs; the interface sets the device's count) where it fits, Q gets two stages
+    and ``seqlen_q`` (the call's longest query sequence) is at most
+    SM90_FWD_PERSISTENT_MAX_SEQLEN(_CAUSAL), or as CUTE_FA_SM90_FWD_PERSISTENT says."""
     value = _env_choice(KV_STAGES_ENV, tuple(str(s) for s in SM90_FWD_KV_STAGE_CHOICES))
     stages = int(value) if value else SM90_FWD_KV_STAGES
     if fwd_smem_bytes(config, stages) > SMEM_CAPACITY.get(config.target, 0):
         stages = SM90_FWD_KV_STAGES
     defer = _env_choice(DEFER_RESCALE_ENV, ("0", "1")) == "1"
+    poly = _env_choice(EXP2_POLY_ENV, ("0",) + tuple(str(k) for k in SM90_FWD_EXP2_POLY_CHOICES))
     forced = _env_choice(PERSISTENT_ENV, ("0", "1"))
     config = config.replace(
-        kv_stages=0 if stages == SM90_FWD_KV_STAGES else stages, defer_rescale=defer
-    )
+        kv_stages=0 if stages == SM90_FWD_KV_STAGES else stages, defer_rescale=defer,
+        exp2_poly=int(poly or 0),
+    )  # fmt: skip
     persistent = config.replace(num_ctas=SM90_SMS)
     limit = (
         SM90_FWD_PERSISTENT_MAX_SEQLEN_CAUSAL if config.causal else SM90_FWD_PERSISTENT_MAX_SEQLEN

@@ -16,6 +16,7 @@ import re
 import pytest
 from cute_fa.hopper.support import (
     DEFER_RESCALE_ENV,
+    EXP2_POLY_ENV,
     KV_STAGES_ENV,
     SM90_FWD_3WG_MAX_TILE_N,
     SM90_FWD_HEAD_DIM_PAIRS,
@@ -210,7 +211,7 @@ def test_sm90_three_consumers_only_where_they_fit(monkeypatch) -> None:
 
 
 MALFORMED = [(KV_STAGES_ENV, "4"), (KV_STAGES_ENV, "three"), (DEFER_RESCALE_ENV, "yes"),
-             (DEFER_RESCALE_ENV, "2")]  # fmt: skip
+             (DEFER_RESCALE_ENV, "2"), (EXP2_POLY_ENV, "3"), (EXP2_POLY_ENV, "on")]  # fmt: skip
 
 
 @pytest.mark.parametrize("name, value", MALFORMED)
@@ -224,6 +225,7 @@ def test_sm90_fwd_kv_stages_where_they_fit(monkeypatch) -> None:
     monkeypatch.delenv(TILE_N_ENV, raising=False)
     monkeypatch.delenv(KV_STAGES_ENV, raising=False)
     monkeypatch.delenv(DEFER_RESCALE_ENV, raising=False)
+    monkeypatch.delenv(EXP2_POLY_ENV, raising=False)
     config = fwd_tuned(_tiled_config(128, 128))
     assert config == _tiled_config(128, 128) and fwd_kv_stages(config) == 2  # defaults: no change
     monkeypatch.setenv(KV_STAGES_ENV, "3")
@@ -250,6 +252,9 @@ SWITCH_CASES = [
     pytest.param(KV_STAGES_ENV, "3", 128, None, {}, id="stages3-d128"),
     pytest.param(KV_STAGES_ENV, "3", 128, None, {"causal": True}, id="stages3-d128-causal"),
     pytest.param(KV_STAGES_ENV, "3", 64, SM90_FWD_TILE_M_3WG, {}, id="stages3-d64-3wg"),
+    pytest.param(EXP2_POLY_ENV, "8", 64, SM90_FWD_TILE_M_3WG, {}, id="poly8-d64-3wg"),
+    pytest.param(EXP2_POLY_ENV, "8", 64, None, {"causal": True}, id="poly8-d64-causal"),
+    pytest.param(EXP2_POLY_ENV, "4", 128, None, LOCAL_SOFTCAP, id="poly4-d128-local-softcap"),
 ]
 
 
@@ -274,6 +279,14 @@ def test_sm90_fwd_switch_compiles(monkeypatch, capfd, name, value, d, tile_m, fl
         assert inside and all(n >= config.tile_n // 2 for n in inside), inside
         if config.tile_m == 128:
             assert all(n == config.tile_n // 2 + 2 for n in inside), inside
+    if name == EXP2_POLY_ENV:
+        # Each thread's row of an unmasked block (tile_n / 2 scores) has tile_n / 2 / k
+        # polynomial exponentials; the kernel has one unmasked loop.
+        monkeypatch.delenv(name)
+        default = compile_and_inspect(fwd_tuned(config.replace(exp2_poly=0)))["sass_text"]
+        assert config.exp2_poly == int(value) and f"poly{value}" in config.name
+        fewer = default.count("MUFU.EX2") - sass.count("MUFU.EX2")
+        assert fewer == config.tile_n // 2 // config.exp2_poly, fewer
 
 
 def _exponentials_in_overlap_window(sass: str) -> list[int]:

@@ -333,6 +333,55 @@ def test_fwd_persistent_grid(monkeypatch, d, dv, seqlen_q, seqlen_k, causal, sof
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
+# (d, seqlen_q, seqlen_k, mask, softcap, dtype, k, score spread): CUTE_FA_SM90_FWD_EXP2_POLY=k.
+# A spread of 4 multiplies q, so that scores span ~100 units of log2 (the clamp at -126 and
+# the rounding of large negative exponents are exercised); 4224 causal rows run 192 rows a CTA.
+EXP2_POLY_CASES = [
+    (64, 1000, 777, "full", 0.0, torch.bfloat16, 8, 1.0),
+    (64, 4224, 4224, "causal", 0.0, torch.bfloat16, 8, 1.0),
+    (64, 300, 1000, "causal", 0.0, torch.float16, 2, 4.0),
+    (64, 1000, 1000, "full", 0.0, torch.bfloat16, 4, 4.0),
+    (128, 1000, 1000, "full", 15.0, torch.bfloat16, 4, 1.0),
+    (128, 513, 2049, "full", 0.0, torch.float16, 16, 1.0),
+    (128, 1000, 1000, "win64_0", 0.0, torch.bfloat16, 8, 1.0),
+    (256, 777, 1000, "causal", 0.0, torch.bfloat16, 4, 1.0),
+]
+
+
+@pytest.mark.parametrize(
+    "d,seqlen_q,seqlen_k,mask,softcap,dtype,every,spread", EXP2_POLY_CASES,
+    ids=[f"d{c[0]}-{c[1]}x{c[2]}-{c[3]}-poly{c[6]}-{str(c[5])[6:]}" for c in EXP2_POLY_CASES],
+)  # fmt: skip
+def test_fwd_exp2_poly(monkeypatch, d, seqlen_q, seqlen_k, mask, softcap, dtype, every, spread):
+    """CUTE_FA_SM90_FWD_EXP2_POLY=k (every k-th exponential of an unmasked block by a
+    polynomial, Note [exp2 on the FMA pipe]): against attention_ref at the usual tolerance,
+    with the switch really in the kernel that ran."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the polynomial exponentials are an sm90 forward switch")
+    from cute_fa import dispatch
+    from cute_fa.cache import fwd_cache
+
+    monkeypatch.setenv("CUTE_FA_SM90_FWD_EXP2_POLY", str(every))
+    monkeypatch.setattr(cute_fa.interface, "_plans", {})  # plans made before read no switch
+    causal, window = {"full": (False, (None, None)), "causal": (True, (None, None)),
+                      "win64_0": (False, (64, 0))}[mask]  # fmt: skip
+    b, h, h_kv = 2, NHEADS, 2
+    q, k, v = _qkv(b, seqlen_q, seqlen_k, h, h_kv, d, dtype, softcap)
+    q = (q.float() * spread).to(dtype)
+    poison_free_memory(_reserve_for((b, seqlen_q, h, d), dtype, (b, h, seqlen_q)))
+    kw = dict(causal=causal, window_size=window, softcap=softcap, return_lse=True)
+    out, lse = cute_fa.flash_attn_func(q, k, v, **kw)
+    local = window != (None, None)
+    _, config = dispatch.fwd_plan((9, 0), cute_fa.interface._check_metadata(
+        q, k, v, None, None, None, None, causal=causal, local=local, softcap=softcap
+    ).request, seqlen_q)  # fmt: skip
+    assert config.exp2_poly == every, config.name
+    assert any(c.exp2_poly == every and c.head_dim == d for c in fwd_cache()._memory), (
+        "no kernel with the switch ran"
+    )
+    check_against_ref(out, lse, q, k, v, causal=causal, window=window, softcap=softcap)
+
+
 def test_poison_reaches_output():
     """The NaN guard is live: out and lse of a call land in memory poisoned just before it."""
     b, s, h, d = 2, 300, NHEADS, 128
