@@ -242,6 +242,13 @@ def test_bwd_softmax_scale():
     run_bwd_and_check(2, 150, 230, NHEADS, 3, 128, causal=True, softmax_scale=0.37 / 128**0.5)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_bwd_negative_softmax_scale(causal):
+    """A negative scale runs on -q (Note [negative softmax_scale]); dq comes back through the
+    negation."""
+    run_bwd_and_check(2, 150, 230, NHEADS, 3, 64, causal=causal, softmax_scale=-0.37 / 64**0.5)
+
+
 @pytest.mark.parametrize(
     "seqlen_q,seqlen_k", [(0, 0), (0, 128), (128, 0), (1, 0)], ids=["0x0", "0x128", "128x0", "1x0"]
 )

@@ -280,6 +280,42 @@ def test_softcap_and_scale_values():
         flash_attn_func(*qkv(), softmax_scale=float("nan"))
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
+def test_negative_scale_runs_on_negated_q(monkeypatch, varlen):
+    """Note [negative softmax_scale]: the kernels get -q and |scale|; through autograd that is
+    attention with the negative scale, gradients included (the kernels replaced here by
+    attention_ref, so this runs on the CPU)."""
+    seen = []
+
+    def fake_forward(requires_grad, q, k, v, *args, **kwargs):
+        scale, causal = args[5], args[6]
+        seen.append(scale)
+        if varlen:
+            q, k, v = q[None], k[None], v[None]
+        out, lse = attention_ref(q, k, v, softmax_scale=scale, causal=causal)
+        return (out[0], lse[0]) if varlen else (out, lse)
+
+    monkeypatch.setattr(interface, "_forward", fake_forward)
+    q, k, v = (t.requires_grad_() for t in qkv(b=1, sq=9, sk=13, h=2, hk=2))
+    scale = -0.3
+    if varlen:
+        cu_q = torch.tensor([0, 9], dtype=torch.int32)
+        cu_k = torch.tensor([0, 13], dtype=torch.int32)
+        out, _ = flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                        softmax_scale=scale, causal=True)  # fmt: skip
+        out = out[None]
+    else:
+        out, _ = flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
+    assert seen == [0.3]
+    ref, _ = attention_ref(q, k, v, softmax_scale=scale, causal=True)
+    # -q is exact in bf16 and (-q) k^T * 0.3 == q k^T * -0.3 in fp32: equal, not just close.
+    assert torch.equal(out, ref)
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.float().sum(), (q, k, v))
+    for g, g_ref in zip(grads, ref_grads, strict=True):
+        assert torch.equal(g, g_ref)
+
+
 # --------------------------------------------------------------------------------------------
 # flash_attn.cute arguments cute_fa does not implement yet
 

@@ -284,6 +284,20 @@ def test_fwd_softmax_scale_and_inputs_untouched():
         assert torch.equal(t, t0), "inputs must not be modified"
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_fwd_negative_softmax_scale(d, causal):
+    """softmax(scale * q k^T) for scale < 0, with scores spread so far (|scale| * spread ~ 100
+    nats) that exponentials taken against the max of the unscaled scores would overflow
+    (Note [negative softmax_scale])."""
+    q, k, v = _qkv(2, 300, 517, NHEADS, 2, d, torch.bfloat16)
+    q = (q.float() * 20).to(torch.bfloat16)
+    scale = -1.0 / math.sqrt(d)
+    out, lse = cute_fa.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal,
+                                       return_lse=True)  # fmt: skip
+    check_against_ref(out, lse, q, k, v, softmax_scale=scale, causal=causal)
+
+
 def test_fwd_deterministic_run_to_run():
     q, k, v = _qkv(2, 1000, 1000, NHEADS, 2, 128, torch.bfloat16)
     out1, lse1 = cute_fa.flash_attn_func(q, k, v, causal=True, return_lse=True)
