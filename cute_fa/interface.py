@@ -161,17 +161,28 @@ def _resolve_scale(softmax_scale, head_dim: int) -> float:
 
 
 # Note [negative softmax_scale]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~ (and zero)
 # The kernels keep the running max of the unscaled scores and fold the scale into the exponent
 # (Note [base-2 online softmax]); that max is the max of the scaled scores only for a scale >= 0.
 # With a negative scale every p = exp2((s - max s) * scale_log2) would be >= 1 and overflow to
 # inf once the scores of a row spread by more than ~128 / |scale_log2|. The scaled scores
 # |scale| * ((-q) k^T) are exactly scale * (q k^T) (negation is exact), softcap included, so a
 # call with a negative scale runs on -q and |scale|; autograd takes dq through the negation.
+#
+# A scale of 0 becomes SCALE_FOR_ZERO: the kernels mask a score by setting it to -inf before the
+# scale multiplies it, and -inf * 0 is NaN. Scaled by 1e-30, every finite score (|s| < 1e8 here
+# in practice) is 0 to fp32 precision in the exponent, so p = 1 exactly, as with a scale of 0,
+# while a masked -inf stays -inf; the gradients w.r.t. q and k are ~1e-30 times those of scale
+# 1 where scale 0 gives exactly 0.
+SCALE_FOR_ZERO = 1e-30
+
+
 def _nonnegative_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
     # (Other dtypes, and non-tensors, are left for the input checks to reject by name.)
     if scale < 0 and isinstance(q, torch.Tensor) and q.dtype in (torch.float16, torch.bfloat16):
         return -q, -scale
+    if scale == 0:
+        return q, SCALE_FOR_ZERO
     return q, scale
 
 

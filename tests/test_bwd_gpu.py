@@ -249,6 +249,13 @@ def test_bwd_negative_softmax_scale(causal):
     run_bwd_and_check(2, 150, 230, NHEADS, 3, 64, causal=causal, softmax_scale=-0.37 / 64**0.5)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_bwd_zero_softmax_scale(causal):
+    """softmax_scale=0 runs with a scale of 1e-30 (interface.SCALE_FOR_ZERO): dq and dk within
+    the tolerance of the reference's exact zeros, dv that of uniform weights."""
+    run_bwd_and_check(2, 150, 230, NHEADS, 3, 64, causal=causal, softmax_scale=0.0)
+
+
 @pytest.mark.parametrize(
     "seqlen_q,seqlen_k", [(0, 0), (0, 128), (128, 0), (1, 0)], ids=["0x0", "0x128", "128x0", "1x0"]
 )

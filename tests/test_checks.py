@@ -316,6 +316,23 @@ def test_negative_scale_runs_on_negated_q(monkeypatch, varlen):
         assert torch.equal(g, g_ref)
 
 
+def test_zero_scale_reaches_the_kernels_as_a_tiny_one(monkeypatch):
+    """Note [negative softmax_scale] (and zero): masked scores are -inf times the scale in the
+    kernels, so 0 would make NaN; SCALE_FOR_ZERO gives the same weights (all 1) instead."""
+    seen = []
+
+    def fake_forward(requires_grad, q, k, v, *args, **kwargs):
+        seen.append((q, args[5]))
+        return attention_ref(q, k, v, softmax_scale=args[5], causal=args[6])
+
+    monkeypatch.setattr(interface, "_forward", fake_forward)
+    q, k, v = qkv(b=1, sq=9, sk=13, h=2, hk=2)
+    out, _ = flash_attn_func(q, k, v, softmax_scale=0.0, causal=True)
+    assert seen[0][0] is q and seen[0][1] == interface.SCALE_FOR_ZERO
+    ref, _ = attention_ref(q, k, v, softmax_scale=0.0, causal=True)
+    assert torch.equal(out, ref)
+
+
 # --------------------------------------------------------------------------------------------
 # flash_attn.cute arguments cute_fa does not implement yet
 

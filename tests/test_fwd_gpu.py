@@ -298,6 +298,15 @@ def test_fwd_negative_softmax_scale(d, causal):
     check_against_ref(out, lse, q, k, v, softmax_scale=scale, causal=causal)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fwd_zero_softmax_scale(causal):
+    """softmax_scale=0: uniform weights over the visible keys, no NaN from masked -inf * 0."""
+    q, k, v = _qkv(2, 300, 517, NHEADS, 2, 128, torch.bfloat16)
+    out, lse = cute_fa.flash_attn_func(q, k, v, softmax_scale=0.0, causal=causal,
+                                       return_lse=True)  # fmt: skip
+    check_against_ref(out, lse, q, k, v, softmax_scale=0.0, causal=causal)
+
+
 def test_fwd_deterministic_run_to_run():
     q, k, v = _qkv(2, 1000, 1000, NHEADS, 2, 128, torch.bfloat16)
     out1, lse1 = cute_fa.flash_attn_func(q, k, v, causal=True, return_lse=True)
