@@ -76,6 +76,7 @@ class FwdConfig:
     kv_stages: int = 0  # K/V smem stages; 0: the kernel's default
     defer_rescale: bool = False  # O rescale and P conversion just before the next P V
     exp2_poly: int = 0  # every exp2_poly-th exponential of an unmasked block by polynomial
+    rescale_threshold: int = 0  # log2 units a row max must move by to rescale O; 0: any move
     # Persistent grid (Note [persistent tiles] in cute_fa/dsl/scheduler.py): CTAs launched, one
     # an SM of the device; 0: one CTA a tile.
     num_ctas: int = 0
@@ -105,6 +106,8 @@ class FwdConfig:
             flags.append("defer")
         if getattr(self, "exp2_poly", 0):
             flags.append(f"poly{self.exp2_poly}")
+        if getattr(self, "rescale_threshold", 0):
+            flags.append(f"thr{self.rescale_threshold}")
         if getattr(self, "num_ctas", 0):
             flags.append(f"persistent{self.num_ctas}")
         dv = "" if self.head_dim_v == self.head_dim else f"x{self.head_dim_v}"

@@ -181,6 +181,9 @@ class FlashAttentionForwardSm90(AttentionKernel):
       FMA pipe] in cute_fa/dsl/softmax.py) instead of MUFU.EX2, which at d 64 is as busy as
       the tensor cores (hopper/support.py). SASS of d 64, 128 rows, k = 8: the unmasked loop
       has 58 MUFU.EX2 instead of 66 and 456 instructions instead of 399. Off by default.
+    Rescale threshold (config.rescale_threshold = t, CUTE_FA_SM90_FWD_RESCALE_THRESHOLD): a
+      row's max moves only by more than t (log2 units) and a warp skips the O rescale when none
+      of its rows moved (Note [rescale threshold] in cute_fa/dsl/softmax.py). Off by default.
     Masks (cute_fa/dsl/mask.py, Note [bottom-right aligned masks]; block_range per CTA of
       tile_m rows, apply_mask per consumer's 64 rows). Key blocks run in up to three loops, last to
       first: [start_unmasked, n_max) masked (seqlen_k tail, causal diagonal, right window
@@ -615,7 +618,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
         acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((wg_m, dv)))
         acc_O.fill(0.0)
         tScS = mn_view_wgmma(thr_qk.partition_C(cute.make_identity_tensor((wg_m, tile_n))))
-        softmax = OnlineSoftmax(scale_log2, cute.size(tScS.shape[0]), view=mn_view_wgmma)
+        softmax = OnlineSoftmax(scale_log2, cute.size(tScS.shape[0]), view=mn_view_wgmma,
+                                rescale_threshold=float(self.config.rescale_threshold))  # fmt: skip
         softmax.reset()
         rows_left = seqlen_q - row_start
 

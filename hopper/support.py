@@ -102,6 +102,14 @@ DEFER_RESCALE_ENV = "CUTE_FA_SM90_FWD_DEFER_RESCALE"
 # made.
 EXP2_POLY_ENV = "CUTE_FA_SM90_FWD_EXP2_POLY"
 SM90_FWD_EXP2_POLY_CHOICES = (2, 4, 8, 16)
+# Tuning switch: CUTE_FA_SM90_FWD_RESCALE_THRESHOLD=<t> (4 or 8, log2 units): a row's running
+# max moves only when a block's max exceeds it by more than t, and a warp skips the O rescale
+# (d / 2 multiplies a thread and block) unless one of its rows moved (Note [rescale threshold]
+# in cute_fa/dsl/softmax.py; FA4 uses 8). Why: at d 256 the rescale is 128 FMUL a thread and
+# block against ~220 other softmax instructions; at d 128 64 against ~350. =0 or unset: the
+# max follows every move and O is multiplied every block. Read when a launch plan is made.
+RESCALE_THRESHOLD_ENV = "CUTE_FA_SM90_FWD_RESCALE_THRESHOLD"
+SM90_FWD_RESCALE_THRESHOLD_CHOICES = (4, 8)
 
 # A persistent grid launches one CTA an SM, each looping over its share of the tiles (Note
 # [persistent tiles], cute_fa/dsl/scheduler.py); it takes dense calls without a window or
@@ -131,8 +139,8 @@ SM90_SMS = 132
 SM90_FWD_PERSISTENT_Q_STAGES = 2
 
 # These switches become fields of the compile key (FwdConfig.kv_stages, .defer_rescale,
-# .exp2_poly, .num_ctas; see fwd_tuned), so a kernel compiled under one setting is never served
-# under another.
+# .exp2_poly, .rescale_threshold, .num_ctas; see fwd_tuned), so a kernel compiled under one
+# setting is never served under another.
 
 
 def _env_choice(name: str, choices: tuple[str, ...]) -> str:
@@ -173,7 +181,8 @@ def fwd_q_stages(config: FwdConfig) -> int:
 def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
     """``config`` with the tuning choices applied (dispatch calls this): the K/V stages of
     CUTE_FA_SM90_FWD_KV_STAGES where Q and that many stages fit in shared memory,
-    CUTE_FA_SM90_FWD_DEFER_RESCALE, CUTE_FA_SM90_FWD_EXP2_POLY, and a persistent grid
+    CUTE_FA_SM90_FWD_DEFER_RESCALE, CUTE_FA_SM90_FWD_EXP2_POLY,
+    CUTE_FA_SM90_FWD_RESCALE_THRESHOLD, and a persistent grid
     (SM90_SMS CTAs; the interface sets the device's count) where it fits, Q gets two stages
     and ``seqlen_q`` (the call's longest query sequence) is at most
     SM90_FWD_PERSISTENT_MAX_SEQLEN(_CAUSAL), or as CUTE_FA_SM90_FWD_PERSISTENT says."""
@@ -183,10 +192,13 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
         stages = SM90_FWD_KV_STAGES
     defer = _env_choice(DEFER_RESCALE_ENV, ("0", "1")) == "1"
     poly = _env_choice(EXP2_POLY_ENV, ("0",) + tuple(str(k) for k in SM90_FWD_EXP2_POLY_CHOICES))
+    threshold = _env_choice(
+        RESCALE_THRESHOLD_ENV, ("0",) + tuple(str(t) for t in SM90_FWD_RESCALE_THRESHOLD_CHOICES)
+    )
     forced = _env_choice(PERSISTENT_ENV, ("0", "1"))
     config = config.replace(
         kv_stages=0 if stages == SM90_FWD_KV_STAGES else stages, defer_rescale=defer,
-        exp2_poly=int(poly or 0),
+        exp2_poly=int(poly or 0), rescale_threshold=int(threshold or 0),
     )  # fmt: skip
     persistent = config.replace(num_ctas=SM90_SMS)
     limit = (

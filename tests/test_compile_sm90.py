@@ -18,6 +18,7 @@ from cute_fa.hopper.support import (
     DEFER_RESCALE_ENV,
     EXP2_POLY_ENV,
     KV_STAGES_ENV,
+    RESCALE_THRESHOLD_ENV,
     SM90_FWD_3WG_MAX_TILE_N,
     SM90_FWD_HEAD_DIM_PAIRS,
     SM90_FWD_REGS,
@@ -211,7 +212,8 @@ def test_sm90_three_consumers_only_where_they_fit(monkeypatch) -> None:
 
 
 MALFORMED = [(KV_STAGES_ENV, "4"), (KV_STAGES_ENV, "three"), (DEFER_RESCALE_ENV, "yes"),
-             (DEFER_RESCALE_ENV, "2"), (EXP2_POLY_ENV, "3"), (EXP2_POLY_ENV, "on")]  # fmt: skip
+             (DEFER_RESCALE_ENV, "2"), (EXP2_POLY_ENV, "3"), (EXP2_POLY_ENV, "on"),
+             (RESCALE_THRESHOLD_ENV, "6"), (RESCALE_THRESHOLD_ENV, "8.0")]  # fmt: skip
 
 
 @pytest.mark.parametrize("name, value", MALFORMED)
@@ -226,6 +228,7 @@ def test_sm90_fwd_kv_stages_where_they_fit(monkeypatch) -> None:
     monkeypatch.delenv(KV_STAGES_ENV, raising=False)
     monkeypatch.delenv(DEFER_RESCALE_ENV, raising=False)
     monkeypatch.delenv(EXP2_POLY_ENV, raising=False)
+    monkeypatch.delenv(RESCALE_THRESHOLD_ENV, raising=False)
     config = fwd_tuned(_tiled_config(128, 128))
     assert config == _tiled_config(128, 128) and fwd_kv_stages(config) == 2  # defaults: no change
     monkeypatch.setenv(KV_STAGES_ENV, "3")
@@ -255,6 +258,11 @@ SWITCH_CASES = [
     pytest.param(EXP2_POLY_ENV, "8", 64, SM90_FWD_TILE_M_3WG, {}, id="poly8-d64-3wg"),
     pytest.param(EXP2_POLY_ENV, "8", 64, None, {"causal": True}, id="poly8-d64-causal"),
     pytest.param(EXP2_POLY_ENV, "4", 128, None, LOCAL_SOFTCAP, id="poly4-d128-local-softcap"),
+    pytest.param(RESCALE_THRESHOLD_ENV, "8", 256, None, {}, id="thr8-d256"),
+    pytest.param(RESCALE_THRESHOLD_ENV, "8", 64, SM90_FWD_TILE_M_3WG, {}, id="thr8-d64-3wg"),
+    pytest.param(
+        RESCALE_THRESHOLD_ENV, "4", 128, None, LOCAL_SOFTCAP, id="thr4-d128-local-softcap"
+    ),  # fmt: skip
 ]
 
 
@@ -279,6 +287,11 @@ def test_sm90_fwd_switch_compiles(monkeypatch, capfd, name, value, d, tile_m, fl
         assert inside and all(n >= config.tile_n // 2 for n in inside), inside
         if config.tile_m == 128:
             assert all(n == config.tile_n // 2 + 2 for n in inside), inside
+    if name == RESCALE_THRESHOLD_ENV:
+        # Each key-block loop skips its O rescale behind one warp vote.
+        assert config.rescale_threshold == int(value) and f"thr{value}" in config.name
+        loops = 3 if config.local else 2
+        assert sass.count("VOTE.ANY") == loops, sass.count("VOTE.ANY")
     if name == EXP2_POLY_ENV:
         # Each thread's row of an unmasked block (tile_n / 2 scores) has tile_n / 2 / k
         # polynomial exponentials; the kernel has one unmasked loop.

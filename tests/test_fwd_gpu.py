@@ -405,6 +405,56 @@ def test_fwd_exp2_poly(monkeypatch, d, seqlen_q, seqlen_k, mask, softcap, dtype,
     check_against_ref(out, lse, q, k, v, causal=causal, window=window, softcap=softcap)
 
 
+# (d, seqlen_q, seqlen_k, mask, softcap, dtype, threshold, score spread, other switches).
+DEFER_AND_POLY4 = {"CUTE_FA_SM90_FWD_DEFER_RESCALE": "1", "CUTE_FA_SM90_FWD_EXP2_POLY": "4"}
+RESCALE_THRESHOLD_CASES = [
+    (64, 1000, 777, "full", 0.0, torch.bfloat16, 8, 1.0, {}),
+    (64, 4224, 4224, "causal", 0.0, torch.bfloat16, 8, 4.0, {}),
+    (128, 1000, 2049, "full", 0.0, torch.float16, 8, 4.0, {}),
+    (128, 1000, 1000, "causal", 15.0, torch.bfloat16, 4, 1.0, {}),
+    (128, 1000, 1000, "win64_0", 0.0, torch.bfloat16, 8, 4.0, {}),
+    (128, 700, 900, "full", 0.0, torch.bfloat16, 8, 4.0, DEFER_AND_POLY4),
+    (256, 777, 1000, "causal", 0.0, torch.bfloat16, 8, 4.0, {}),
+    (256, 1000, 1000, "full", 0.0, torch.float16, 4, 1.0, {}),
+]
+
+
+@pytest.mark.parametrize(
+    "d,seqlen_q,seqlen_k,mask,softcap,dtype,threshold,spread,switches", RESCALE_THRESHOLD_CASES,
+    ids=[f"d{c[0]}-{c[1]}x{c[2]}-{c[3]}-thr{c[6]}-{str(c[5])[6:]}-x{c[7]:g}"
+         + ("-switches" if c[8] else "") for c in RESCALE_THRESHOLD_CASES],
+)  # fmt: skip
+def test_fwd_rescale_threshold(
+    monkeypatch, d, seqlen_q, seqlen_k, mask, softcap, dtype, threshold, spread, switches
+):
+    """CUTE_FA_SM90_FWD_RESCALE_THRESHOLD=t (a row max moves only by more than t in log2
+    units; O rescaled only when a row of the warp moved; Note [rescale threshold]): against
+    attention_ref, with the switch in the kernel that ran. A spread of 4 makes row maxima move
+    by more than t often; at 1 they mostly stay."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the rescale threshold is an sm90 forward switch")
+    from cute_fa import dispatch
+
+    monkeypatch.setenv("CUTE_FA_SM90_FWD_RESCALE_THRESHOLD", str(threshold))
+    for name, value in switches.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(cute_fa.interface, "_plans", {})  # plans made before read no switch
+    causal, window = {"full": (False, (None, None)), "causal": (True, (None, None)),
+                      "win64_0": (False, (64, 0))}[mask]  # fmt: skip
+    b, h, h_kv = 2, NHEADS, 3
+    q, k, v = _qkv(b, seqlen_q, seqlen_k, h, h_kv, d, dtype, softcap)
+    q = (q.float() * spread).to(dtype)
+    poison_free_memory(_reserve_for((b, seqlen_q, h, d), dtype, (b, h, seqlen_q)))
+    kw = dict(causal=causal, window_size=window, softcap=softcap, return_lse=True)
+    out, lse = cute_fa.flash_attn_func(q, k, v, **kw)
+    _, config = dispatch.fwd_plan((9, 0), cute_fa.interface._check_metadata(
+        q, k, v, None, None, None, None, causal=causal, local=window != (None, None),
+        softcap=softcap,
+    ).request, seqlen_q)  # fmt: skip
+    assert config.rescale_threshold == threshold, config.name
+    check_against_ref(out, lse, q, k, v, causal=causal, window=window, softcap=softcap)
+
+
 def test_poison_reaches_output():
     """The NaN guard is live: out and lse of a call land in memory poisoned just before it."""
     b, s, h, d = 2, 300, NHEADS, 128

@@ -34,6 +34,17 @@ LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
 
+# Note [rescale threshold]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# With ``rescale_threshold`` t > 0 (log2 units; FA4 uses 8 for 16-bit inputs) a row keeps its
+# running max m until a block's max exceeds it by more than t / scale_log2; until then the
+# exponentials are taken against the stale m, so p <= 2^t (256 at t = 8: fine in fp32 sums and
+# in bf16 / fp16 P), and O and the row sum need no rescale. The final O / l and the LSE
+# (m * scale_log2 + log2 l) are exact for whatever m was used. Once a row's max has settled,
+# blocks rarely move it by 2^t, so ``rescale`` (O *= factor, d / 2 multiplies a row-pair and
+# thread on sm90) is skipped for the whole warp unless one of its rows moved.
+
+
 # Note [exp2 on the FMA pipe]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # MUFU.EX2 runs 16 lanes a clock an SM (sm80, sm90). Where the exponentials of a block take
@@ -149,10 +160,14 @@ class OnlineSoftmax:
     the default) or ``mn_view_wgmma`` (sm90 WGMMA).
     """
 
-    def __init__(self, scale_log2: Float32, num_rows: int, view=mn_view):
+    def __init__(
+        self, scale_log2: Float32, num_rows: int, view=mn_view, rescale_threshold: float = 0.0
+    ):
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
         self.view = view
+        # > 0: Note [rescale threshold]; 0: the max follows every new row max.
+        self.rescale_threshold = rescale_threshold
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
 
@@ -189,7 +204,12 @@ class OnlineSoftmax:
             m_prev = self.row_max[r]
             m_new = m_cur
             if cutlass.const_expr(not is_first):
-                m_new = cute.arch.fmax(m_prev, m_cur)
+                if cutlass.const_expr(self.rescale_threshold > 0):
+                    # (m_prev = -inf: moves to any m_cur; both -inf: NaN > t is False, stays.)
+                    moved = (m_cur - m_prev) * self.scale_log2 > self.rescale_threshold
+                    m_new = m_cur if moved else m_prev
+                else:
+                    m_new = cute.arch.fmax(m_prev, m_cur)
             m_scaled = m_new * self.scale_log2
             if cutlass.const_expr(check_inf):
                 m_scaled = 0.0 if m_new == -Float32.inf else m_scaled
@@ -208,6 +228,8 @@ class OnlineSoftmax:
             row_sum = p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
             if cutlass.const_expr(not is_first):
                 corr_r = cute.math.exp2(m_prev * self.scale_log2 - m_scaled, fastmath=True)
+                if cutlass.const_expr(self.rescale_threshold > 0):
+                    corr_r = corr_r if moved else Float32(1.0)  # exactly 1: rescale skips it
                 row_sum = row_sum + self.row_sum[r] * corr_r
                 if cutlass.const_expr(corr is None):
                     o_mn[r, None].store(o_mn[r, None].load() * corr_r)
@@ -220,10 +242,19 @@ class OnlineSoftmax:
 
     @cute.jit
     def rescale(self, acc_O: cute.Tensor, corr: cute.Tensor):
-        """Multiply each row of ``acc_O`` by its factor from ``step(..., corr=corr)``."""
+        """Multiply each row of ``acc_O`` by its factor from ``step(..., corr=corr)``; with a
+        rescale threshold, only when a row of the warp has a factor other than 1."""
         o_mn = self.view(acc_O)
-        for r in cutlass.range_constexpr(self.num_rows):
-            o_mn[r, None].store(o_mn[r, None].load() * corr[r])
+        if cutlass.const_expr(self.rescale_threshold > 0):
+            moved = corr[0] != Float32(1.0)
+            for r in cutlass.range_constexpr(1, self.num_rows):
+                moved = moved | (corr[r] != Float32(1.0))
+            if cute.arch.vote_any_sync(moved):
+                for r in cutlass.range_constexpr(self.num_rows):
+                    o_mn[r, None].store(o_mn[r, None].load() * corr[r])
+        else:
+            for r in cutlass.range_constexpr(self.num_rows):
+                o_mn[r, None].store(o_mn[r, None].load() * corr[r])
 
     @cute.jit
     def finalize(self, acc_O: cute.Tensor, lse: cute.Tensor):
