@@ -1,7 +1,8 @@
 """``python -m cute_fa <command>``: features | precompile | demo | bench | tune.
 
 features    the feature matrix, generated from each kernel class's can_implement
-precompile  fill the on-disk compile cache for a matrix of configs (no GPU needed)
+precompile  fill the on-disk compile cache with the forward and backward kernels of a matrix
+            of configs (no GPU needed)
 demo        on a GPU: attention at a few shapes against the reference (PASS/FAIL);
             without one: cross-compile the sm80 kernels and report registers, shared
             memory, spills and the SASS instruction mix
@@ -29,7 +30,12 @@ VARIANT_FLAGS = {
     "seqused_q": {"seqused_q": True},
     "seqused_k": {"seqused_k": True},
 }
-ARCH_TARGETS = {"sm80": "sm_80"}
+# Kernel families precompile can be asked for, with the target each compiles for when neither
+# --target nor a GPU says otherwise. "auto": the kernels dispatch picks for the target (on
+# sm_90a the sm90 forward and backward where they implement the call, the sm80 ones for the
+# rest), i.e. what a call on such a GPU would compile.
+ARCH_TARGETS = {"auto": "sm_80", "sm80": "sm_80", "sm90": "sm_90a"}
+PRECOMPILE_MODES = ("fwd", "bwd", "both")
 DTYPES = ("bf16", "fp16")
 
 
@@ -83,27 +89,94 @@ LONG_SEQLEN_HINT = 1 << 20
 SHORT_SEQLEN_HINT = 1
 
 
-def precompile_configs(arch: str, target: str, head_dims, dtypes, variants) -> list:
-    """(config or None, label, reason) for every combination; None where unsupported."""
-    from .dispatch import FwdRequest, fwd_config_for_target, fwd_kernel_class
+def _capability_of(target: str) -> tuple[int, int]:
+    from .config import TARGETS
 
-    cls = fwd_kernel_class(int(arch[2:]))
-    plans = []
+    for capability, name in TARGETS.items():
+        if name == target:
+            return capability
+    raise SystemExit(f"unknown target {target!r}; known: {', '.join(sorted(TARGETS.values()))}")
+
+
+def _fwd_config(arch: str, target: str, request, seqlen_q: int | None):
+    """(config, "") of the forward kernel ``arch`` asks for on ``target``, else (None, why)."""
+    from .dispatch import SM80_FWD, SM90_FWD, fwd_config_for_target, fwd_plan
+
+    if arch == "auto":
+        try:
+            return fwd_plan(_capability_of(target), request, seqlen_q)[1], ""
+        except NotImplementedError as e:
+            return None, str(e)
+    spec = {"sm80": SM80_FWD, "sm90": SM90_FWD}[arch]
+    return fwd_config_for_target(spec, target, request, seqlen_q)
+
+
+def _bwd_tasks(arch: str, target: str, request) -> tuple[list, str]:
+    """(tasks, "") of the backward's main, preprocess (with and without dLSE) and postprocess
+    kernels of ``request`` on ``target``, else ([], why)."""
+    from .backward import bwd_config, post_config, pre_config
+    from .cache import PrecompileTask
+
+    flags = {f: getattr(request, f) for f in BWD_REQUEST_FLAGS}
+    try:
+        config = bwd_config(
+            target, request.dtype, request.head_dim, request.head_dim_v,
+            arch=None if arch == "auto" else int(arch[2:]), **flags,
+        )  # fmt: skip
+    except NotImplementedError as e:
+        return [], str(e)
+    tasks = [PrecompileTask("bwd", config)]
+    tasks += [PrecompileTask("bwd-pre", pre_config(config, dlse)) for dlse in (False, True)]
+    tasks.append(PrecompileTask("bwd-post", post_config(config)))
+    return tasks, ""
+
+
+# FwdRequest fields that are backward flags of the same name.
+BWD_REQUEST_FLAGS = (
+    "causal", "local", "has_softcap", "varlen_q", "varlen_k", "seqused_q", "seqused_k",
+)  # fmt: skip
+
+
+def precompile_configs(
+    arch: str, target: str, head_dims, dtypes, variants, mode: str = "fwd"
+) -> list:
+    """(task or None, label, reason) for every kernel of every combination (``mode``: the
+    forward's, the backward's or both); None where unsupported. A kernel that several
+    combinations share (the backward's pre- and postprocess) is listed once."""
+    from .cache import PrecompileTask
+    from .dispatch import FwdRequest
+
+    plans, seen = [], set()
+
+    def add(task, label, reason=""):
+        if task is None or task not in seen:
+            plans.append((task, label, reason))
+            if task is not None:
+                seen.add(task)
+
     for dtype in dtypes:
         for d in head_dims:
             for variant in variants:
                 request = FwdRequest(
                     dtype=dtype, head_dim=d, head_dim_v=d, **_variant_flags(variant)
                 )
-                config, reason = fwd_config_for_target(cls, target, request)
-                plans.append((config, f"{dtype} d{d} {variant}", reason))
-                # What dispatch picks only for long query sequences (the sm90 d64 causal tile)
-                # or only for short ones (the sm90 persistent grid, for SM90_SMS SMs: an H100
-                # SXM or H200; another count compiles its own at the first call).
-                for hint, label in ((LONG_SEQLEN_HINT, "long"), (SHORT_SEQLEN_HINT, "short")):
-                    other, _ = fwd_config_for_target(cls, target, request, hint)
-                    if other is not None and other != config:
-                        plans.append((other, f"{dtype} d{d} {variant} ({label} sequences)", ""))
+                label = f"{dtype} d{d} {variant}"
+                if mode in ("fwd", "both"):
+                    config, reason = _fwd_config(arch, target, request, None)
+                    add(PrecompileTask("fwd", config) if config else None, f"fwd {label}", reason)
+                    # What dispatch picks only for long query sequences (the sm90 d64 causal
+                    # tile) or only for short ones (the sm90 persistent grid, for SM90_SMS SMs:
+                    # an H100 SXM or H200; another count compiles its own at the first call).
+                    for hint, kind in ((LONG_SEQLEN_HINT, "long"), (SHORT_SEQLEN_HINT, "short")):
+                        other, _ = _fwd_config(arch, target, request, hint)
+                        if other is not None and other != config:
+                            add(PrecompileTask("fwd", other), f"fwd {label} ({kind} sequences)")
+                if mode in ("bwd", "both"):
+                    tasks, reason = _bwd_tasks(arch, target, request)
+                    if not tasks:
+                        add(None, f"bwd {label}", reason)
+                    for task in tasks:
+                        add(task, f"{task.kind} {label}")
     return plans
 
 
@@ -114,26 +187,33 @@ def cmd_precompile(args: argparse.Namespace) -> int:
         print("precompile: the disk cache is off (CUTE_FA_CACHE=0)", file=sys.stderr)
         return 2
     target = args.target or _default_target(args.arch)
-    plans = precompile_configs(args.arch, target, args.head_dims, args.dtypes, args.variants)
-    todo = [(config, label) for config, label, _ in plans if config is not None]
-    for config, label, reason in plans:
-        if config is None:
+    plans = precompile_configs(
+        args.arch, target, args.head_dims, args.dtypes, args.variants, args.mode
+    )
+    todo = [(task, label) for task, label, _ in plans if task is not None]
+    for task, label, reason in plans:
+        if task is None:
             print(f"skip  {label}: {reason}")
-    print(f"precompile: {len(todo)} configs for {target} into {fwd_cache().directory}", flush=True)
+    print(
+        f"precompile: {len(todo)} kernels ({args.mode}, {args.arch}) for {target} into "
+        f"{fwd_cache().directory}",
+        flush=True,
+    )
     return 1 if precompile(todo, args.jobs) else 0
 
 
 def precompile(todo: list, jobs: int, worker: Callable | None = None) -> int:
-    """Put every ``(config, label)`` of ``todo`` into the disk cache, in ``jobs`` processes;
-    returns how many failed. ``worker(config) -> (status, seconds)`` (default
-    ``cute_fa.cache.precompile_fwd``) must be importable by name: spawned workers unpickle it.
+    """Put every ``(task, label)`` of ``todo`` into the disk cache, in ``jobs`` processes;
+    returns how many failed. ``worker(task) -> (status, seconds)`` (default
+    ``cute_fa.cache.precompile_task``, for ``PrecompileTask`` items) must be importable by
+    name: spawned workers unpickle it.
 
     When a worker process dies (the pool breaks: killed for memory, or a crash), the configs
     left unfinished are compiled again one at a time, each in a fresh process, so that a config
     that kills its process fails alone.
     """
     if worker is None:
-        from .cache import precompile_fwd as worker
+        from .cache import precompile_task as worker
     jobs = max(1, min(jobs, len(todo)))
     if jobs == 1:
         return sum(_report(label, config, partial(worker, config)) for config, label in todo)
@@ -335,7 +415,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_features)
 
     p = sub.add_parser("precompile", help="fill the on-disk compile cache (no GPU needed)")
-    p.add_argument("--arch", default="sm80", choices=sorted(ARCH_TARGETS), help="kernel family")
+    p.add_argument(
+        "--arch",
+        default="auto",
+        choices=sorted(ARCH_TARGETS),
+        help="kernel family: auto (default) compiles what dispatch picks on the target (on "
+        "sm_90a: the sm90 kernels where they implement the call); sm80 / sm90 force one",
+    )
+    p.add_argument(
+        "--mode",
+        default="both",
+        choices=PRECOMPILE_MODES,
+        help="the forward's kernels, the backward's (main, pre- and postprocess) or both (default)",
+    )
     p.add_argument(
         "--target",
         help="compile target, e.g. sm_90a (default: this machine's GPU, else the arch's own)",

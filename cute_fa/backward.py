@@ -114,12 +114,13 @@ def bwd_config(
     seqused_q: bool = False,
     seqused_k: bool = False,
     deterministic: bool = False,
+    arch: int | None = None,
 ) -> BwdConfig:
     """The main kernel's compile key for a request on ``target``: the sm90 kernel on sm_90a
     where it implements the request, else the sm80 kernel (Note [backward dispatch];
-    ``CUTE_FA_BWD_ARCH`` forces a family); NotImplementedError naming the reason when the
-    kernel cannot implement it."""
-    forced = os.environ.get(BWD_ARCH_ENV, "").strip()
+    ``CUTE_FA_BWD_ARCH``, or ``arch``, forces a family); NotImplementedError naming the reason
+    when the kernel cannot implement it."""
+    forced = str(arch) if arch is not None else os.environ.get(BWD_ARCH_ENV, "").strip()
     if forced not in ("", "80", "90"):
         raise SettingError(f"{BWD_ARCH_ENV}={forced!r}: expected 80 or 90")
     flags = dict(

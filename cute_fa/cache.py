@@ -77,6 +77,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -737,6 +738,40 @@ def fwd_cache() -> CompileCache:
     if _fwd_cache is None:
         _fwd_cache = CompileCache(compile_fwd, export_tvm_ffi, load_tvm_ffi)
     return _fwd_cache
+
+
+@dataclass(frozen=True)
+class PrecompileTask:
+    """One kernel for ``python -m cute_fa precompile``: which cache (``kind``: "fwd", or "bwd",
+    "bwd-pre", "bwd-post" for the backward's main, preprocess and postprocess kernels) and its
+    compile key. Picklable, so that worker processes can receive it."""
+
+    kind: str
+    config: Any
+
+    @property
+    def name(self) -> str:
+        return getattr(self.config, "name", repr(self.config))
+
+
+def precompile_task(task: PrecompileTask) -> tuple[str, float]:
+    """Make sure the kernel of ``task`` is on disk: ("hit" or "compiled", seconds). A
+    module-level function, so that ``python -m cute_fa precompile --jobs N`` can send it to
+    worker processes."""
+    if task.kind == "fwd":
+        return precompile_fwd(task.config)
+    from . import backward
+
+    caches = {
+        "bwd": backward.bwd_cache,
+        "bwd-pre": backward.bwd_pre_cache,
+        "bwd-post": backward.bwd_post_cache,
+    }
+    if task.kind not in caches:
+        raise ValueError(f"unknown precompile task kind {task.kind!r}")
+    t0 = time.perf_counter()
+    status = caches[task.kind]().ensure_on_disk(task.config)
+    return status, time.perf_counter() - t0
 
 
 def precompile_fwd(config) -> tuple[str, float]:

@@ -152,12 +152,13 @@ def test_features_command(capsys):
 
 def test_precompile_plan():
     plans = cli.precompile_configs("sm80", "sm_90a", [64, 80], ["bf16"], ["plain", "causal+varlen"])
-    by_label = {label: (config, reason) for config, label, reason in plans}
-    config, _ = by_label["bf16 d64 causal+varlen"]
-    assert isinstance(config, FwdConfig) and config.target == "sm_90a"
+    by_label = {label: (task, reason) for task, label, reason in plans}
+    task, _ = by_label["fwd bf16 d64 causal+varlen"]
+    config = task.config
+    assert task.kind == "fwd" and isinstance(config, FwdConfig) and config.target == "sm_90a"
     assert config.causal and config.varlen_q and config.varlen_k
-    config, reason = by_label["bf16 d80 plain"]
-    assert config is None and "head_dim=80" in reason
+    task, reason = by_label["fwd bf16 d80 plain"]
+    assert task is None and "head_dim=80" in reason
 
 
 def test_precompile_command_fills_the_cache(monkeypatch, tmp_path, capsys):
@@ -174,9 +175,10 @@ def test_precompile_command_fills_the_cache(monkeypatch, tmp_path, capsys):
     )
     monkeypatch.setattr(cache, "_fwd_cache", fake)
     argv = ["precompile", "--target", "sm_80", "--head-dims", "64,80", "--dtypes", "bf16"]
+    argv += ["--mode", "fwd"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert len(compiled) == 2 and "skip  bf16 d80 plain" in out
+    assert len(compiled) == 2 and "skip  fwd bf16 d80 plain" in out
     assert len(list(tmp_path.glob("*.bin"))) == 2
     assert cli.main(argv) == 0  # everything is on disk now
     assert len(compiled) == 2 and "hit" in capsys.readouterr().out
@@ -253,7 +255,8 @@ def test_sm90_tile_m_switch(monkeypatch):
     assert dispatch.fwd_plan((9, 0), req(head_dim=128, head_dim_v=128), 8192)[1].tile_m == 128
     plans = cli.precompile_configs("sm90", "sm_90a", [64], ["bf16"], ["causal"])
     # Plain, long sequences (192 rows) and short ones (128 rows on a persistent grid).
-    assert sorted((c.tile_m, c.num_ctas) for c, _, _ in plans) == [(128, 0), (128, 132), (192, 0)]
+    tiles = sorted((t.config.tile_m, t.config.num_ctas) for t, _, _ in plans)
+    assert tiles == [(128, 0), (128, 132), (192, 0)]
     monkeypatch.setenv(TILE_M_ENV, "192")
     for causal in (False, True):
         _, config = dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64, causal=causal))

@@ -28,7 +28,9 @@ bf16 d 192 x dv 128: {no mask, causal, local} x softcap {off, on} = 6; fp16: d i
 {no mask, causal} = 4. About 59 in all.
 
 Compiling them one after another is most of a cold run. To compile them in parallel first
-(into a cache directory the tests then read; --target defaults to this machine's GPU):
+(into a cache directory the tests then read; --target defaults to this machine's GPU, and the
+kernels are those dispatch picks there, the backward's included; CUTE_FA_FWD_ARCH=80 runs need
+``--arch sm80``):
 
     export CUTE_FA_CACHE_DIR=/tmp/cute-fa-cache
     python -m cute_fa precompile --jobs 16 --dtypes bf16 \

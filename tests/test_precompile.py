@@ -24,14 +24,16 @@ def test_a_dying_worker_fails_only_its_config(capsys):
 
 def test_precompile_with_jobs_from_python_m(tmp_path):
     """``python -m cute_fa precompile --jobs 2``: the workers unpickle their task (entries are
-    already on disk, so nothing compiles)."""
+    already on disk, so nothing compiles), forward and backward kernels alike."""
     env = {**os.environ, cache.ENV_CACHE_DIR: str(tmp_path)}
     env.pop(cache.ENV_CACHE, None)
-    plans = cli.precompile_configs("sm80", "sm_90a", [64], ["bf16"], ["plain", "causal"])
+    plans = cli.precompile_configs("auto", "sm_90a", [64], ["bf16"], ["plain", "causal"], "both")
+    tasks = [task for task, _, _ in plans if task is not None]
+    assert {task.kind for task in tasks} == {"fwd", "bwd", "bwd-pre", "bwd-post"}
     directory = tmp_path / cache.fingerprint()
     directory.mkdir()
-    for config, _, _ in plans:
-        (directory / cache.entry_name(config)).write_bytes(cache.pack_entry(b"stub"))
+    for task in tasks:
+        (directory / cache.entry_name(task.config)).write_bytes(cache.pack_entry(b"stub"))
     argv = ["--target", "sm_90a", "--head-dims", "64", "--dtypes", "bf16", "--jobs", "2"]
     proc = subprocess.run(
         [sys.executable, "-m", "cute_fa", "precompile", *argv, "--variants", "plain,causal"],
@@ -41,4 +43,33 @@ def test_precompile_with_jobs_from_python_m(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("hit      bf16 d64") == 2, proc.stdout
+    hits = [line for line in proc.stdout.splitlines() if line.startswith("hit ")]
+    assert len(hits) == len(tasks), proc.stdout
+    assert "compiled" not in proc.stdout, proc.stdout
+
+
+def test_precompile_auto_lists_what_dispatch_runs():
+    """--arch auto (the default) on sm_90a: the forward configs are those dispatch plans for an
+    sm90 device (short and long query sequences included), the backward's those the backward
+    builds; --arch sm80 forces the sm80 family for both."""
+    from cute_fa.backward import bwd_config, post_config, pre_config
+    from cute_fa.dispatch import FwdRequest, fwd_plan
+
+    variants = ["plain", "causal", "local+softcap", "varlen+causal"]
+    plans = cli.precompile_configs("auto", "sm_90a", [64, 128], ["bf16"], variants, "both")
+    configs = {(task.kind, task.config) for task, _, _ in plans if task is not None}
+    assert all(task is not None for task, _, _ in plans), [p for p in plans if p[0] is None]
+    for d in (64, 128):
+        for variant in variants:
+            flags = cli._variant_flags(variant)
+            request = FwdRequest(dtype="bf16", head_dim=d, head_dim_v=d, **flags)
+            for hint in (None, 1, cli.LONG_SEQLEN_HINT, 2048, 4096):
+                assert ("fwd", fwd_plan((9, 0), request, hint)[1]) in configs, (d, variant, hint)
+            main = bwd_config("sm_90a", "bf16", d, d, **flags)
+            assert main.arch == 90 and ("bwd", main) in configs
+            assert ("bwd-pre", pre_config(main, True)) in configs
+            assert ("bwd-post", post_config(main)) in configs
+    forced = cli.precompile_configs("sm80", "sm_90a", [128], ["bf16"], ["causal"], "both")
+    assert {task.config.arch for task, _, _ in forced if task is not None} == {80}
+    fwd_only = cli.precompile_configs("auto", "sm_90a", [128], ["bf16"], ["causal"], "fwd")
+    assert {task.kind for task, _, _ in fwd_only} == {"fwd"}
