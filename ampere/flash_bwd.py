@@ -367,8 +367,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
             elif cutlass.const_expr(self.causal):
                 # Only the query blocks that cut the diagonal (or the seqlen_k tail) mask: +3-5 %
                 # at d128 on the H200 (the sm90 kernel measured a loss with two bodies).
-                if causal_block_unmasked(m_block * self.tile_m, n_block * tn, tn, seqlen_q,
-                                         seqlen_k):  # fmt: skip
+                if causal_block_unmasked(m_block * self.tile_m, n_block, tn, seqlen_q, seqlen_k):
                     self.step_bwd(*args, False)
                 else:
                     self.step_bwd(*args, True)

@@ -21,6 +21,34 @@ WINDOW_INF = 1 << 29
 
 
 @cute.jit
+def key_blocks_without_right_mask(
+    row_start: Int32,
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    right: Int32,
+    tile_n: cutlass.Constexpr[int],
+) -> Int32:
+    """How many key blocks, from block 0, every query row from ``row_start`` on sees whole: no
+    key of them past the row's right edge (``right``: 0 causal, the window's right side) or
+    past seqlen_k. The first row sees the fewest keys."""
+    col_end_first_row = row_start + seqlen_k - seqlen_q + right + 1
+    return cutlass.max(cutlass.min(col_end_first_row, seqlen_k), 0) // tile_n
+
+
+@cute.jit
+def causal_block_unmasked(
+    row_start: Int32,
+    n_block: Int32,
+    tile_n: cutlass.Constexpr[int],
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+) -> cutlass.Boolean:
+    """Causal backward: whether the tile of query rows from ``row_start`` on and key block
+    ``n_block`` needs no mask (``block_range``'s right-edge rule, seen from a key block)."""
+    return n_block < key_blocks_without_right_mask(row_start, seqlen_q, seqlen_k, Int32(0), tile_n)
+
+
+@cute.jit
 def block_range(
     m_block: Int32,
     seqlen_q: Int32,
@@ -50,8 +78,9 @@ def block_range(
         right = Int32(0) if cutlass.const_expr(causal) else window_right
         col_end = row_last + offset + right + 1  # one past the last key any row sees
         n_max = cutlass.min(n_max, cute.ceil_div(cutlass.max(col_end, 0), tile_n))
-        col_end_first_row = m_block * tile_m + offset + right + 1
-        n_no_right = cutlass.max(cutlass.min(col_end_first_row, seqlen_k), 0) // tile_n
+        n_no_right = key_blocks_without_right_mask(
+            m_block * tile_m, seqlen_q, seqlen_k, right, tile_n
+        )
     if cutlass.const_expr(local):
         col_first = m_block * tile_m + offset - window_left  # first key of the first row
         n_min = cutlass.max(col_first, 0) // tile_n
@@ -90,17 +119,6 @@ def query_block_range(
         last_row = last_col - offset + window_left  # the last row that sees last_col
         m_max = cutlass.min(m_max, cutlass.max(cute.ceil_div(last_row + 1, tile_m), 0))
     return m_min, m_max
-
-
-@cute.jit
-def causal_block_unmasked(
-    row_start: Int32, key_start: Int32, num_keys: int, seqlen_q: Int32, seqlen_k: Int32
-) -> cutlass.Boolean:
-    """Causal backward: whether every query row from ``row_start`` on sees all keys
-    [key_start, key_start + num_keys), all of them below seqlen_k (the tile needs no mask).
-    Row i sees key j iff j <= i + seqlen_k - seqlen_q; the first row sees the fewest."""
-    last_key = key_start + num_keys - 1
-    return last_key <= row_start + seqlen_k - seqlen_q and last_key < seqlen_k
 
 
 def visited_query_block(i: Int32, m_block_min: Int32, m_block_max: Int32, downward: bool) -> Int32:
