@@ -373,6 +373,35 @@ EXP2_POLY_CASES = [
 ]
 
 
+# The mask arguments of the switch tests' mask names.
+SWITCH_MASKS = {"full": (False, (None, None)), "causal": (True, (None, None)),
+                "win64_0": (False, (64, 0))}  # fmt: skip
+
+
+def run_sm90_switch_case(monkeypatch, switches, d, seqlen_q, seqlen_k, mask, softcap, dtype,
+                         spread, h_kv):  # fmt: skip
+    """One forward call with sm90 tuning switches set (``switches``: name -> value), checked
+    against attention_ref; returns the config dispatch plans for the call. Launch plans are
+    reset so that the switches are read; ``spread`` multiplies q (wider scores)."""
+    from cute_fa import dispatch
+
+    for name, value in switches.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(cute_fa.interface, "_plans", {})  # plans made before read no switch
+    causal, window = SWITCH_MASKS[mask]
+    q, k, v = _qkv(2, seqlen_q, seqlen_k, NHEADS, h_kv, d, dtype, softcap)
+    q = (q.float() * spread).to(dtype)
+    poison_free_memory(_reserve_for((2, seqlen_q, NHEADS, d), dtype, (2, NHEADS, seqlen_q)))
+    kw = dict(causal=causal, window_size=window, softcap=softcap, return_lse=True)
+    out, lse = cute_fa.flash_attn_func(q, k, v, **kw)
+    _, config = dispatch.fwd_plan((9, 0), cute_fa.interface._check_metadata(
+        q, k, v, None, None, None, None, causal=causal, local=window != (None, None),
+        softcap=softcap,
+    ).request, seqlen_q)  # fmt: skip
+    check_against_ref(out, lse, q, k, v, causal=causal, window=window, softcap=softcap)
+    return config
+
+
 @pytest.mark.parametrize(
     "d,seqlen_q,seqlen_k,mask,softcap,dtype,every,spread", EXP2_POLY_CASES,
     ids=[f"d{c[0]}-{c[1]}x{c[2]}-{c[3]}-poly{c[6]}-{str(c[5])[6:]}" for c in EXP2_POLY_CASES],
@@ -383,28 +412,15 @@ def test_fwd_exp2_poly(monkeypatch, d, seqlen_q, seqlen_k, mask, softcap, dtype,
     with the switch really in the kernel that ran."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the polynomial exponentials are an sm90 forward switch")
-    from cute_fa import dispatch
     from cute_fa.cache import fwd_cache
 
-    monkeypatch.setenv("CUTE_FA_SM90_FWD_EXP2_POLY", str(every))
-    monkeypatch.setattr(cute_fa.interface, "_plans", {})  # plans made before read no switch
-    causal, window = {"full": (False, (None, None)), "causal": (True, (None, None)),
-                      "win64_0": (False, (64, 0))}[mask]  # fmt: skip
-    b, h, h_kv = 2, NHEADS, 2
-    q, k, v = _qkv(b, seqlen_q, seqlen_k, h, h_kv, d, dtype, softcap)
-    q = (q.float() * spread).to(dtype)
-    poison_free_memory(_reserve_for((b, seqlen_q, h, d), dtype, (b, h, seqlen_q)))
-    kw = dict(causal=causal, window_size=window, softcap=softcap, return_lse=True)
-    out, lse = cute_fa.flash_attn_func(q, k, v, **kw)
-    local = window != (None, None)
-    _, config = dispatch.fwd_plan((9, 0), cute_fa.interface._check_metadata(
-        q, k, v, None, None, None, None, causal=causal, local=local, softcap=softcap
-    ).request, seqlen_q)  # fmt: skip
+    switches = {"CUTE_FA_SM90_FWD_EXP2_POLY": str(every)}
+    config = run_sm90_switch_case(monkeypatch, switches, d, seqlen_q, seqlen_k, mask, softcap,
+                                  dtype, spread, h_kv=2)  # fmt: skip
     assert config.exp2_poly == every, config.name
     assert any(c.exp2_poly == every and c.head_dim == d for c in fwd_cache()._memory), (
         "no kernel with the switch ran"
     )
-    check_against_ref(out, lse, q, k, v, causal=causal, window=window, softcap=softcap)
 
 
 # (d, seqlen_q, seqlen_k, mask, softcap, dtype, threshold, score spread, other switches).
@@ -435,26 +451,10 @@ def test_fwd_rescale_threshold(
     by more than t often; at 1 they mostly stay."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the rescale threshold is an sm90 forward switch")
-    from cute_fa import dispatch
-
-    monkeypatch.setenv("CUTE_FA_SM90_FWD_RESCALE_THRESHOLD", str(threshold))
-    for name, value in switches.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(cute_fa.interface, "_plans", {})  # plans made before read no switch
-    causal, window = {"full": (False, (None, None)), "causal": (True, (None, None)),
-                      "win64_0": (False, (64, 0))}[mask]  # fmt: skip
-    b, h, h_kv = 2, NHEADS, 3
-    q, k, v = _qkv(b, seqlen_q, seqlen_k, h, h_kv, d, dtype, softcap)
-    q = (q.float() * spread).to(dtype)
-    poison_free_memory(_reserve_for((b, seqlen_q, h, d), dtype, (b, h, seqlen_q)))
-    kw = dict(causal=causal, window_size=window, softcap=softcap, return_lse=True)
-    out, lse = cute_fa.flash_attn_func(q, k, v, **kw)
-    _, config = dispatch.fwd_plan((9, 0), cute_fa.interface._check_metadata(
-        q, k, v, None, None, None, None, causal=causal, local=window != (None, None),
-        softcap=softcap,
-    ).request, seqlen_q)  # fmt: skip
+    switches = {"CUTE_FA_SM90_FWD_RESCALE_THRESHOLD": str(threshold), **switches}
+    config = run_sm90_switch_case(monkeypatch, switches, d, seqlen_q, seqlen_k, mask, softcap,
+                                  dtype, spread, h_kv=3)  # fmt: skip
     assert config.rescale_threshold == threshold, config.name
-    check_against_ref(out, lse, q, k, v, causal=causal, window=window, softcap=softcap)
 
 
 def test_poison_reaches_output():
