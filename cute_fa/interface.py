@@ -160,8 +160,8 @@ def _resolve_scale(softmax_scale, head_dim: int) -> float:
     return softmax_scale
 
 
-# Note [negative softmax_scale]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~ (and zero)
+# Note [softmax_scale the kernels take]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The kernels keep the running max of the unscaled scores and fold the scale into the exponent
 # (Note [base-2 online softmax]); that max is the max of the scaled scores only for a scale >= 0.
 # With a negative scale every p = exp2((s - max s) * scale_log2) would be >= 1 and overflow to
@@ -177,7 +177,7 @@ def _resolve_scale(softmax_scale, head_dim: int) -> float:
 SCALE_FOR_ZERO = 1e-30
 
 
-def _nonnegative_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+def _kernel_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
     # (Other dtypes, and non-tensors, are left for the input checks to reject by name.)
     if scale < 0 and isinstance(q, torch.Tensor) and q.dtype in (torch.float16, torch.bfloat16):
         return -q, -scale
@@ -944,7 +944,7 @@ def flash_attn_func(
     causal, window_left, window_right = _window_args(causal, window_size)
     scale = _resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
     requires_grad = _requires_grad(q, k, v)
-    q, scale = _nonnegative_scale(q, scale)
+    q, scale = _kernel_scale(q, scale)
     if learnable_sink is not None:
         _check_learnable_sink(learnable_sink, q.shape[-2] if q.dim() else 0, q)
     out, lse = _forward(
@@ -1047,7 +1047,7 @@ def flash_attn_varlen_func(
     causal, window_left, window_right = _window_args(causal, window_size)
     scale = _resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
     requires_grad = _requires_grad(q, k, v)
-    q, scale = _nonnegative_scale(q, scale)
+    q, scale = _kernel_scale(q, scale)
     if learnable_sink is not None:
         _check_learnable_sink(learnable_sink, q.shape[-2] if q.dim() else 0, q)
     out, lse = _forward(

@@ -216,6 +216,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         self.num_ctas = config.num_ctas  # persistent grid; 0: one CTA a tile
         self.q_stages = fwd_q_stages(config)
         self.exp2_poly = config.exp2_poly  # 0: every exponential on MUFU
+        self.rescale_threshold = float(config.rescale_threshold)  # 0: O rescaled every block
 
     can_implement = staticmethod(fwd_can_implement)
 
@@ -619,7 +620,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         acc_O.fill(0.0)
         tScS = mn_view_wgmma(thr_qk.partition_C(cute.make_identity_tensor((wg_m, tile_n))))
         softmax = OnlineSoftmax(scale_log2, cute.size(tScS.shape[0]), view=mn_view_wgmma,
-                                rescale_threshold=float(self.config.rescale_threshold))  # fmt: skip
+                                rescale_threshold=self.rescale_threshold)  # fmt: skip
         softmax.reset()
         rows_left = seqlen_q - row_start
 

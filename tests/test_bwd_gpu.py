@@ -244,8 +244,8 @@ def test_bwd_softmax_scale():
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_bwd_negative_softmax_scale(causal):
-    """A negative scale runs on -q (Note [negative softmax_scale]); dq comes back through the
-    negation."""
+    """A negative scale runs on -q (Note [softmax_scale the kernels take]); dq comes back
+    through the negation."""
     run_bwd_and_check(2, 150, 230, NHEADS, 3, 64, causal=causal, softmax_scale=-0.37 / 64**0.5)
 
 

@@ -282,9 +282,9 @@ def test_softcap_and_scale_values():
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
 def test_negative_scale_runs_on_negated_q(monkeypatch, varlen):
-    """Note [negative softmax_scale]: the kernels get -q and |scale|; through autograd that is
-    attention with the negative scale, gradients included (the kernels replaced here by
-    attention_ref, so this runs on the CPU)."""
+    """Note [softmax_scale the kernels take]: the kernels get -q and |scale|; through autograd
+    that is attention with the negative scale, gradients included (the kernels replaced here
+    by attention_ref, so this runs on the CPU)."""
     seen = []
 
     def fake_forward(requires_grad, q, k, v, *args, **kwargs):
@@ -317,7 +317,7 @@ def test_negative_scale_runs_on_negated_q(monkeypatch, varlen):
 
 
 def test_zero_scale_reaches_the_kernels_as_a_tiny_one(monkeypatch):
-    """Note [negative softmax_scale] (and zero): masked scores are -inf times the scale in the
+    """Note [softmax_scale the kernels take]: masked scores are -inf times the scale in the
     kernels, so 0 would make NaN; SCALE_FOR_ZERO gives the same weights (all 1) instead."""
     seen = []
 

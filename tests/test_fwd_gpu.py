@@ -291,7 +291,7 @@ def test_fwd_softmax_scale_and_inputs_untouched():
 def test_fwd_negative_softmax_scale(d, causal):
     """softmax(scale * q k^T) for scale < 0, with scores spread so far (|scale| * spread ~ 100
     nats) that exponentials taken against the max of the unscaled scores would overflow
-    (Note [negative softmax_scale])."""
+    (Note [softmax_scale the kernels take])."""
     q, k, v = _qkv(2, 300, 517, NHEADS, 2, d, torch.bfloat16)
     q = (q.float() * 20).to(torch.bfloat16)
     scale = -1.0 / math.sqrt(d)

@@ -8,9 +8,10 @@ and one MUFU.EX2 give ``p = exp2(s * scale_log2 - m * scale_log2)``, which equal
 ``-inf`` (every key masked so far) uses 0 in place of ``m * scale_log2`` so that no ``-inf - -inf``
 NaN appears: its ``p`` are all ``exp2(-inf) = 0`` and its sum stays 0. The max of the unscaled
 scores is the max of the scaled ones only for ``scale_log2 >= 0``: the interface runs a negative
-softmax_scale on ``-q`` (Note [negative softmax_scale] in cute_fa/interface.py). After the first
-block the accumulator and the row sum are multiplied by ``exp2((m_old - m_new) * scale_log2)``
-every block (1 for rows whose max did not move; the multiply is not skipped). At the end
+softmax_scale on ``-q`` (Note [softmax_scale the kernels take] in cute_fa/interface.py). After
+the first block the accumulator and the row sum are multiplied by ``exp2((m_old - m_new) *
+scale_log2)`` every block (1 for rows whose max did not move; skipped only with a rescale
+threshold, Note [rescale threshold]). At the end
 ``O / l`` normalises once, and ``lse = (m * scale_log2 + log2(l)) * ln(2)``; a row with ``l == 0``
 saw no key and gets ``O = 0`` and ``lse = -inf``.
 
