@@ -754,12 +754,9 @@ class PrecompileTask:
         return getattr(self.config, "name", repr(self.config))
 
 
-def precompile_task(task: PrecompileTask) -> tuple[str, float]:
-    """Make sure the kernel of ``task`` is on disk: ("hit" or "compiled", seconds). A
-    module-level function, so that ``python -m cute_fa precompile --jobs N`` can send it to
-    worker processes."""
-    if task.kind == "fwd":
-        return precompile_fwd(task.config)
+def _task_cache(kind: str) -> CompileCache:
+    if kind == "fwd":
+        return fwd_cache()
     from . import backward
 
     caches = {
@@ -767,20 +764,18 @@ def precompile_task(task: PrecompileTask) -> tuple[str, float]:
         "bwd-pre": backward.bwd_pre_cache,
         "bwd-post": backward.bwd_post_cache,
     }
-    if task.kind not in caches:
-        raise ValueError(f"unknown precompile task kind {task.kind!r}")
-    t0 = time.perf_counter()
-    status = caches[task.kind]().ensure_on_disk(task.config)
-    return status, time.perf_counter() - t0
+    if kind not in caches:
+        raise ValueError(f"unknown precompile task kind {kind!r}")
+    return caches[kind]()
 
 
-def precompile_fwd(config) -> tuple[str, float]:
-    """Make sure the forward kernel of ``config`` is on disk: ("hit" or "compiled", seconds).
+def precompile_task(task: PrecompileTask) -> tuple[str, float]:
+    """Make sure the kernel of ``task`` is on disk: ("hit" or "compiled", seconds).
 
     A module-level function, so that ``python -m cute_fa precompile --jobs N`` can send it to
     worker processes (functions of ``__main__`` cannot be pickled into spawned workers when
     the program runs as ``python -m``).
     """
     t0 = time.perf_counter()
-    status = fwd_cache().ensure_on_disk(config)
+    status = _task_cache(task.kind).ensure_on_disk(task.config)
     return status, time.perf_counter() - t0
