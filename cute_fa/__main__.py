@@ -89,23 +89,15 @@ LONG_SEQLEN_HINT = 1 << 20
 SHORT_SEQLEN_HINT = 1
 
 
-def _capability_of(target: str) -> tuple[int, int]:
-    from .config import TARGETS
-
-    for capability, name in TARGETS.items():
-        if name == target:
-            return capability
-    raise SystemExit(f"unknown target {target!r}; known: {', '.join(sorted(TARGETS.values()))}")
-
-
 def _fwd_config(arch: str, target: str, request, seqlen_q: int | None):
     """(config, "") of the forward kernel ``arch`` asks for on ``target``, else (None, why)."""
+    from .config import capability_for_target
     from .dispatch import SM80_FWD, SM90_FWD, fwd_config_for_target, fwd_plan
 
     if arch == "auto":
         try:
-            return fwd_plan(_capability_of(target), request, seqlen_q)[1], ""
-        except NotImplementedError as e:
+            return fwd_plan(capability_for_target(target), request, seqlen_q)[1], ""
+        except (NotImplementedError, ValueError) as e:  # (ValueError: an unknown target)
             return None, str(e)
     spec = {"sm80": SM80_FWD, "sm90": SM90_FWD}[arch]
     return fwd_config_for_target(spec, target, request, seqlen_q)
@@ -338,7 +330,7 @@ def _demo_check(label, out, lse, out_ref, lse_ref, out_pt, lse_pt, check_close) 
 
 
 def _demo_cpu(targets: list[str], head_dims: list[int]) -> int:
-    from .config import TARGETS
+    from .config import capability_for_target
     from .dispatch import FwdRequest, fwd_plan
     from .sass import compile_and_inspect
 
@@ -346,7 +338,6 @@ def _demo_cpu(targets: list[str], head_dims: list[int]) -> int:
         "no CUDA GPU here: cross-compiling the forward kernel each target dispatches to (bf16) "
         "and reading the cubins"
     )
-    capability = {t: c for c, t in TARGETS.items()}
     ops = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "MUFU", "FFMA")
     header = [
         "target",
@@ -368,7 +359,7 @@ def _demo_cpu(targets: list[str], head_dims: list[int]) -> int:
                 t0 = time.perf_counter()
                 try:
                     request = FwdRequest(dtype="bf16", head_dim=d, head_dim_v=d, causal=causal)
-                    _, config = fwd_plan(capability[target], request)
+                    _, config = fwd_plan(capability_for_target(target), request)
                     info = compile_and_inspect(config)
                 except Exception as e:
                     failed += 1

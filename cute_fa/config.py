@@ -52,6 +52,15 @@ def target_for_capability(major: int, minor: int) -> str:
         ) from None
 
 
+def capability_for_target(target: str) -> tuple[int, int]:
+    """Compute capability whose devices compile for ``target`` (the inverse of
+    ``target_for_capability``)."""
+    for capability, name in TARGETS.items():
+        if name == target:
+            return capability
+    raise ValueError(f"unknown target {target!r}; known: {', '.join(sorted(TARGETS.values()))}")
+
+
 @dataclass(frozen=True)
 class FwdConfig:
     """Compile key of a forward kernel. Every field changes the generated code."""
