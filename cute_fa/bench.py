@@ -48,6 +48,12 @@ IMPL_LABELS = {
     "flex": "FlexAttention",
 }
 DEFAULT_PEERS = ("cute_fa", "flash", "cudnn", "flex")
+# A tuning variant of cute_fa (or cute_fa_det) in the same run: "cute_fa:NAME=VALUE[:NAME=VALUE]"
+# with NAME one of tuning_switches(), e.g. cute_fa:CUTE_FA_SM90_FWD_RESCALE_THRESHOLD=8. Each
+# case then times the variant right after the plain implementation, on the same inputs, so the
+# two see the same clocks (an A/B across processes differs by up to +-10 % on the H200 from
+# run to run); the table adds "variant/cute_fa" columns.
+VARIANT_SEP = ":"
 GRID_D = (64, 128, 256)
 GRID_SEQLEN = (512, 1024, 2048, 4096, 8192, 16384)
 GRID_CAUSAL = (0, 1)
@@ -57,6 +63,37 @@ DEVICE = "cuda"
 
 # --------------------------------------------------------------------------------------------
 # FLOPs
+
+
+def tuning_switches() -> tuple[str, ...]:
+    """The environment variables that steer dispatch and the kernels' tuning (the ``*_ENV``
+    constants of the modules that read them); a variant peer may set these and no others."""
+    from . import backward, config, dispatch
+    from .hopper import support as sm90_support
+
+    names = {
+        value
+        for module in (backward, config, dispatch, sm90_support)
+        for key, value in vars(module).items()
+        if key.endswith("_ENV") and isinstance(value, str) and value.startswith("CUTE_FA_")
+    }
+    return tuple(sorted(names))
+
+
+def split_impl(name: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """(base implementation, settings) of a peer name: ("cute_fa", ()) for "cute_fa",
+    ("cute_fa", (("CUTE_FA_X", "8"),)) for "cute_fa:CUTE_FA_X=8"."""
+    base, *parts = name.split(VARIANT_SEP)
+    settings = tuple(tuple(p.split("=", 1)) for p in parts)
+    return base, settings  # type: ignore[return-value]
+
+
+def impl_label(name: str) -> str:
+    """Column label of a peer: IMPL_LABELS, or for a variant its base and settings without the
+    CUTE_FA_ prefix."""
+    base, settings = split_impl(name)
+    label = IMPL_LABELS.get(base, base)
+    return " ".join([label] + [f"{k.removeprefix('CUTE_FA_')}={v}" for k, v in settings])
 
 
 @functools.lru_cache(maxsize=256)
@@ -184,10 +221,32 @@ class Impl:
     layout: str = "bshd"  # "bshd": (b, s, h, d) tensors; "bhsd": contiguous (b, h, s, d)
     state: dict = field(default_factory=dict)
 
+    @property
+    def base(self) -> str:
+        """The implementation without a variant's settings."""
+        return split_impl(self.name)[0]
+
     @contextlib.contextmanager
     def context(self):
-        """Entered once around all timed calls of this implementation."""
-        if self.name in ("flash", "cudnn"):
+        """Entered once around all timed calls of this implementation. A variant sets its
+        switches and keeps its own launch plans (interface.separate_launch_tables) for the
+        duration, so that neither its plans nor the plain implementation's leak across."""
+        settings = split_impl(self.name)[1]
+        if settings:
+            from . import interface
+
+            saved = {k: os.environ.get(k) for k, _ in settings}
+            os.environ.update(dict(settings))
+            try:
+                with interface.separate_launch_tables(self.state.setdefault("tables", {})):
+                    yield
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        elif self.name in ("flash", "cudnn"):
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             backend = (
@@ -204,10 +263,10 @@ class Impl:
         """Zero-argument forward on these tensors (layout ``self.layout``); returns out.
         ``softcap`` > 0: scores become softcap * tanh(scores / softcap); ``window``: a sliding
         window (left, right) (SDPA has neither: ImplUnavailable)."""
-        if self.name in ("cute_fa", "cute_fa_det"):
+        if self.base in ("cute_fa", "cute_fa_det"):
             import cute_fa
 
-            det = self.name == "cute_fa_det"
+            det = self.base == "cute_fa_det"
             window_size = window if window is not None else (None, None)
 
             def run():
@@ -494,13 +553,17 @@ def format_table(results: list[Result], mode: str, impl_names: list[str]) -> str
     rows = [r for r in results if r.mode == mode]
     by_key = {(r.case, r.impl): r for r in rows}
     cases = list(dict.fromkeys(r.case for r in rows))
-    header = ["d", "seqlen", "causal", "batch", "heads"] + [IMPL_LABELS[n] for n in impl_names]
+    header = ["d", "seqlen", "causal", "batch", "heads"] + [impl_label(n) for n in impl_names]
     ratios = [
         (a, b)
         for a, b in (("cute_fa", "flash"), ("cute_fa", "cudnn"), ("cute_fa_det", "cute_fa"))
         if a in impl_names and b in impl_names
     ]
     header += ["det/default" if a == "cute_fa_det" else f"{a}/{b.upper()}" for a, b in ratios]
+    bases = {n: split_impl(n)[0] for n in impl_names if split_impl(n)[1]}
+    variants = [(n, base) for n, base in bases.items() if base in impl_names]
+    ratios += variants
+    header += [f"{impl_label(a)}/{b}" for a, b in variants]
     lines = [header]
     for c in cases:
         line = [c.d_label, str(c.seqlen), str(int(c.causal)), str(c.batch), str(c.heads)]
@@ -604,7 +667,7 @@ def write_plot(
                         [p[0] for p in pts],
                         [p[1] for p in pts],
                         marker="o",
-                        label=IMPL_LABELS[name],
+                        label=impl_label(name),
                     )
             ax.set_xscale("log", base=2)
             ticks = sorted({r.case.seqlen for r in rows})
@@ -668,7 +731,7 @@ def run_grid(args: argparse.Namespace) -> int:
                 + (f" window={case.window[0]},{case.window[1]}" if case.window else "")
                 + " "
                 f"b={case.batch} h={case.heads}: "
-                + "  ".join(f"{IMPL_LABELS[r.impl]}={_cell(r)}" for r in rs),
+                + "  ".join(f"{impl_label(r.impl)}={_cell(r)}" for r in rs),
                 flush=True,
             )
     os.makedirs(args.out, exist_ok=True)
@@ -747,11 +810,11 @@ def run_overhead(args: argparse.Namespace) -> int:
     for name in names:
         if walls.get(name):
             rows.append(
-                (IMPL_LABELS[name], f"{statistics.median(walls[name]):.1f}",
+                (impl_label(name), f"{statistics.median(walls[name]):.1f}",
                  f"{gpu_us[name]:.1f}")
             )  # fmt: skip
         else:
-            rows.append((IMPL_LABELS[name], "err", "err"))
+            rows.append((impl_label(name), "err", "err"))
     print()
     wall = f"wall us/call (median of {OVERHEAD_ROUNDS} rounds)"
     header = ("impl", wall, "GPU us/call (do_bench)")
@@ -1091,9 +1154,25 @@ def _window(text: str) -> tuple[int, int]:
 
 def _name_list(text: str) -> list[str]:
     names = [p.strip() for p in text.replace(",", " ").split() if p.strip()]
-    bad = [n for n in names if n not in IMPLS]
+    bad = [n for n in names if split_impl(n)[0] not in IMPLS]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown implementation(s) {bad}; choose from {IMPLS}")
+    switches = None
+    for n in names:
+        base, settings = split_impl(n)
+        if not settings:
+            continue
+        if base not in ("cute_fa", "cute_fa_det"):
+            raise argparse.ArgumentTypeError(f"{n}: only cute_fa and cute_fa_det take settings")
+        switches = switches or tuning_switches()
+        for setting in settings:
+            if len(setting) != 2 or setting[0] not in switches:
+                raise argparse.ArgumentTypeError(
+                    f"{n}: expected {VARIANT_SEP}NAME=VALUE settings with NAME one of "
+                    f"{', '.join(switches)}"
+                )
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"implementations named twice in {text!r}")
     return names
 
 
@@ -1153,7 +1232,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         type=_name_list,
         default=list(DEFAULT_PEERS),
         help=f"implementations to time (default {','.join(DEFAULT_PEERS)}; also cute_fa_det: "
-        "cute_fa with deterministic=True)",
+        "cute_fa with deterministic=True; and tuning variants timed beside cute_fa in the same "
+        "run, e.g. cute_fa:CUTE_FA_SM90_FWD_RESCALE_THRESHOLD=8, several settings joined by ':')",
     )
     p.add_argument(
         "--tokens", type=int, default=16384, help="batch = tokens / seqlen (default %(default)s)"

@@ -48,6 +48,7 @@ sync (and under CUDA-graph capture, where that sync is not allowed).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import os
@@ -540,6 +541,26 @@ class _Plan(NamedTuple):
 # it is cleared when it outgrows ``_MAX_PLANS`` (workloads with ever new shapes just re-check).
 _plans: dict[tuple, _Plan] = {}
 _MAX_PLANS = 4096
+
+
+@contextlib.contextmanager
+def separate_launch_tables(tables: dict):
+    """Inside the block, forward launch plans and the backward's kernels per request are looked
+    up in and added to two tables kept in ``tables`` (made on first use) instead of the
+    process-wide ones. A plan keeps the kernel chosen under the tuning switches
+    (``CUTE_FA_...`` variables) set when it was made, so code that times one signature under
+    several settings in one process (``bench --peers cute_fa:NAME=VALUE``) gives each setting
+    its own tables. Not thread-safe: the tables are module globals."""
+    global _plans
+    from . import backward
+
+    saved = _plans, backward._launch_kernels
+    _plans = tables.setdefault("fwd", {})
+    backward._launch_kernels = tables.setdefault("bwd", {})
+    try:
+        yield
+    finally:
+        _plans, backward._launch_kernels = saved
 
 
 def _tensor_key(t):

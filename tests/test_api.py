@@ -7,6 +7,7 @@ CPU tests run the custom op on meta tensors (its fake implementation: shapes onl
 from __future__ import annotations
 
 import inspect
+import os
 
 import pytest
 import torch
@@ -230,6 +231,25 @@ def cpu_qkv(b=2, sq=16, sk=24, h=4, hk=2, d=64):
         torch.randn(b, sk, hk, d).bfloat16(),
         torch.randn(b, sk, hk, d).bfloat16(),
     )
+
+
+def test_bench_variants_keep_their_own_plans(fake_gpu, monkeypatch):
+    """A tuning variant of the benchmark sets its switch only while it runs and keeps its own
+    launch plans, so the plain implementation never gets the variant's kernel or vice versa."""
+    from cute_fa import bench, interface
+
+    switch = "CUTE_FA_SM90_FWD_RESCALE_THRESHOLD"
+    monkeypatch.delenv(switch, raising=False)
+    q, k, v = cpu_qkv(d=128)
+    plain, variant = bench.Impl("cute_fa"), bench.Impl(f"cute_fa:{switch}=4")
+    for impl in (plain, variant, plain, variant):
+        with impl.context():
+            impl.forward_fn(q, k, v, causal=False)()
+        assert switch not in os.environ
+    assert [c.rescale_threshold for c in fake_gpu.configs] == [0, 4]  # one plan each
+    assert len(fake_gpu.launches) == 4 and len(interface._plans) == 1
+    (variant_plan,) = variant.state["tables"]["fwd"].values()
+    assert variant_plan is not next(iter(interface._plans.values()))
 
 
 def test_launch_follows_the_kernel_protocol(fake_gpu):

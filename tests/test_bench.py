@@ -131,6 +131,33 @@ def test_table_and_csv(tmp_path):
     assert float(rows[0]["tflops"]) == pytest.approx(400, rel=1e-3)
 
 
+def test_tuning_variants_parse_and_get_columns():
+    switch = "CUTE_FA_SM90_FWD_RESCALE_THRESHOLD"
+    assert switch in bench.tuning_switches() and "CUTE_FA_FWD_ARCH" in bench.tuning_switches()
+    name = f"cute_fa:{switch}=8:CUTE_FA_SM90_FWD_TILE_N=64"
+    assert bench.split_impl(name) == ("cute_fa", ((switch, "8"), ("CUTE_FA_SM90_FWD_TILE_N", "64")))
+    assert bench.split_impl("cudnn") == ("cudnn", ())
+    assert bench.impl_label(name) == "cute_fa SM90_FWD_RESCALE_THRESHOLD=8 SM90_FWD_TILE_N=64"
+    assert bench._name_list(f"cute_fa,{name},cudnn") == ["cute_fa", name, "cudnn"]
+    for bad in ("cudnn:CUTE_FA_FWD_ARCH=80", "cute_fa:CUTE_FA_NO_SUCH=1", f"cute_fa:{switch}",
+                "cute_fa,cute_fa", "nope:CUTE_FA_FWD_ARCH=80"):  # fmt: skip
+        with pytest.raises(Exception) as info:
+            bench._name_list(bad)
+        assert "cute_fa" in str(info.value) or "nope" in str(info.value)
+
+    case = bench.Case(128, 4096, True, 4, 16)
+    ms = bench.attention_flops(4, 16, 4096, 4096, 128, True) / 500e12 * 1e3
+    results = [
+        bench.Result("fwd", case, "cute_fa", ms),
+        bench.Result("fwd", case, f"cute_fa:{switch}=8", ms / 1.1),
+        bench.Result("fwd", case, "cudnn", ms),
+    ]
+    table = bench.format_table(results, "fwd", [r.impl for r in results])
+    header, _, last = table.splitlines()[1:]
+    assert "SM90_FWD_RESCALE_THRESHOLD=8/cute_fa" in header
+    assert last.split()[5:] == ["500.0", "550.0", "500.0", "1.00", "1.10"]
+
+
 def test_cli_help_and_no_gpu():
     out = subprocess.run(
         [sys.executable, "-m", "cute_fa", "bench", "--help"], capture_output=True, text=True
