@@ -70,7 +70,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
     rows (measured faster, ``support.SM90_FWD_3WG_DEFAULT``), 128 (two) otherwise;
     CUTE_FA_SM90_FWD_TILE_M picks 128 or 192 where it fits (``support.fwd_tile_ms``: what fits
     160 registers a consumer thread). tile_n from ``support.fwd_tile`` (128 for d <= 128, 112
-    for d 192, 80 for d 256: what fits Q plus two K/V stages in 227 KiB; the reasons are there).
+    for d 192, 64 for d 256: what fits Q plus two K/V stages in 227 KiB, and at d 256 measured
+    faster than the 80 that fit; the reasons are there).
 
     Grid and work split
       A tile is tile_m (128 or 192) query rows of one (head, batch); its CTA visits the tile's
@@ -180,10 +181,12 @@ class FlashAttentionForwardSm90(AttentionKernel):
       unmasked loop every k-th exponential of a thread's row is a polynomial (Note [exp2 on the
       FMA pipe] in cute_fa/dsl/softmax.py) instead of MUFU.EX2, which at d 64 is as busy as
       the tensor cores (hopper/support.py). SASS of d 64, 128 rows, k = 8: the unmasked loop
-      has 58 MUFU.EX2 instead of 66 and 456 instructions instead of 399. Off by default.
+      has 58 MUFU.EX2 instead of 66 and 456 instructions instead of 399. Off by default: on
+      the H200 k = 8 measured 2-10 % slower at d 64 (docs/performance.md, Log 2026-12-01).
     Rescale threshold (config.rescale_threshold = t, CUTE_FA_SM90_FWD_RESCALE_THRESHOLD): a
       row's max moves only by more than t (log2 units) and a warp skips the O rescale when none
-      of its rows moved (Note [rescale threshold] in cute_fa/dsl/softmax.py). Off by default.
+      of its rows moved (Note [rescale threshold] in cute_fa/dsl/softmax.py). Default 8 at d 256,
+      off elsewhere (``support.SM90_FWD_RESCALE_THRESHOLD_DEFAULT``).
     Masks (cute_fa/dsl/mask.py, Note [bottom-right aligned masks]; block_range per CTA of
       tile_m rows, apply_mask per consumer's 64 rows). Key blocks run in up to three loops, last to
       first: [start_unmasked, n_max) masked (seqlen_k tail, causal diagonal, right window

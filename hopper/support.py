@@ -19,13 +19,17 @@ from cute_fa.config import SMEM_CAPACITY, BwdConfig, FwdConfig, SettingError
 #   d 192 (dv 192 or 128): 112 keys. 128 keys would need 48 + 192 = 240 KiB (dv 192), more than
 #     the 227 KiB of sm_90a; 112 keys need 216 KiB (dv 192), 184 KiB (dv 128). S 56 + P 28 +
 #     O 96 registers.
-#   d 256: 80 keys. Q is 64 KiB and each K/V stage 80 KiB: 224 KiB with 2 stages (96 keys
-#     would need 256 KiB). O alone is 128 registers a thread (64 x 256 fp32 over a warpgroup);
-#     S 40 + P 20 leave room for the softmax inside 240 registers without spills.
-# Not tuned beyond fitting (docs/performance.md has the measurements of d 64 and 128).
+#   d 256: 64 keys. Q is 64 KiB and each K/V stage 64 KiB: 192 KiB with 2 stages (80 keys, the
+#     most that fit, need 224 KiB; 96 keys 256 KiB). O alone is 128 registers a thread (64 x 256
+#     fp32 over a warpgroup); S 32 + P 16 leave room for the softmax. Measured on the H200
+#     (bf16, standard grid, one run with each tile as a peer, docs/performance.md, Log
+#     2026-12-01), both with the rescale threshold of d 256: 64 keys +1 to +7 % against 80 at
+#     512 to 4k, -0.8 to +1.6 % from 8k (80 keys leave the last block of 512 or 8k keys 40 %
+#     full; 64 divides every power of two).
+# d 64 and 128: docs/performance.md has the measurements (176 keys at d 128 below).
 SM90_FWD_TILE_M = 128
 SM90_FWD_WARPS = 12
-SM90_FWD_TILE_N = {64: 128, 96: 128, 128: 128, 192: 112, 256: 80}
+SM90_FWD_TILE_N = {64: 128, 96: 128, 128: 128, 192: 112, 256: 64}
 # Not taken: 176 keys at d 128 (S 88 + P 44 + O 64 registers, 0 spills; 208 KiB with two K/V
 # stages). Non-causal it measured +0-4 % in one session and -1 to -3 % at 4k / 8k in the next
 # (noise of that size between runs); causal -3 to -12 % (docs/performance.md, Log).
@@ -106,10 +110,16 @@ SM90_FWD_EXP2_POLY_CHOICES = (2, 4, 8, 16)
 # max moves only when a block's max exceeds it by more than t, and a warp skips the O rescale
 # (d / 2 multiplies a thread and block) unless one of its rows moved (Note [rescale threshold]
 # in cute_fa/dsl/softmax.py; FA4 uses 8). Why: at d 256 the rescale is 128 FMUL a thread and
-# block against ~220 other softmax instructions; at d 128 64 against ~350. =0 or unset: the
-# max follows every move and O is multiplied every block. Read when a launch plan is made.
+# block against ~220 other softmax instructions; at d 128 64 against ~350. =0: the max follows
+# every move and O is multiplied every block. Unset: SM90_FWD_RESCALE_THRESHOLD_DEFAULT of the
+# head dim (8 at d 256, else 0). Read when a launch plan is made.
 RESCALE_THRESHOLD_ENV = "CUTE_FA_SM90_FWD_RESCALE_THRESHOLD"
 SM90_FWD_RESCALE_THRESHOLD_CHOICES = (4, 8)
+# The threshold by head dim when the switch is unset. On the H200 (bf16, standard grid, the
+# threshold as a peer in the same run, docs/performance.md, Log 2026-12-01): d 256 at 64 keys
+# +2 to +9 % (at 80 keys +0 to +9 %), d 128 -1 to +2 % (not taken), d 64 not measured (its
+# rescale is 32 multiplies a thread and block).
+SM90_FWD_RESCALE_THRESHOLD_DEFAULT = {256: 8}
 
 # A persistent grid launches one CTA an SM, each looping over its share of the tiles (Note
 # [persistent tiles], cute_fa/dsl/scheduler.py); it takes dense calls without a window or
@@ -182,7 +192,8 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
     """``config`` with the tuning choices applied (dispatch calls this): the K/V stages of
     CUTE_FA_SM90_FWD_KV_STAGES where Q and that many stages fit in shared memory,
     CUTE_FA_SM90_FWD_DEFER_RESCALE, CUTE_FA_SM90_FWD_EXP2_POLY,
-    CUTE_FA_SM90_FWD_RESCALE_THRESHOLD, and a persistent grid
+    CUTE_FA_SM90_FWD_RESCALE_THRESHOLD (unset: SM90_FWD_RESCALE_THRESHOLD_DEFAULT), and a
+    persistent grid
     (SM90_SMS CTAs; the interface sets the device's count) where it fits, Q gets two stages
     and ``seqlen_q`` (the call's longest query sequence) is at most
     SM90_FWD_PERSISTENT_MAX_SEQLEN(_CAUSAL), or as CUTE_FA_SM90_FWD_PERSISTENT says."""
@@ -195,10 +206,12 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
     threshold = _env_choice(
         RESCALE_THRESHOLD_ENV, ("0",) + tuple(str(t) for t in SM90_FWD_RESCALE_THRESHOLD_CHOICES)
     )
+    if not threshold:
+        threshold = SM90_FWD_RESCALE_THRESHOLD_DEFAULT.get(config.head_dim, 0)
     forced = _env_choice(PERSISTENT_ENV, ("0", "1"))
     config = config.replace(
         kv_stages=0 if stages == SM90_FWD_KV_STAGES else stages, defer_rescale=defer,
-        exp2_poly=int(poly or 0), rescale_threshold=int(threshold or 0),
+        exp2_poly=int(poly or 0), rescale_threshold=int(threshold),
     )  # fmt: skip
     persistent = config.replace(num_ctas=SM90_SMS)
     limit = (
