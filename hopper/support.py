@@ -92,9 +92,14 @@ SM90_FWD_KV_STAGE_CHOICES = (2, 3)
 # to 16 bits of key block j from the end of its step to just before O += P_j V_j is issued (the
 # start of the next step, or the last P V). Between wgmma wait_group 1 and 0 nothing then writes
 # the registers the in-flight P V GEMM reads (P) or accumulates (O), so ptxas can keep the
-# exponentials of block j before the wait (flash_fwd.py, class docstring). =0 or unset: the
-# order of the default. Read when a launch plan is made.
+# exponentials of block j before the wait (flash_fwd.py, class docstring). =0: the order of
+# the other head dims. Unset: SM90_FWD_DEFER_RESCALE_DEFAULT. Read when a launch plan is made.
 DEFER_RESCALE_ENV = "CUTE_FA_SM90_FWD_DEFER_RESCALE"
+# Head dims that defer the rescale when the switch is unset. On the H200 (bf16, standard grid,
+# the switch as a peer in one process, docs/performance.md, Log 2026-12-01): d 64 +0 to +3 %
+# non-causal and +1 to +7 % causal (2k and 4k +6-7 %); d 128 -9 to +0 % at 512-8k; d 256 -8
+# to +1 %.
+SM90_FWD_DEFER_RESCALE_DEFAULT = (64,)
 # Tuning switch: CUTE_FA_SM90_FWD_EXP2_POLY=<k> (2, 4, 8 or 16) computes every k-th exponential
 # of each thread's row in the unmasked key blocks with a polynomial on the FMA pipe
 # (cute_fa/dsl/softmax.py, Note [exp2 on the FMA pipe]) instead of MUFU.EX2. Why: MUFU runs 16
@@ -136,11 +141,17 @@ SM90_FWD_RESCALE_THRESHOLD_DEFAULT = {256: 8}
 #     non-causal up to 2k: within the noise either way, so not by default.
 # d96 also gets two Q stages and so the default; its speed was not measured (the rule follows
 # d64 / d128). (192, 128) and d192 have one stage, like d256.
+# With one Q stage (d 192, (192, 128), d 256) a persistent grid cannot load the next tile's Q
+# during this one, and only causal calls gain: on the H200 (d 256, the switch as a peer in one
+# process, docs/performance.md, Log 2026-12-01) +5 % causal at 1k, 2k and 4k, +2 % at 8k,
+# -2 % at 512 and -3 % at 16k; non-causal -6 to +1 %. So causal calls of 1024 to 8192 query
+# rows (SM90_FWD_PERSISTENT_ONE_Q_STAGE_CAUSAL) take it; d 192 follows d 256 unmeasured.
 # Switch: CUTE_FA_SM90_FWD_PERSISTENT=1 for every call that fits, =0 for none. Read when a
 # launch plan is made.
 PERSISTENT_ENV = "CUTE_FA_SM90_FWD_PERSISTENT"
 SM90_FWD_PERSISTENT_MAX_SEQLEN = 2048
 SM90_FWD_PERSISTENT_MAX_SEQLEN_CAUSAL = 8192
+SM90_FWD_PERSISTENT_ONE_Q_STAGE_CAUSAL = (1024, 8192)
 # CTAs of a persistent grid when the device is not known (precompile for sm_90a): the SMs of an
 # H100 SXM or H200. A plan for a device puts that device's count in the config (interface).
 SM90_SMS = 132
@@ -191,17 +202,22 @@ def fwd_q_stages(config: FwdConfig) -> int:
 def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
     """``config`` with the tuning choices applied (dispatch calls this): the K/V stages of
     CUTE_FA_SM90_FWD_KV_STAGES where Q and that many stages fit in shared memory,
-    CUTE_FA_SM90_FWD_DEFER_RESCALE, CUTE_FA_SM90_FWD_EXP2_POLY,
-    CUTE_FA_SM90_FWD_RESCALE_THRESHOLD (unset: SM90_FWD_RESCALE_THRESHOLD_DEFAULT), and a
-    persistent grid
-    (SM90_SMS CTAs; the interface sets the device's count) where it fits, Q gets two stages
-    and ``seqlen_q`` (the call's longest query sequence) is at most
-    SM90_FWD_PERSISTENT_MAX_SEQLEN(_CAUSAL), or as CUTE_FA_SM90_FWD_PERSISTENT says."""
+    CUTE_FA_SM90_FWD_DEFER_RESCALE (unset: SM90_FWD_DEFER_RESCALE_DEFAULT),
+    CUTE_FA_SM90_FWD_EXP2_POLY, CUTE_FA_SM90_FWD_RESCALE_THRESHOLD (unset:
+    SM90_FWD_RESCALE_THRESHOLD_DEFAULT), and a persistent grid (SM90_SMS CTAs; the interface
+    sets the device's count) where it fits and ``seqlen_q`` (the call's longest query
+    sequence) is at most SM90_FWD_PERSISTENT_MAX_SEQLEN(_CAUSAL) with two Q stages, or within
+    SM90_FWD_PERSISTENT_ONE_Q_STAGE_CAUSAL for causal calls with one; or as
+    CUTE_FA_SM90_FWD_PERSISTENT says."""
     value = _env_choice(KV_STAGES_ENV, tuple(str(s) for s in SM90_FWD_KV_STAGE_CHOICES))
     stages = int(value) if value else SM90_FWD_KV_STAGES
     if fwd_smem_bytes(config, stages) > SMEM_CAPACITY.get(config.target, 0):
         stages = SM90_FWD_KV_STAGES
-    defer = _env_choice(DEFER_RESCALE_ENV, ("0", "1")) == "1"
+    defer_value = _env_choice(DEFER_RESCALE_ENV, ("0", "1"))
+    if defer_value:
+        defer = defer_value == "1"
+    else:
+        defer = config.head_dim in SM90_FWD_DEFER_RESCALE_DEFAULT
     poly = _env_choice(EXP2_POLY_ENV, ("0",) + tuple(str(k) for k in SM90_FWD_EXP2_POLY_CHOICES))
     threshold = _env_choice(
         RESCALE_THRESHOLD_ENV, ("0",) + tuple(str(t) for t in SM90_FWD_RESCALE_THRESHOLD_CHOICES)
@@ -217,10 +233,11 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
     limit = (
         SM90_FWD_PERSISTENT_MAX_SEQLEN_CAUSAL if config.causal else SM90_FWD_PERSISTENT_MAX_SEQLEN
     )
-    by_default = (
-        seqlen_q is not None and seqlen_q <= limit
-        and fwd_q_stages(persistent) == SM90_FWD_PERSISTENT_Q_STAGES
-    )  # fmt: skip
+    if fwd_q_stages(persistent) == SM90_FWD_PERSISTENT_Q_STAGES:
+        by_default = seqlen_q is not None and seqlen_q <= limit
+    else:  # one Q stage (d 192, d 256): causal calls of a middle length only
+        low, high = SM90_FWD_PERSISTENT_ONE_Q_STAGE_CAUSAL
+        by_default = config.causal and seqlen_q is not None and low <= seqlen_q <= high
     if (forced == "1" or (not forced and by_default)) and fwd_persistent_fits(config):
         return persistent
     return config

@@ -166,6 +166,40 @@ def test_sm90_fwd_compiles_for_sm90a(d: int, dv: int, dtype: str, flags: dict, c
     _check_compiled(_tiled_config(d, dv, dtype=dtype, **flags), capfd)
 
 
+# The configs dispatch picks by default (fwd_tuned applied: the measured per-head-dim choices
+# of hopper/support.py, e.g. the deferred rescale at d 64, 64 keys and the rescale threshold
+# at d 256, the persistent grid by length), as (d, flags, longest query sequence).
+DEFAULT_PLANS = [
+    pytest.param(64, {}, 2048, id="d64-2k"),
+    pytest.param(64, {"causal": True}, 1024, id="d64-causal-1k"),
+    pytest.param(64, {"causal": True}, 8192, id="d64-causal-8k"),
+    pytest.param(64, {"local": True, "has_softcap": True}, 4096, id="d64-local-softcap"),
+    pytest.param(64, {"causal": True, "varlen_q": True, "varlen_k": True}, None, id="d64-varlen"),
+    pytest.param(256, {"causal": True}, 2048, id="d256-causal-2k"),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d, flags, seqlen_q", DEFAULT_PLANS)
+def test_sm90_fwd_default_plans_compile(monkeypatch, capfd, d, flags, seqlen_q) -> None:
+    from cute_fa.hopper.support import PERSISTENT_ENV, TILE_M_ENV
+
+    from cute_fa.dispatch import FwdRequest, fwd_plan
+
+    for name in (TILE_N_ENV, TILE_M_ENV, KV_STAGES_ENV, DEFER_RESCALE_ENV, EXP2_POLY_ENV,
+                 RESCALE_THRESHOLD_ENV, PERSISTENT_ENV, FWD_ARCH_ENV):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    request = FwdRequest(dtype="bf16", head_dim=d, head_dim_v=d, **flags)
+    cls, config = fwd_plan((9, 0), request, seqlen_q)
+    assert cls is SM90_FWD and config.arch == 90
+    if d == 64:
+        assert config.defer_rescale
+    if d == 256:
+        assert config.tile_n == 64 and config.rescale_threshold == 8
+        assert config.num_ctas  # causal 1k-8k: the persistent grid, one Q stage
+    _check_compiled(config, capfd)
+
+
 # Three consumer warpgroups (tile_m 192, CUTE_FA_SM90_FWD_TILE_M=192): d 64 without a window
 # or softcap (those spill in 160 registers), with and without causal, varlen and seqused.
 COMPILE_CASES_3WG = [
