@@ -81,7 +81,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
       batch) (varlen q: batch = len(cu_seqlens_q) - 1). Causal grids run query blocks in
       reverse (longest rows first).
       Persistent (config.num_ctas = the device's SMs; dispatch picks it for dense calls without
-      a window or seqused at d <= 128 up to 2k query rows, causal 8k, ``support.fwd_tuned``):
+      a window or seqused at d <= 128 up to 2k query rows, causal 8k, and at d 192 / 256 for
+      causal calls of 1k-8k rows, ``support.fwd_tuned``):
       grid = min(units, num_ctas) CTAs, CTA b takes work units b, b + grid, ... (a unit is a
       tile, query block fastest; causal: a pair of tiles of one head, query blocks n - 1 - j
       then j; cute_fa/dsl/scheduler.py, Note [persistent tiles]). Every tile of a persistent
@@ -176,7 +177,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
       loops of d 128, 42 of 42 at d 256 (causal: 58-66 of 66, 40-42 of 42; d 64 with three
       consumers: 64 and 66 of 66). The wait itself
       stays in the step: a commit group still in flight at the loop's back edge makes ptxas
-      serialize every WGMMA.
+      serialize every WGMMA. Default at d 64 only (``support.SM90_FWD_DEFER_RESCALE_DEFAULT``:
+      measured faster there, slower at d 128 and d 256).
     Exponentials on the FMA pipe (config.exp2_poly = k, CUTE_FA_SM90_FWD_EXP2_POLY): in the
       unmasked loop every k-th exponential of a thread's row is a polynomial (Note [exp2 on the
       FMA pipe] in cute_fa/dsl/softmax.py) instead of MUFU.EX2, which at d 64 is as busy as

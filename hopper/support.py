@@ -97,8 +97,8 @@ SM90_FWD_KV_STAGE_CHOICES = (2, 3)
 DEFER_RESCALE_ENV = "CUTE_FA_SM90_FWD_DEFER_RESCALE"
 # Head dims that defer the rescale when the switch is unset. On the H200 (bf16, standard grid,
 # the switch as a peer in one process, docs/performance.md, Log 2026-12-01): d 64 +0 to +3 %
-# non-causal and +1 to +7 % causal (2k and 4k +6-7 %); d 128 -9 to +0 % at 512-8k; d 256 -8
-# to +1 %.
+# non-causal and +1 to +7 % causal (2k and 4k +6-7 %; a second run +1-3 %, inside that run's
+# noise); d 128 -9 to +0 % at 512-8k; d 256 -8 to +1 %.
 SM90_FWD_DEFER_RESCALE_DEFAULT = (64,)
 # Tuning switch: CUTE_FA_SM90_FWD_EXP2_POLY=<k> (2, 4, 8 or 16) computes every k-th exponential
 # of each thread's row in the unmasked key blocks with a polynomial on the FMA pipe
@@ -137,14 +137,15 @@ SM90_FWD_RESCALE_THRESHOLD_DEFAULT = {256: 8}
 #     speed better than a static round robin;
 #   causal (pairs of tiles): d64 (128 rows) +29 % / +16 % at 512 / 1k; d128 +24 %, +12 %, +8 %,
 #     +5 %, +4 % from 512 to 8k, -2.4 % at 16k;
-#   d256 (one Q stage): -2 to -4 % causal at 512 / 1k and 16k, +2-6 % causal at 2k-8k, +3 %
-#     non-causal up to 2k: within the noise either way, so not by default.
+#   d256 (one Q stage, 80 keys then, separate processes): -2 to -4 % causal at 512 / 1k and
+#     16k, +2-6 % causal at 2k-8k, +3 % non-causal up to 2k (see the rule for one Q stage below).
 # d96 also gets two Q stages and so the default; its speed was not measured (the rule follows
 # d64 / d128). (192, 128) and d192 have one stage, like d256.
 # With one Q stage (d 192, (192, 128), d 256) a persistent grid cannot load the next tile's Q
 # during this one, and only causal calls gain: on the H200 (d 256, the switch as a peer in one
 # process, docs/performance.md, Log 2026-12-01) +5 % causal at 1k, 2k and 4k, +2 % at 8k,
-# -2 % at 512 and -3 % at 16k; non-causal -6 to +1 %. So causal calls of 1024 to 8192 query
+# -2 % at 512 and -3 % at 16k; non-causal -6 to +1 %; a second run, after the change, the grid
+# without it at 1k / 2k / 4k causal: -3 / -8 / -9 %. So causal calls of 1024 to 8192 query
 # rows (SM90_FWD_PERSISTENT_ONE_Q_STAGE_CAUSAL) take it; d 192 follows d 256 unmeasured.
 # Switch: CUTE_FA_SM90_FWD_PERSISTENT=1 for every call that fits, =0 for none. Read when a
 # launch plan is made.
