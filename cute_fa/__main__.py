@@ -8,7 +8,7 @@ demo        on a GPU: attention at a few shapes against the reference (PASS/FAIL
             memory, spills and the SASS instruction mix
 bench       timing against torch SDPA and FlexAttention (``cute_fa.bench``)
 tune        the sm80 forward (``--mode bwd``: backward) over candidate tile shapes, beside SDPA
-            FLASH (``cute_fa.tune``)
+            FLASH; ``--arch 90``: the sm90 forward's tuning switches as peers (``cute_fa.tune``)
 """
 
 from __future__ import annotations
@@ -442,7 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("bench", help="timing against torch SDPA and FlexAttention", add_help=False)
     sub.add_parser(
-        "tune", help="time the sm80 forward or backward over candidate tiles (GPU)", add_help=False
+        "tune",
+        help="time the sm80 kernels' tiles or (--arch 90) the sm90 forward's switches (GPU)",
+        add_help=False,
     )
     return parser
 

@@ -10,6 +10,12 @@ it with the benchmark's method (``cute_fa.bench.median_ms``, inputs rotated past
 TFLOPs per candidate. Nothing is written back: copy a winner into the table by hand, with its
 reason.
 
+``--arch 90`` times the sm90 forward's tuning switches instead (``sm90_fwd_variants``): per
+head dim, one benchmark run (``cute_fa.bench``) with the default, each switch set against its
+default as a peer in the same process, and SDPA CUDNN; the first variant is the default config
+under another name, so the run shows its own noise floor. The defaults and their measurements
+are in ``hopper/support.py``; the table, CSV and plot go to ``--out``/d<d>.
+
 ``--mode bwd`` does the same for the sm80 backward (``SM80_BWD_TILES`` and
 ``SM80_BWD_TILES_LARGE_SMEM``): each candidate runs through the real backward
 (``CUTE_FA_BWD_TILE`` set for the call, and ``CUTE_FA_BWD_ARCH=80`` so that Hopper runs it
@@ -57,6 +63,60 @@ def bwd_candidate_tiles(head_dim: int, target: str, causal: bool) -> list[tuple[
         if bwd_can_implement(config)[0]:
             tiles.append((tile_m, tile_n, warps))
     return tiles
+
+
+# Key blocks of the sm90 forward worth timing against the default, by head dim.
+SM90_FWD_TILE_N_ALTERNATIVES = {128: (176,), 192: (96,), 256: (80,)}
+
+
+def sm90_fwd_variants(head_dim: int) -> list[str]:
+    """Benchmark peers (``cute_fa`` and ``cute_fa:NAME=VALUE`` variants) of the sm90 forward's
+    tuning switches at ``head_dim``, each setting the opposite of (or an alternative to) the
+    default. The first variant, ``CUTE_FA_FWD_ARCH=90``, changes nothing on Hopper: the
+    default config under another name, the run's noise floor."""
+    from .config import SMEM_CAPACITY, FwdConfig
+    from .dispatch import FWD_ARCH_ENV
+    from .hopper import support as sm90
+
+    defer = "0" if head_dim in sm90.SM90_FWD_DEFER_RESCALE_DEFAULT else "1"
+    threshold = "0" if sm90.SM90_FWD_RESCALE_THRESHOLD_DEFAULT.get(head_dim) else "8"
+    settings = [
+        f"{FWD_ARCH_ENV}=90",
+        f"{sm90.DEFER_RESCALE_ENV}={defer}",
+        f"{sm90.RESCALE_THRESHOLD_ENV}={threshold}",
+        f"{sm90.PERSISTENT_ENV}=0",
+        f"{sm90.PERSISTENT_ENV}=1",
+    ]
+    if head_dim in sm90.SM90_FWD_3WG_MAX_TILE_N:
+        settings += [f"{sm90.TILE_M_ENV}={sm90.SM90_FWD_TILE_M}",
+                     f"{sm90.TILE_M_ENV}={sm90.SM90_FWD_TILE_M_3WG}"]  # fmt: skip
+    config = FwdConfig(
+        arch=90, target="sm_90a", dtype="bf16", head_dim=head_dim, head_dim_v=head_dim,
+        tile_m=sm90.SM90_FWD_TILE_M, tile_n=sm90.SM90_FWD_TILE_N[head_dim],
+        num_warps=sm90.SM90_FWD_WARPS,
+    )  # fmt: skip
+    if sm90.fwd_smem_bytes(config, 3) <= SMEM_CAPACITY["sm_90a"]:  # Q + 3 K/V stages fit
+        settings.append(f"{sm90.KV_STAGES_ENV}=3")
+    settings += [f"{sm90.TILE_N_ENV}={n}" for n in SM90_FWD_TILE_N_ALTERNATIVES.get(head_dim, ())]
+    return ["cute_fa"] + [f"cute_fa:{s}" for s in settings]
+
+
+def run_sm90_fwd(args: argparse.Namespace) -> int:
+    """One benchmark run per head dim: the default, the variants of ``sm90_fwd_variants`` and
+    SDPA CUDNN, shape by shape in one process."""
+    import os
+
+    from . import bench
+
+    status = 0
+    for d in args.d:
+        peers = ",".join([*sm90_fwd_variants(d), "cudnn"])
+        argv = ["--d", str(d), "--seqlen", ",".join(map(str, args.seqlen)),
+                "--causal", ",".join(map(str, args.causal)), "--peers", peers,
+                "--warmup", str(args.warmup), "--rep", str(args.rep),
+                "--out", os.path.join(args.out, f"d{d}")]  # fmt: skip
+        status = bench.main(argv) or status
+    return status
 
 
 def candidate_configs(head_dim: int, target: str, causal: bool, dtype: str = "bf16") -> list:
@@ -256,9 +316,25 @@ def _ints(text: str) -> list[int]:
 
 
 def build_parser(prog: str = "python -m cute_fa tune") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Time the sm80 forward (--mode bwd: backward) over candidate tile shapes "
+        "beside SDPA FLASH, or (--arch 90) the sm90 forward's tuning switches, each as a peer "
+        "of the default beside SDPA CUDNN, in one process per head dim. Needs a GPU.",
+    )
     parser.add_argument(
         "--mode", choices=("fwd", "bwd"), default="fwd", help="kernel to tune (default fwd)"
+    )
+    parser.add_argument(
+        "--arch",
+        type=int,
+        choices=(80, 90),
+        default=80,
+        help="80: the sm80 kernel's tiles (default); 90: the sm90 forward's tuning switches, "
+        "each as a peer of the default in one benchmark run (Hopper)",
+    )
+    parser.add_argument(
+        "--out", default="tune-out", help="--arch 90: folder of the runs' tables and CSVs"
     )
     parser.add_argument("--d", type=_ints, default=[64, 128, 256], help="head dims")
     parser.add_argument("--seqlen", type=_ints, default=[2048, 8192], help="e.g. 2k,8k")
@@ -269,12 +345,17 @@ def build_parser(prog: str = "python -m cute_fa tune") -> argparse.ArgumentParse
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m cute_fa tune") -> int:
-    args = build_parser(prog).parse_args(argv)
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    if args.arch == 90 and args.mode == "bwd":
+        parser.error("--arch 90 tunes the forward; the sm90 backward has no tuning switches yet")
     import torch
 
     if not torch.cuda.is_available():
         print("cute_fa tune: needs a CUDA GPU (it times kernels)")
         return 1
+    if args.arch == 90:
+        return run_sm90_fwd(args)
     sweep = run_bwd if args.mode == "bwd" else run
     sweep(args.d, args.seqlen, [bool(c) for c in args.causal], args.warmup, args.rep)
     return 0

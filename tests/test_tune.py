@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from cute_fa.hopper.support import SM90_FWD_HEAD_DIMS
 
+from cute_fa import bench
 from cute_fa.config import SM80_BWD_TILES, SM80_BWD_TILES_SMALL_SMEM, SM80_FWD_TILES
 from cute_fa.tune import (
     BWD_CANDIDATES,
@@ -11,6 +13,8 @@ from cute_fa.tune import (
     build_parser,
     bwd_candidate_tiles,
     candidate_configs,
+    main,
+    sm90_fwd_variants,
 )
 
 
@@ -48,3 +52,23 @@ def test_backward_candidates_are_filtered_by_shared_memory():
 
 def test_backward_mode_on_the_command_line():
     assert build_parser().parse_args(["--mode", "bwd", "--d", "64"]).mode == "bwd"
+
+
+@pytest.mark.parametrize("d", SM90_FWD_HEAD_DIMS)
+def test_sm90_variants_are_valid_peers_that_change_something(d):
+    peers = sm90_fwd_variants(d)
+    assert peers[0] == "cute_fa" and peers[1] == "cute_fa:CUTE_FA_FWD_ARCH=90"  # the null one
+    assert bench._name_list(",".join([*peers, "cudnn"])) == [*peers, "cudnn"]
+    # Each switch is set against the default of this head dim: the deferred rescale is on by
+    # default at d64 only, the rescale threshold at d256 only.
+    assert ("cute_fa:CUTE_FA_SM90_FWD_DEFER_RESCALE=0" in peers) == (d == 64)
+    assert ("cute_fa:CUTE_FA_SM90_FWD_RESCALE_THRESHOLD=0" in peers) == (d == 256)
+    # Three K/V stages only where Q and three stages fit in shared memory.
+    assert ("cute_fa:CUTE_FA_SM90_FWD_KV_STAGES=3" in peers) == (d <= 128)
+
+
+def test_sm90_tuning_is_forward_only():
+    with pytest.raises(SystemExit):
+        main(["--arch", "90", "--mode", "bwd"])
+    args = build_parser().parse_args(["--arch", "90", "--d", "256", "--out", "x"])
+    assert args.arch == 90 and args.out == "x"
