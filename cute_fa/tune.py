@@ -88,8 +88,9 @@ def sm90_fwd_variants(head_dim: int) -> list[str]:
         f"{sm90.PERSISTENT_ENV}=1",
     ]
     if head_dim in sm90.SM90_FWD_3WG_MAX_TILE_N:
-        settings += [f"{sm90.TILE_M_ENV}={sm90.SM90_FWD_TILE_M}",
-                     f"{sm90.TILE_M_ENV}={sm90.SM90_FWD_TILE_M_3WG}"]  # fmt: skip
+        three = f"{sm90.TILE_M_ENV}={sm90.SM90_FWD_TILE_M_3WG}"
+        settings += [f"{sm90.TILE_M_ENV}={sm90.SM90_FWD_TILE_M}", three,
+                     f"{three}:{sm90.PERSISTENT_ENV}=1"]  # fmt: skip
     config = FwdConfig(
         arch=90, target="sm_90a", dtype="bf16", head_dim=head_dim, head_dim_v=head_dim,
         tile_m=sm90.SM90_FWD_TILE_M, tile_n=sm90.SM90_FWD_TILE_N[head_dim],

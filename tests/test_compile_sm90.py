@@ -200,6 +200,29 @@ def test_sm90_fwd_default_plans_compile(monkeypatch, capfd, d, flags, seqlen_q) 
     _check_compiled(config, capfd)
 
 
+@pytest.mark.compile
+def test_sm90_fwd_three_consumers_persistent_causal_is_forced_only(monkeypatch) -> None:
+    """192 rows on the persistent causal grid compile with a few spills (hopper/support.py), so
+    dispatch takes them only under CUTE_FA_SM90_FWD_PERSISTENT=1; the count here is the one
+    the comment there states, so that a change shows."""
+    from cute_fa.hopper.support import PERSISTENT_ENV, TILE_M_ENV
+
+    from cute_fa.dispatch import FwdRequest, fwd_plan
+
+    for name in (TILE_N_ENV, KV_STAGES_ENV, DEFER_RESCALE_ENV, RESCALE_THRESHOLD_ENV,
+                 FWD_ARCH_ENV, PERSISTENT_ENV):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(TILE_M_ENV, "192")
+    request = FwdRequest(dtype="bf16", head_dim=64, head_dim_v=64, causal=True)
+    _, config = fwd_plan((9, 0), request, 2048)
+    assert config.tile_m == 192 and not config.num_ctas  # not by default
+    monkeypatch.setenv(PERSISTENT_ENV, "1")
+    _, config = fwd_plan((9, 0), request, 2048)
+    assert config.tile_m == 192 and config.num_ctas and config.defer_rescale
+    info = compile_and_inspect(config)
+    assert info["spills"] == 4 and info["stack"] <= 8, (info["spills"], info["stack"])
+
+
 # Three consumer warpgroups (tile_m 192, CUTE_FA_SM90_FWD_TILE_M=192): d 64 without a window
 # or softcap (those spill in 160 registers), with and without causal, varlen and seqused.
 COMPILE_CASES_3WG = [

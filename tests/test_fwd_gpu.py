@@ -323,6 +323,21 @@ PERSISTENT_CASES = [(64, 64, 1000, 777), (96, 96, 800, 800), (128, 128, 1000, 77
                     (192, 128, 700, 300), (256, 256, 1000, 1)]  # fmt: skip
 
 
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 777), (800, 800), (777, 1000)])
+def test_fwd_persistent_three_consumers_causal(monkeypatch, seqlen_q, seqlen_k):
+    """d64 causal with 192 rows on the persistent grid (pairs of tiles), which only
+    CUTE_FA_SM90_FWD_TILE_M=192 with CUTE_FA_SM90_FWD_PERSISTENT=1 selects: against
+    attention_ref and bitwise equal across two runs."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("an sm90 forward switch")
+    from cute_fa.hopper.support import PERSISTENT_ENV, TILE_M_ENV
+
+    config = run_sm90_switch_case(monkeypatch, {TILE_M_ENV: "192", PERSISTENT_ENV: "1"}, 64,
+                                  seqlen_q, seqlen_k, "causal", 0.0, torch.bfloat16, 1.0,
+                                  NHEADS)  # fmt: skip
+    assert config.tile_m == 192 and config.num_ctas, config.name
+
+
 @pytest.mark.parametrize("softcap", [0.0, 15.0], ids=["nocap", "cap15"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(
