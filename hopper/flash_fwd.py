@@ -204,9 +204,9 @@ class FlashAttentionForwardSm90(AttentionKernel):
       compare them.
     Not yet: TMA-store epilogue, head_dim_v != head_dim other than 192 x 128, tuned
       tile shapes and stage counts, persistent scheduling of window and varlen calls (tiles of
-      unequal cost want a dynamic schedule); three consumers spill in the persistent loop when
-      causal (4 LDL/STL), so d 64 causal from 4k rows (192 rows a tile) runs one CTA a tile
-      unless CUTE_FA_SM90_FWD_PERSISTENT=1 forces the persistent grid.
+      unequal cost want a dynamic schedule); d 64 causal from 4k rows (192 rows a tile) runs
+      one CTA a tile unless CUTE_FA_SM90_FWD_PERSISTENT=1 forces the persistent grid (not
+      measured yet).
     """
 
     arch = 90

@@ -147,11 +147,12 @@ SM90_FWD_RESCALE_THRESHOLD_DEFAULT = {256: 8}
 # -2 % at 512 and -3 % at 16k; non-causal -6 to +1 %; a second run, after the change, the grid
 # without it at 1k / 2k / 4k causal: -3 / -8 / -9 %. So causal calls of 1024 to 8192 query
 # rows (SM90_FWD_PERSISTENT_ONE_Q_STAGE_CAUSAL) take it; d 192 follows d 256 unmeasured.
-# Three consumers (192 rows, d 64) on the persistent causal loop spill at 160 registers a
-# thread: 2 STL before a step's turn and 2 LDL.LU before its S GEMM (4 with the deferred
-# rescale, 6 without; SASS of sm_90a). Not measured yet, so that combination runs only when
-# forced (CUTE_FA_SM90_FWD_TILE_M=192 with CUTE_FA_SM90_FWD_PERSISTENT=1); d 64 causal calls
-# keep 128 rows on the persistent grid below 4096 rows and 192 rows one CTA a tile above.
+# Three consumers (192 rows, d 64) on the persistent causal grid: they spilled at 160
+# registers a thread until the causal mask compared columns as immediates (Note [mask columns
+# as immediates] in cute_fa/dsl/mask.py; 0 spills now). Not measured yet, so that combination
+# runs only when forced (CUTE_FA_SM90_FWD_TILE_M=192 with CUTE_FA_SM90_FWD_PERSISTENT=1); d 64
+# causal calls keep 128 rows on the persistent grid below 4096 rows and 192 rows one CTA a
+# tile above.
 # Switch: CUTE_FA_SM90_FWD_PERSISTENT=1 for every call that fits, =0 for none. Read when a
 # launch plan is made.
 PERSISTENT_ENV = "CUTE_FA_SM90_FWD_PERSISTENT"
@@ -238,7 +239,7 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
         SM90_FWD_PERSISTENT_MAX_SEQLEN_CAUSAL if config.causal else SM90_FWD_PERSISTENT_MAX_SEQLEN
     )
     if config.causal and config.tile_m == SM90_FWD_TILE_M_3WG:
-        by_default = False  # three consumers, causal: only when forced (comment above)
+        by_default = False  # three consumers, causal: not measured, only when forced (above)
     elif fwd_q_stages(persistent) == SM90_FWD_PERSISTENT_Q_STAGES:
         by_default = seqlen_q is not None and seqlen_q <= limit
     else:  # one Q stage (d 192, d 256): causal calls of a middle length only

@@ -201,10 +201,11 @@ def test_sm90_fwd_default_plans_compile(monkeypatch, capfd, d, flags, seqlen_q) 
 
 
 @pytest.mark.compile
-def test_sm90_fwd_three_consumers_persistent_causal_is_forced_only(monkeypatch) -> None:
-    """192 rows on the persistent causal grid compile with a few spills (hopper/support.py), so
-    dispatch takes them only under CUTE_FA_SM90_FWD_PERSISTENT=1; the count here is the one
-    the comment there states, so that a change shows."""
+def test_sm90_fwd_three_consumers_persistent_causal_is_forced_only(monkeypatch, capfd) -> None:
+    """192 rows on the persistent causal grid (not measured yet, hopper/support.py): dispatch
+    takes them only under CUTE_FA_SM90_FWD_PERSISTENT=1, and they compile without spills (4
+    before the causal mask compared columns as immediates, Note [mask columns as
+    immediates])."""
     from cute_fa.hopper.support import PERSISTENT_ENV, TILE_M_ENV
 
     from cute_fa.dispatch import FwdRequest, fwd_plan
@@ -219,8 +220,7 @@ def test_sm90_fwd_three_consumers_persistent_causal_is_forced_only(monkeypatch) 
     monkeypatch.setenv(PERSISTENT_ENV, "1")
     _, config = fwd_plan((9, 0), request, 2048)
     assert config.tile_m == 192 and config.num_ctas and config.defer_rescale
-    info = compile_and_inspect(config)
-    assert info["spills"] == 4 and info["stack"] <= 8, (info["spills"], info["stack"])
+    _check_compiled(config, capfd)
 
 
 # Three consumer warpgroups (tile_m 192, CUTE_FA_SM90_FWD_TILE_M=192): d 64 without a window
@@ -343,10 +343,12 @@ def test_sm90_fwd_switch_compiles(monkeypatch, capfd, name, value, d, tile_m, fl
         inside = _exponentials_in_overlap_window(sass)
         assert inside and all(n >= config.tile_n // 2 for n in inside), inside
         if config.tile_m == 128:
-            # With a rescale threshold (d256 by default) the two factors' EX2 run behind the
-            # warp vote, after the window.
-            factors = 0 if config.rescale_threshold else 2
-            assert all(n == config.tile_n // 2 + factors for n in inside), inside
+            # With a rescale threshold (d256 by default) the two factors' EX2 sit behind the
+            # warp vote, inside the window or after it as ptxas schedules the branch.
+            if config.rescale_threshold:
+                assert all(n in (config.tile_n // 2, config.tile_n // 2 + 2) for n in inside)
+            else:
+                assert all(n == config.tile_n // 2 + 2 for n in inside), inside
     if name == RESCALE_THRESHOLD_ENV:
         # Each key-block loop skips its O rescale behind one warp vote; with the deferred
         # rescale (d64 by default) the rescale before the last P V has one too.
