@@ -80,6 +80,21 @@ def tuning_switches() -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
+@contextlib.contextmanager
+def env_settings(settings: dict[str, str]):
+    """Environment variables set to ``settings`` inside the block, restored (or removed) after."""
+    saved = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def split_impl(name: str) -> tuple[str, tuple[tuple[str, str], ...]]:
     """(base implementation, settings) of a peer name: ("cute_fa", ()) for "cute_fa",
     ("cute_fa", (("CUTE_FA_X", "8"),)) for "cute_fa:CUTE_FA_X=8"."""
@@ -235,17 +250,9 @@ class Impl:
         if settings:
             from . import interface
 
-            saved = {k: os.environ.get(k) for k, _ in settings}
-            os.environ.update(dict(settings))
-            try:
-                with interface.separate_launch_tables(self.state.setdefault("tables", {})):
-                    yield
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+            tables = self.state.setdefault("tables", {})
+            with env_settings(dict(settings)), interface.separate_launch_tables(tables):
+                yield
         elif self.name in ("flash", "cudnn"):
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -560,8 +567,9 @@ def format_table(results: list[Result], mode: str, impl_names: list[str]) -> str
         if a in impl_names and b in impl_names
     ]
     header += ["det/default" if a == "cute_fa_det" else f"{a}/{b.upper()}" for a, b in ratios]
-    bases = {n: split_impl(n)[0] for n in impl_names if split_impl(n)[1]}
-    variants = [(n, base) for n, base in bases.items() if base in impl_names]
+    split = {n: split_impl(n) for n in impl_names}
+    variants = [(n, base) for n, (base, settings) in split.items()
+                if settings and base in impl_names]  # fmt: skip
     ratios += variants
     header += [f"{impl_label(a)}/{b}" for a, b in variants]
     lines = [header]

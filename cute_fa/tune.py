@@ -230,21 +230,17 @@ def _check_bwd(torch, d: int, causal: bool) -> float:
 
 
 def run_bwd(head_dims, seqlens, causals, warmup_ms: float, rep_ms: float) -> list[dict]:
-    import os
-
     import torch
 
     from .backward import BWD_ARCH_ENV
-    from .bench import Impl, Rotation, attention_flops, median_ms, num_input_sets
+    from .bench import Impl, Rotation, attention_flops, env_settings, median_ms, num_input_sets
     from .config import BWD_TILE_ENV, target_for_capability
 
     target = target_for_capability(*torch.cuda.get_device_capability())
     l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
-    before = os.environ.get(BWD_TILE_ENV)
-    before_arch = os.environ.get(BWD_ARCH_ENV)
-    os.environ[BWD_ARCH_ENV] = "80"  # the sm80 kernel even where the sm90 one would run
     rows = []
-    try:
+    # The sm80 kernel even where the sm90 one would run.
+    with env_settings({BWD_ARCH_ENV: "80"}):
         for d in head_dims:
             for causal in causals:
                 tiles = bwd_candidate_tiles(d, target, causal)
@@ -263,15 +259,16 @@ def run_bwd(head_dims, seqlens, causals, warmup_ms: float, rep_ms: float) -> lis
                     row = {"d": d, "seqlen": seqlen, "causal": int(causal)}
                     for tile in tiles:
                         label = f"{tile[0]}x{tile[1]}w{tile[2]}"
-                        os.environ[BWD_TILE_ENV] = label
-                        try:
-                            row[label + " err"] = _check_bwd(torch, d, causal)
-                        except Exception as e:  # noqa: BLE001 - a failing candidate is reported
-                            print(f"d{d} causal={int(causal)} {label}: FAILED: {e}", flush=True)
-                            continue
-                        fns = [Impl("cute_fa").backward_fn(q, k, v, causal) for q, k, v in sets]
-                        row[label] = flops / median_ms(Rotation(fns), warmup_ms, rep_ms) / 1e9
-                    os.environ.pop(BWD_TILE_ENV, None)
+                        with env_settings({BWD_TILE_ENV: label}):
+                            try:
+                                row[label + " err"] = _check_bwd(torch, d, causal)
+                            except Exception as e:  # noqa: BLE001 - a failing one is reported
+                                print(f"d{d} causal={int(causal)} {label}: FAILED: {e}",
+                                      flush=True)  # fmt: skip
+                                continue
+                            fns = [Impl("cute_fa").backward_fn(q, k, v, causal)
+                                   for q, k, v in sets]  # fmt: skip
+                            row[label] = flops / median_ms(Rotation(fns), warmup_ms, rep_ms) / 1e9
                     flash = Impl("flash")
                     with flash.context():
                         fns = [flash.backward_fn(q, k, v, causal) for q, k, v in sets]
@@ -280,12 +277,6 @@ def run_bwd(head_dims, seqlens, causals, warmup_ms: float, rep_ms: float) -> lis
                     rows.append(row)
                     print(format_row(row), flush=True)
                     del sets
-    finally:
-        for name, value in ((BWD_TILE_ENV, before), (BWD_ARCH_ENV, before_arch)):
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
     return rows
 
 

@@ -18,12 +18,14 @@ from cute_fa.hopper.support import (
     DEFER_RESCALE_ENV,
     EXP2_POLY_ENV,
     KV_STAGES_ENV,
+    PERSISTENT_ENV,
     RESCALE_THRESHOLD_ENV,
     SM90_FWD_3WG_MAX_TILE_N,
     SM90_FWD_HEAD_DIM_PAIRS,
     SM90_FWD_REGS,
     SM90_FWD_TILE,
     SM90_FWD_TILE_M_3WG,
+    TILE_M_ENV,
     TILE_N_ENV,
     fwd_can_implement,
     fwd_kv_stages,
@@ -34,7 +36,14 @@ from cute_fa.hopper.support import (
 )
 
 from cute_fa.config import SMEM_CAPACITY, FwdConfig, SettingError
-from cute_fa.dispatch import FWD_ARCH_ENV, SM90_FWD, fwd_kernel_class, fwd_kernel_classes
+from cute_fa.dispatch import (
+    FWD_ARCH_ENV,
+    SM90_FWD,
+    FwdRequest,
+    fwd_kernel_class,
+    fwd_kernel_classes,
+    fwd_plan,
+)
 from cute_fa.sass import compile_and_inspect
 
 
@@ -56,6 +65,13 @@ def _tiled_config(d: int, dv: int, **flags) -> FwdConfig:
     )  # fmt: skip
     return _config(head_dim=d, head_dim_v=dv, tile_m=tile_m, tile_n=tile_n,
                    num_warps=num_warps, **flags)  # fmt: skip
+
+
+def _clear_switches(monkeypatch) -> None:
+    """No tuning switch of the sm90 forward set: dispatch makes its default choices."""
+    for name in (TILE_N_ENV, TILE_M_ENV, KV_STAGES_ENV, DEFER_RESCALE_ENV, EXP2_POLY_ENV,
+                 RESCALE_THRESHOLD_ENV, PERSISTENT_ENV, FWD_ARCH_ENV):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
 
 
 def test_sm90_forward_is_dispatched_first_on_sm90(monkeypatch) -> None:
@@ -182,13 +198,7 @@ DEFAULT_PLANS = [
 @pytest.mark.compile
 @pytest.mark.parametrize("d, flags, seqlen_q", DEFAULT_PLANS)
 def test_sm90_fwd_default_plans_compile(monkeypatch, capfd, d, flags, seqlen_q) -> None:
-    from cute_fa.hopper.support import PERSISTENT_ENV, TILE_M_ENV
-
-    from cute_fa.dispatch import FwdRequest, fwd_plan
-
-    for name in (TILE_N_ENV, TILE_M_ENV, KV_STAGES_ENV, DEFER_RESCALE_ENV, EXP2_POLY_ENV,
-                 RESCALE_THRESHOLD_ENV, PERSISTENT_ENV, FWD_ARCH_ENV):  # fmt: skip
-        monkeypatch.delenv(name, raising=False)
+    _clear_switches(monkeypatch)
     request = FwdRequest(dtype="bf16", head_dim=d, head_dim_v=d, **flags)
     cls, config = fwd_plan((9, 0), request, seqlen_q)
     assert cls is SM90_FWD and config.arch == 90
@@ -206,13 +216,7 @@ def test_sm90_fwd_three_consumers_persistent_causal_is_forced_only(monkeypatch, 
     takes them only under CUTE_FA_SM90_FWD_PERSISTENT=1, and they compile without spills (4
     before the causal mask compared columns as immediates, Note [mask columns as
     immediates])."""
-    from cute_fa.hopper.support import PERSISTENT_ENV, TILE_M_ENV
-
-    from cute_fa.dispatch import FwdRequest, fwd_plan
-
-    for name in (TILE_N_ENV, KV_STAGES_ENV, DEFER_RESCALE_ENV, RESCALE_THRESHOLD_ENV,
-                 FWD_ARCH_ENV, PERSISTENT_ENV):  # fmt: skip
-        monkeypatch.delenv(name, raising=False)
+    _clear_switches(monkeypatch)
     monkeypatch.setenv(TILE_M_ENV, "192")
     request = FwdRequest(dtype="bf16", head_dim=64, head_dim_v=64, causal=True)
     _, config = fwd_plan((9, 0), request, 2048)
