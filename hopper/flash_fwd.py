@@ -81,8 +81,9 @@ class FlashAttentionForwardSm90(AttentionKernel):
       batch) (varlen q: batch = len(cu_seqlens_q) - 1). Causal grids run query blocks in
       reverse (longest rows first).
       Persistent (config.num_ctas = the device's SMs; dispatch picks it for dense calls without
-      a window or seqused at d <= 128 up to 2k query rows, causal 8k, and at d 192 / 256 for
-      causal calls of 1k-8k rows, ``support.fwd_tuned``):
+      a window or seqused at d <= 128 up to 2k query rows, causal 8k (d 64: 128 rows below
+      4k, 192 rows from 4k), and at d 192 / 256 for causal calls of 1k-8k rows,
+      ``support.fwd_tuned``):
       grid = min(units, num_ctas) CTAs, CTA b takes work units b, b + grid, ... (a unit is a
       tile, query block fastest; causal: a pair of tiles of one head, query blocks n - 1 - j
       then j; cute_fa/dsl/scheduler.py, Note [persistent tiles]). Every tile of a persistent
@@ -204,9 +205,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
       compare them.
     Not yet: TMA-store epilogue, head_dim_v != head_dim other than 192 x 128, tuned
       tile shapes and stage counts, persistent scheduling of window and varlen calls (tiles of
-      unequal cost want a dynamic schedule); d 64 causal from 4k rows (192 rows a tile) runs
-      one CTA a tile unless CUTE_FA_SM90_FWD_PERSISTENT=1 forces the persistent grid (not
-      measured yet).
+      unequal cost want a dynamic schedule).
     """
 
     arch = 90

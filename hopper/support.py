@@ -149,10 +149,12 @@ SM90_FWD_RESCALE_THRESHOLD_DEFAULT = {256: 8}
 # rows (SM90_FWD_PERSISTENT_ONE_Q_STAGE_CAUSAL) take it; d 192 follows d 256 unmeasured.
 # Three consumers (192 rows, d 64) on the persistent causal grid: they spilled at 160
 # registers a thread until the causal mask compared columns as immediates (Note [mask columns
-# as immediates] in cute_fa/dsl/mask.py; 0 spills now). Not measured yet, so that combination
-# runs only when forced (CUTE_FA_SM90_FWD_TILE_M=192 with CUTE_FA_SM90_FWD_PERSISTENT=1); d 64
-# causal calls keep 128 rows on the persistent grid below 4096 rows and 192 rows one CTA a
-# tile above.
+# as immediates] in cute_fa/dsl/mask.py; 0 spills now), and then measured, on the H200 (bf16,
+# standard grid, the pair as a peer in one process, three runs, docs/performance.md, Log
+# 2026-12-01) against 192 rows one CTA a tile: +5 / +6 / +9 % at 4k causal, 0.99-1.00 at 8k,
+# 0.99 and 1.06 at 16k. So they follow the rule above (causal up to 8192 rows): d 64 causal
+# calls run 128 rows persistent below 4096 rows, 192 rows persistent from 4096 to 8192, and
+# 192 rows one CTA a tile above.
 # Switch: CUTE_FA_SM90_FWD_PERSISTENT=1 for every call that fits, =0 for none. Read when a
 # launch plan is made.
 PERSISTENT_ENV = "CUTE_FA_SM90_FWD_PERSISTENT"
@@ -238,9 +240,7 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
     limit = (
         SM90_FWD_PERSISTENT_MAX_SEQLEN_CAUSAL if config.causal else SM90_FWD_PERSISTENT_MAX_SEQLEN
     )
-    if config.causal and config.tile_m == SM90_FWD_TILE_M_3WG:
-        by_default = False  # three consumers, causal: not measured, only when forced (above)
-    elif fwd_q_stages(persistent) == SM90_FWD_PERSISTENT_Q_STAGES:
+    if fwd_q_stages(persistent) == SM90_FWD_PERSISTENT_Q_STAGES:
         by_default = seqlen_q is not None and seqlen_q <= limit
     else:  # one Q stage (d 192, d 256): causal calls of a middle length only
         low, high = SM90_FWD_PERSISTENT_ONE_Q_STAGE_CAUSAL

@@ -211,18 +211,16 @@ def test_sm90_fwd_default_plans_compile(monkeypatch, capfd, d, flags, seqlen_q) 
 
 
 @pytest.mark.compile
-def test_sm90_fwd_three_consumers_persistent_causal_is_forced_only(monkeypatch, capfd) -> None:
-    """192 rows on the persistent causal grid (not measured yet, hopper/support.py): dispatch
-    takes them only under CUTE_FA_SM90_FWD_PERSISTENT=1, and they compile without spills (4
-    before the causal mask compared columns as immediates, Note [mask columns as
+def test_sm90_fwd_three_consumers_persistent_causal(monkeypatch, capfd) -> None:
+    """192 rows on the persistent causal grid: dispatch picks them for d 64 causal calls of
+    4096 to 8192 query rows (hopper/support.py), not above, and they compile without spills
+    (4 before the causal mask compared columns as immediates, Note [mask columns as
     immediates])."""
     _clear_switches(monkeypatch)
-    monkeypatch.setenv(TILE_M_ENV, "192")
     request = FwdRequest(dtype="bf16", head_dim=64, head_dim_v=64, causal=True)
-    _, config = fwd_plan((9, 0), request, 2048)
-    assert config.tile_m == 192 and not config.num_ctas  # not by default
-    monkeypatch.setenv(PERSISTENT_ENV, "1")
-    _, config = fwd_plan((9, 0), request, 2048)
+    _, config = fwd_plan((9, 0), request, 16384)
+    assert config.tile_m == 192 and not config.num_ctas  # past the causal limit
+    _, config = fwd_plan((9, 0), request, 4096)
     assert config.tile_m == 192 and config.num_ctas and config.defer_rescale
     _check_compiled(config, capfd)
 

@@ -319,6 +319,21 @@ def test_fwd_deterministic_run_to_run():
 # (d, dv, seqlen_q, seqlen_k): several tiles a CTA at batch 6 x 16 heads. Causal with
 # seqlen_q > seqlen_k has tiles that see no key (d256: all but the last row); 800 rows are an
 # odd number of query blocks (a causal pair of one tile).
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(4096, 4096), (4500, 4111), (5000, 6000)])
+def test_fwd_three_consumers_persistent_causal_default(monkeypatch, seqlen_q, seqlen_k):
+    """d64 causal calls of 4096 to 8192 query rows: dispatch's default plan is 192 rows on the
+    persistent grid (hopper/support.py); against attention_ref."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("an sm90 forward default")
+    from cute_fa.hopper.support import PERSISTENT_ENV, TILE_M_ENV
+
+    monkeypatch.delenv(TILE_M_ENV, raising=False)
+    monkeypatch.delenv(PERSISTENT_ENV, raising=False)
+    config = run_sm90_switch_case(monkeypatch, {}, 64, seqlen_q, seqlen_k, "causal", 0.0,
+                                  torch.bfloat16, 1.0, NHEADS)  # fmt: skip
+    assert config.tile_m == 192 and config.num_ctas, config.name
+
+
 PERSISTENT_CASES = [(64, 64, 1000, 777), (96, 96, 800, 800), (128, 128, 1000, 777),
                     (192, 128, 700, 300), (256, 256, 1000, 1)]  # fmt: skip
 
