@@ -12,7 +12,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
+from cutlass.cute.nvgpu.warp import LdMatrix8x8x16bOp, StMatrix8x8x16bOp
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from cute_fa.config import BwdConfig
@@ -55,6 +55,7 @@ class Barrier(enum.IntEnum):
     KV_TAIL_WG1 = 8  # 128 threads, seqused_k: consumer 0 zeroed its K / V rows past seqlen_k
     KV_TAIL_WG2 = 9  # consumer 1 the same
     Q_TAIL = 10  # 256 threads, seqused_q: both consumers zeroed the Q / dO rows past seqlen_q
+    P_READY = 11  # 256 threads, split d: consumer 0 wrote P^T to sP (it arrives, 1 waits)
 
 
 def k_major_layout(dtype, shape: tuple, cut_cols: int) -> cute.ComposedLayout:
@@ -86,8 +87,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
     tests/test_bwd_gpu.py check its gradients on an H200 (d 64 to 256, bf16/fp16, causal,
     windows, softcap, MHA/GQA, varlen with empty sequences and NaN past seqused, lengths
     0..1000); on the H200 it measured 0.99-1.18x SDPA CUDNN's backward at d64, 0.96-1.06x at
-    d128, 1.10-1.19x at d96, 1.06-1.20x at d192 and 0.98-1.12x at d256 (dense;
-    docs/performance.md).
+    d128, 1.10-1.19x at d96, 1.06-1.20x at d192 (before the split score GEMMs; not
+    re-measured since) and 1.10-1.26x at d256 (dense; docs/performance.md).
     tests/test_compile_sm90_bwd.py cross-compiles it for sm_90a and reads its SASS (HGMMA, no
     spills, no stack). It takes the backward protocol of ``bwd_fake_args`` and reuses
     the sm80 preprocess (delta, dQaccum zeroing) and postprocess (dQ conversion) kernels as they
@@ -106,10 +107,18 @@ class FlashAttentionBackwardSm90(AttentionKernel):
     Split d (d > 128, ``self.split_d``): dK and dV of 64 keys (2 * 64 * d / 128 fp32 a thread)
       no longer fit one consumer's registers (d 192 with dv 128 too: dK's 96 and dV's 64
       columns a consumer). tile_n = 64; both consumers take all 64 keys of
-      the CTA (sK_c, sV_c are the whole tiles) and compute the same S^T and dP^T (the two
-      score GEMMs run twice: 7 / 5 of the useful WGMMA work); consumer c owns columns
+      the CTA (sK_c, sV_c are the whole tiles) and split the score GEMMs: consumer 0 computes
+      S^T (and P^T), consumer 1 dP^T; they exchange through shared memory (consumer 0 stores
+      P^T to sP by stmatrix and arrives on P_READY; consumer 1 waits, loads P^T by ldmatrix
+      and forms dS^T = P^T (dP^T - delta) from it, stores dS^T to sdS (which the dQ GEMM reads
+      anyway) and both meet at DS_READY, after which consumer 0 loads dS^T), so each holds
+      16-bit P^T and dS^T for its RS GEMMs. Every WGMMA is issued once (before, both
+      consumers ran both score GEMMs: 7 / 5 of the useful work). dS is formed from the 16-bit
+      P^T. No WGMMA is in flight across the two consumers' branches (ptxas would serialize
+      every WGMMA), and each branch ends at its DS_READY, so the 16-bit registers are defined
+      on both paths where they join (else d 256 spilled). Consumer c owns columns
       [c d/2, c d/2 + d/2) of dK and dV (the B operands of dV / dK are those columns of sdO /
-      sQ) and, as always, of dQ. Consumer 0 alone writes dS^T to sdS. dQ's accumulator (d / 4
+      sQ) and, as always, of dQ. dQ's accumulator (d / 4
       registers: 48 or 64) is allocated only after dV and dK completed (wait_group 0 before the
       dQ GEMM, which then runs alone). d 256 runs one Q / dO stage (two need 278 KiB). The
       epilogue stores each consumer's column half of dK / dV of the 64 keys. softcap keeps no
@@ -157,7 +166,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       of the block's dQ over all tile_n keys, so each dQaccum element gets one reduce-add per
       CTA and block. This needs both consumers' dS columns in sdS (barrier DS_READY).
     Per query block m (the i-th visited), consumer c (pipeline states advance in lockstep over
-    the q stages; split d: dQ is issued only after wait_group 0, see above)
+    the q stages; split d: the score GEMMs and the dS exchange as above, and dQ is issued only
+    after wait_group 0)
       wait Q[m]; fence; issue S^T (commit); wait dO[m]; issue dP^T (commit)
       wait LSE/delta[m]; wgmma wait_group 1 (S^T complete)
       softcap: S^T = tanh(S^T * softmax_scale / softcap), keeping 1 - tanh^2 (fp32 registers)
@@ -193,6 +203,9 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         1..n-1), in the same order on both sides, so an arrival never meets an older phase.
       KV_TAIL_WG1 + c (128), seqused_k: consumer c zeroed its K / V rows past seqlen_k.
       Q_TAIL (256), seqused_q: both consumers zeroed the tail block's Q / dO rows.
+      P_READY (256), split d: consumer 0 arrives once P^T is in sP, consumer 1 waits. Once a
+        block; consumer 0 rewrites sP (next block) only after this block's DS_READY, which
+        consumer 1 reaches after its ldmatrix of sP.
     Shared memory (swizzled WGMMA layouts; ``k_major_layout`` picks the widest swizzle atom
     that the column halves read by the dQ GEMM (sK) or, split d, by dK / dV (sQ, sdO) can be
     cut at: 128-byte, except sK at d 96 (32-byte) and sK / sV / sQ / sdO at d 192 (64-byte);
@@ -204,10 +217,12 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       sdO (tile_m, dv, q_stages)         the B of dK / dV. q_stages = 2 (1 at d 256).
       sLSE, sdPsum (tile_m, q_stages)    fp32: LSE * log2 e and delta of the block's rows.
       sdS (tile_m, tile_n, 2)            16-bit dS, K-major A of dQ.
+      sP (tile_m, tile_n), split d       16-bit P^T of the block, laid out as an sdS buffer
+                                         (8 bytes otherwise).
       sdQ (tile_m, d / 2, 2)             fp32 dQ, the last mode the consumer (each half one TMA
                                          reduce source: 128-byte swizzle, 32-column boxes;
                                          d 96: 64-byte, 16-column boxes).
-      d 64: 195 KiB (tile_m 128; 114 at 64), d 96: 154, d 128: 194, d 192: 210, d 256: 210
+      d 64: 195 KiB (tile_m 128; 114 at 64), d 96: 154, d 128: 194, d 192: 218, d 256: 217.5
       (one Q / dO stage)
       (``support.bwd_smem_bytes``).
     Epilogue (per consumer): DS_READY (both consumers are done with sK); dK *= softmax_scale;
@@ -319,15 +334,20 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         warpgroup each. Fresh ones in every step (a TiledMma whose ACCUMULATE field was set in
         one staged region cannot be reused in another)."""
         k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
-        mma_sdp = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, k_major, k_major, Float32, (1, 1, 1), (WG_KEYS, self.tile_m)
-        )
+        mma_sdp = self.make_mma_sdp()
         mma_dkv = self.make_mma_dkv(self.dk_cols)
         mma_dq = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, k_major, mn_major, Float32, (1, 1, 1),
             (64, self.tile_hdim // self.num_consumers),  # tile_m = 128: two M atoms a step
         )  # fmt: skip
         return mma_sdp, mma_dkv, mma_dq
+
+    def make_mma_sdp(self) -> cute.TiledMma:
+        """S^T / dP^T (64 keys x tile_m queries, both operands in smem, K-major)."""
+        k_major = cute.nvgpu.OperandMajorMode.K
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, k_major, k_major, Float32, (1, 1, 1), (WG_KEYS, self.tile_m)
+        )
 
     def make_mma_dkv(self, cols: int) -> cute.TiledMma:
         """dK (cols = dk_cols) or dV (cols = dv_cols) += (64 keys x tile_m) A from registers
@@ -386,6 +406,14 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         sdS_layout = sm90_utils.make_smem_layout_a(
             LayoutEnum.ROW_MAJOR, (tm, d, tn), self.dtype, self.ds_buffers
         )
+        # sP (split d): one 16-bit P^T tile, laid out as one sdS buffer; otherwise a token
+        # field of 8 elements.
+        sP_layout, sp_elems, sp_align = None, 8, 16
+        if cutlass.const_expr(self.split_d):
+            sP_layout = sm90_utils.make_smem_layout_a(
+                LayoutEnum.ROW_MAJOR, (tm, d, tn), self.dtype, 1
+            )
+            sp_elems, sp_align = cute.cosize(sP_layout), 1024
         # sdQ: fp32 (tm, d / 2) per consumer (the last mode), the source of the TMA reduce-add.
         sdQ_layout = sm90_utils.make_smem_layout_epi(
             Float32, LayoutEnum.ROW_MAJOR, (tm, dq_cols), self.num_consumers
@@ -423,6 +451,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, sp_elems], sp_align]
 
         # dK / dV stores: 16 bytes a thread, one warpgroup over a (64, d) tile.
         copy_r2g = row_store_copy(self.dtype, WARPGROUP, self.dk_cols)  # dK; dV: consume
@@ -437,7 +466,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             mdQsemaphore, tma_q, tma_k, tma_v, tma_do, tma_dq, softmax_scale, score_scale,
             scale_log2, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
             mSeqUsedK, sK_layout, sV_layout, sQ_layout, sdO_layout, sdS_layout, sdQ_layout,
-            mma_sdp, mma_dkv, mma_dq,
+            sP_layout, mma_sdp, mma_dkv, mma_dq,
             copy_r2g, SharedStorage,
         ).launch(grid=grid, block=[WARPGROUP * (1 + self.num_consumers), 1, 1], stream=stream,
                  min_blocks_per_mp=1)  # fmt: skip
@@ -480,6 +509,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         sdO_layout: cute.ComposedLayout,
         sdS_layout: cute.ComposedLayout,
         sdQ_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout | None,
         mma_sdp: cute.TiledMma,
         mma_dkv: cute.TiledMma,
         mma_dq: cute.TiledMma,
@@ -515,6 +545,9 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+        sP = None
+        if cutlass.const_expr(self.split_d):
+            sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)[None, None, 0]
         lse_layout = cute.make_layout((tm, self.q_stages))
         sLSE = storage.sLSE.get_tensor(lse_layout)
         sdPsum = storage.sdPsum.get_tensor(lse_layout)
@@ -564,7 +597,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
                 self.consume(
                     cute.domain_offset((offset_k, 0), mdK[kb, None, head, None]),
                     cute.domain_offset((offset_k, 0), mdV[kb, None, head, None]),
-                    sQ, sdO, sK, sV, sdS, sdQ, sLSE, sdPsum,
+                    sQ, sdO, sK, sV, sdS, sdQ, sLSE, sdPsum, sP,
                     pipeline_kv, pipeline_q, pipeline_do, pipeline_lse,
                     mma_sdp, mma_dkv, mma_dq, copy_r2g,
                     consumer, tidx % WARPGROUP, key_start, mask_args,
@@ -745,6 +778,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         sdQ: cute.Tensor,
         sLSE: cute.Tensor,
         sdPsum: cute.Tensor,
+        sP: cute.Tensor | None,
         pipeline_kv: pipeline.PipelineTmaAsync,
         pipeline_q: pipeline.PipelineTmaAsync,
         pipeline_do: pipeline.PipelineTmaAsync,
@@ -789,7 +823,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         # dQ: this consumer's d / 2 columns of K (all tile_n keys), its half of sdQ.
         sK_dq = cute.local_tile(sK[None, None, 0], (self.tile_n, d // self.num_consumers),
                                 (0, consumer))  # fmt: skip
-        smem = (sQ, sdO, sK_c, sV_c, sdS, sK_dq, sdQ[None, None, consumer], sLSE, sdPsum)
+        smem = (sQ, sdO, sK_c, sV_c, sdS, sK_dq, sdQ[None, None, consumer], sLSE, sdPsum, sP)
         pipes = (pipeline_q, pipeline_do, pipeline_lse)
         for i in cutlass.range(m_block_max - m_block_min, unroll=1):
             m_block = self.query_block(i, m_block_min, m_block_max)
@@ -877,6 +911,62 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         pipeline.NamedBarrier(barrier_id=int(Barrier.Q_TAIL), num_threads=threads).arrive_and_wait()
 
     @cute.jit
+    def probabilities(
+        self,
+        S: cute.Tensor,
+        tScS: cute.Tensor,
+        sLSE: cute.Tensor,
+        stage: Int32,
+        m_block: Int32,
+        key_start: Int32,
+        mask_args: tuple,
+        scale_log2: Float32,
+        masked: cutlass.Constexpr[bool],
+    ):
+        """S (the (query, key) view of S^T, softcapped already) -> P in place: the mask where
+        ``masked``, then P = exp2(S * scale_log2 - LSE_log2[query])."""
+        if cutlass.const_expr(masked):
+            seqlen_q, seqlen_k, window_left, window_right = mask_args
+            apply_mask(S, tScS, m_block * self.tile_m, key_start, seqlen_q, seqlen_k,
+                       window_left, window_right, self.causal, self.local)  # fmt: skip
+        for r in cutlass.range_constexpr(cute.size(S.shape[0])):
+            lse_log2 = sLSE[tScS[r, 0][0], stage]
+            S[r, None].store(
+                cute.math.exp2(S[r, None].load() * scale_log2 - lse_log2, fastmath=True)
+            )
+
+    @cute.jit
+    def score_gradients(
+        self,
+        S: cute.Tensor,
+        dP: cute.Tensor,
+        tScS: cute.Tensor,
+        sLSE: cute.Tensor,
+        sdPsum: cute.Tensor,
+        stage: Int32,
+        scale_log2: Float32,
+    ):
+        """dP (the (query, key) view of dP^T) -> dS = P (dP - delta[query]) in place, P in S
+        (fp32, or 16-bit: split d's P^T from sP); split d with softcap also times 1 - tanh^2,
+        tanh recovered from P."""
+        for r in cutlass.range_constexpr(cute.size(S.shape[0])):
+            dpsum = sdPsum[tScS[r, 0][0], stage]
+            p = S[r, None].load().to(Float32)
+            ds = p * (dP[r, None].load() - dpsum)
+            if cutlass.const_expr(self.has_softcap and self.split_d):
+                # Split d has no registers for a 1 - tanh^2 tile (d 256 spilled): tanh is
+                # recovered from P = exp2(tanh * scale_log2 - LSE_log2) and clamped to [-1, 1]
+                # (P = 0, masked or underflowed: -1, and dS = 0 anyway).
+                lse_log2 = sLSE[tScS[r, 0][0], stage]
+                # A row whose LSE is +inf (no key, or past seqlen_q) has P = 0: no inf - inf.
+                lse_log2 = Float32(0.0) if lse_log2 == Float32.inf else lse_log2
+                t = (cute.math.log2(p, fastmath=True) + lse_log2) * (1.0 / scale_log2)
+                one = cute.full_like(t, 1.0)
+                t = cute.clamp(t, -one, one)
+                ds = ds * (1.0 - t * t)
+            dP[r, None].store(ds)
+
+    @cute.jit
     def step(
         self,
         m_block: Int32,
@@ -897,7 +987,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         """Query block m_block (the i-th visited) against this consumer's 64 keys (docstring:
         per query block)."""
         tm = self.tile_m
-        sQ, sdO, sK_c, sV_c, sdS, sK_dq, sdQ_c, sLSE, sdPsum = smem
+        sQ, sdO, sK_c, sV_c, sdS, sK_dq, sdQ_c, sLSE, sdPsum, sP = smem
         pipeline_q, pipeline_do, pipeline_lse = pipes
         mma_sdp, mma_dkv, mma_dq = self.make_tiled_mmas()
         stage = state.index
@@ -908,7 +998,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
                 self.zero_q_tail(sQ, sdO, pipeline_q, pipeline_do, state, rows_left, consumer,
                                  tidx)  # fmt: skip
 
-        # S^T = K_c Q^T and dP^T = V_c dO^T (keys x queries).
+        # S^T = K_c Q^T and dP^T = V_c dO^T (keys x queries). Split d: consumer 0 computes S^T
+        # and consumer 1 dP^T of the CTA's 64 keys (docstring: split d).
         thr_sdp = mma_sdp.get_slice(tidx)
         tSrK = thr_sdp.make_fragment_A(thr_sdp.partition_A(sK_c))
         tSrV = thr_sdp.make_fragment_A(thr_sdp.partition_A(sV_c))
@@ -916,15 +1007,16 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         tSrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO))
         acc_S = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((WG_KEYS, tm)))
         acc_dP = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((WG_KEYS, tm)))
-        pipeline_q.consumer_wait(state)
-        warpgroup.fence()
-        gemm_over_k(mma_sdp, acc_S, tSrK, tSrQ, zero_init=True, b_stage=stage)
-        warpgroup.commit_group()
-        pipeline_do.consumer_wait(state)
-        warpgroup.fence()
-        gemm_over_k(mma_sdp, acc_dP, tSrV, tSrdO, zero_init=True, b_stage=stage)
-        warpgroup.commit_group()
-        pipeline_lse.consumer_wait(state)
+        if cutlass.const_expr(not self.split_d):
+            pipeline_q.consumer_wait(state)
+            warpgroup.fence()
+            gemm_over_k(mma_sdp, acc_S, tSrK, tSrQ, zero_init=True, b_stage=stage)
+            warpgroup.commit_group()
+            pipeline_do.consumer_wait(state)
+            warpgroup.fence()
+            gemm_over_k(mma_sdp, acc_dP, tSrV, tSrdO, zero_init=True, b_stage=stage)
+            warpgroup.commit_group()
+            pipeline_lse.consumer_wait(state)
 
         # (query, key) views of the transposed tiles: rows are queries, columns keys, so the
         # shared apply_mask sees the usual orientation.
@@ -935,47 +1027,12 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         tScS = qk_view(thr_sdp.partition_C(transposed(ident)))
         S = qk_view(acc_S)
         dP = qk_view(acc_dP)
-        num_q = cute.size(S.shape[0])
-        warpgroup.wait_group(1)
-        dtanh = None
-        if cutlass.const_expr(self.has_softcap):  # dS is multiplied by dtanh below
-            # Split d keeps no 1 - tanh^2 tile (below: recovered from P).
-            dtanh = softcap_scores(acc_S, score_scale, derivative=not self.split_d)
-        if cutlass.const_expr(masked):
-            seqlen_q, seqlen_k, window_left, window_right = mask_args
-            apply_mask(S, tScS, m_block * tm, key_start, seqlen_q, seqlen_k,
-                       window_left, window_right, self.causal, self.local)  # fmt: skip
-        for r in cutlass.range_constexpr(num_q):
-            lse_log2 = sLSE[tScS[r, 0][0], stage]
-            S[r, None].store(
-                cute.math.exp2(S[r, None].load() * scale_log2 - lse_log2, fastmath=True)
-            )
-        warpgroup.wait_group(0)
-        for r in cutlass.range_constexpr(num_q):
-            dpsum = sdPsum[tScS[r, 0][0], stage]
-            p = S[r, None].load()
-            ds = p * (dP[r, None].load() - dpsum)
-            if cutlass.const_expr(self.has_softcap and self.split_d):
-                # Split d has no registers for a 1 - tanh^2 tile (d 256 spilled): tanh is
-                # recovered from P = exp2(tanh * scale_log2 - LSE_log2) and clamped to [-1, 1]
-                # (P = 0, masked or underflowed: -1, and dS = 0 anyway).
-                lse_log2 = sLSE[tScS[r, 0][0], stage]
-                # A row whose LSE is +inf (no key, or past seqlen_q) has P = 0: no inf - inf.
-                lse_log2 = Float32(0.0) if lse_log2 == Float32.inf else lse_log2
-                t = (cute.math.log2(p, fastmath=True) + lse_log2) * (1.0 / scale_log2)
-                one = cute.full_like(t, 1.0)
-                t = cute.clamp(t, -one, one)
-                ds = ds * (1.0 - t * t)
-            dP[r, None].store(ds)
-        pipeline_lse.consumer_release(state)
-        if cutlass.const_expr(self.has_softcap and not self.split_d):
-            acc_dP.store(acc_dP.load() * dtanh.load())
+        p_args = (S, tScS, sLSE, stage, m_block, key_start, mask_args, scale_log2, masked)
+        ds_args = (S, dP, tScS, sLSE, sdPsum, stage, scale_log2)
 
-        # dV += P^T dO, dK += dS^T Q (A from registers).
+        # P^T and dS^T as 16-bit registers, the A operands of dV += P^T dO and dK += dS^T Q.
         rP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((WG_KEYS, tm)), self.dtype)
         rdS = cute.make_rmem_tensor(thr_sdp.partition_shape_C((WG_KEYS, tm)), self.dtype)
-        convert_in_chunks(rP, acc_S)
-        convert_in_chunks(rdS, acc_dP)
         mma_dv = self.make_mma_dkv(self.dv_cols)
         thr_dk, thr_dv = mma_dkv.get_slice(tidx), mma_dv.get_slice(tidx)
         sdO_c, sQ_c = sdO, sQ
@@ -986,13 +1043,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         tdKrQ = thr_dk.make_fragment_B(thr_dk.partition_B(transposed(sQ_c)))
         tdVrP = acc_as_rs_operand(rP)
         tdKrdS = acc_as_rs_operand(rdS)
-        warpgroup.fence()
-        gemm_over_k(mma_dv, acc_dV, tdVrP, tdVrdO, zero_init=False, b_stage=stage)
-        gemm_over_k(mma_dkv, acc_dK, tdKrdS, tdKrQ, zero_init=False, b_stage=stage)
-        warpgroup.commit_group()
-
-        # dS^T -> this consumer's columns of sdS (queries x keys, K-major for the dQ GEMM: keys
-        # contiguous, so stmatrix transposes); then both consumers' columns are there.
+        # dS^T goes to this consumer's columns of sdS (queries x keys, K-major for the dQ GEMM:
+        # keys contiguous, so stmatrix transposes); split d, P^T to sP the same way.
         sdS_m = sdS[None, None, ds_buffer]
         key_slot = 0 if cutlass.const_expr(self.split_d) else consumer
         sdS_c = cute.local_tile(sdS_m, (tm, WG_KEYS), (0, key_slot))
@@ -1001,16 +1053,84 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             mma_sdp,
         )
         thr_r2s = r2s.get_slice(tidx)
-        if cutlass.const_expr(self.split_d):
-            # Both consumers hold the same dS^T (the CTA's 64 keys); consumer 0 writes it.
-            if consumer == 0:
-                cute.copy(r2s, thr_r2s.retile(rdS), thr_r2s.partition_D(transposed(sdS_c)))
-        else:
-            cute.copy(r2s, thr_r2s.retile(rdS), thr_r2s.partition_D(transposed(sdS_c)))
-        cute.arch.fence_view_async_shared()
-        pipeline.NamedBarrier(
+        ds_ready = pipeline.NamedBarrier(
             barrier_id=int(Barrier.DS_READY), num_threads=self.num_consumers * WARPGROUP
-        ).arrive_and_wait()
+        )
+        if cutlass.const_expr(self.split_d):
+            # Consumer 0: S^T -> P^T (registers and sP); consumer 1: dP^T, P^T from sP, dS^T
+            # (registers and sdS); after DS_READY consumer 0 reads dS^T back; then both issue
+            # dV and dK. No WGMMA is in flight across the branches (ptxas would serialize every
+            # WGMMA). sP is rewritten (next block) only after this block's DS_READY, which
+            # consumer 1 reaches after reading it.
+            s2r = cute.make_tiled_copy_C(
+                cute.make_copy_atom(LdMatrix8x8x16bOp(transpose=True, num_matrices=4),
+                                    self.dtype),
+                mma_sdp,
+            )  # fmt: skip
+            thr_s2r = s2r.get_slice(tidx)
+            p_ready = pipeline.NamedBarrier(
+                barrier_id=int(Barrier.P_READY), num_threads=self.num_consumers * WARPGROUP
+            )
+            # A TiledMma per staged branch (its ACCUMULATE field is set inside the region).
+            if consumer == 0:
+                pipeline_q.consumer_wait(state)
+                warpgroup.fence()
+                gemm_over_k(self.make_mma_sdp(), acc_S, tSrK, tSrQ, zero_init=True,
+                            b_stage=stage)  # fmt: skip
+                warpgroup.commit_group()
+                pipeline_lse.consumer_wait(state)
+                warpgroup.wait_group(0)
+                if cutlass.const_expr(self.has_softcap):  # tanh is recovered from P for dS
+                    softcap_scores(acc_S, score_scale, derivative=False)
+                self.probabilities(*p_args)
+                convert_in_chunks(rP, acc_S)
+                cute.copy(r2s, thr_r2s.retile(rP), thr_r2s.partition_D(transposed(sP)))
+                p_ready.arrive()
+                pipeline_lse.consumer_release(state)
+                ds_ready.arrive_and_wait()
+                cute.copy(s2r, thr_s2r.partition_S(transposed(sdS_c)), thr_s2r.retile(rdS))
+            else:
+                pipeline_do.consumer_wait(state)
+                warpgroup.fence()
+                gemm_over_k(self.make_mma_sdp(), acc_dP, tSrV, tSrdO, zero_init=True,
+                            b_stage=stage)  # fmt: skip
+                warpgroup.commit_group()
+                pipeline_lse.consumer_wait(state)
+                p_ready.arrive_and_wait()
+                cute.copy(s2r, thr_s2r.partition_S(transposed(sP)), thr_s2r.retile(rP))
+                warpgroup.wait_group(0)
+                self.score_gradients(qk_view(rP), *ds_args[1:])
+                convert_in_chunks(rdS, acc_dP)
+                cute.copy(r2s, thr_r2s.retile(rdS), thr_r2s.partition_D(transposed(sdS_c)))
+                cute.arch.fence_view_async_shared()
+                pipeline_lse.consumer_release(state)
+                ds_ready.arrive_and_wait()
+            pipeline_q.consumer_wait(state)
+            pipeline_do.consumer_wait(state)
+            warpgroup.fence()
+            gemm_over_k(mma_dv, acc_dV, tdVrP, tdVrdO, zero_init=False, b_stage=stage)
+            gemm_over_k(mma_dkv, acc_dK, tdKrdS, tdKrQ, zero_init=False, b_stage=stage)
+            warpgroup.commit_group()
+        else:
+            warpgroup.wait_group(1)
+            dtanh = None
+            if cutlass.const_expr(self.has_softcap):  # dS is multiplied by dtanh below
+                dtanh = softcap_scores(acc_S, score_scale, derivative=True)
+            self.probabilities(*p_args)
+            warpgroup.wait_group(0)
+            self.score_gradients(*ds_args)
+            pipeline_lse.consumer_release(state)
+            if cutlass.const_expr(self.has_softcap):
+                acc_dP.store(acc_dP.load() * dtanh.load())
+            convert_in_chunks(rP, acc_S)
+            convert_in_chunks(rdS, acc_dP)
+            warpgroup.fence()
+            gemm_over_k(mma_dv, acc_dV, tdVrP, tdVrdO, zero_init=False, b_stage=stage)
+            gemm_over_k(mma_dkv, acc_dK, tdKrdS, tdKrQ, zero_init=False, b_stage=stage)
+            warpgroup.commit_group()
+            cute.copy(r2s, thr_r2s.retile(rdS), thr_r2s.partition_D(transposed(sdS_c)))
+            cute.arch.fence_view_async_shared()
+            ds_ready.arrive_and_wait()
 
         # dQ[:, half c] = dS K[:, half c] (all tile_n keys), issued behind dV and dK.
         thr_dq = mma_dq.get_slice(tidx)

@@ -409,7 +409,8 @@ SM90_BWD_DS_BUFFERS = 2
 # Above this head dim dK and dV of 64 keys (2 * 64 * d / 128 fp32 a thread) no longer fit one
 # consumer's registers: both consumers share the CTA's tile_n = 64 keys and each owns half of
 # the dK / dV columns (64 registers at d 192, ... 128 at d 256 for both accumulators: 2 * 64 *
-# d / 2 / 128); each computes the whole S^T and dP^T of the 64 keys (the two GEMMs done twice).
+# d / 2 / 128); consumer 0 computes S^T and consumer 1 dP^T of the 64 keys, exchanging P^T and
+# dS^T through shared memory (an extra 16-bit P^T tile, sP; hopper/flash_bwd.py, split d).
 SM90_BWD_SPLIT_D_ABOVE = 128
 SM90_BWD_SPLIT_D_TILE_N = 64
 # One Q / dO stage above this head dim (d 256: two stages need 278 KiB of shared memory).
@@ -438,10 +439,12 @@ def bwd_tile(head_dim: int, causal: bool, has_softcap: bool = False) -> tuple[in
 
 def bwd_smem_bytes(config: BwdConfig) -> int:
     """Shared memory of the sm90 backward: K, V; the Q, dO, LSE and delta stages; the dS
-    buffers; the fp32 dQ tile; barriers and the 1024-byte alignment of the tiles."""
+    buffers (split d: and the P^T tile); the fp32 dQ tile; barriers and the 1024-byte
+    alignment of the tiles."""
     tm, tn, d, dv = config.tile_m, config.tile_n, config.head_dim, config.head_dim_v
     stages = bwd_q_stages(d)
-    tiles = tn * (d + dv) + stages * tm * (d + dv) + SM90_BWD_DS_BUFFERS * tm * tn
+    ds_tiles = SM90_BWD_DS_BUFFERS + (1 if bwd_split_d(d) else 0)
+    tiles = tn * (d + dv) + stages * tm * (d + dv) + ds_tiles * tm * tn
     return tiles * 2 + stages * 2 * tm * 4 + tm * d * 4 + SM90_FWD_SMEM_SLACK
 
 

@@ -22,6 +22,7 @@ from cute_fa.hopper.support import (
     SM90_BWD_HEAD_DIMS,
     bwd_can_implement,
     bwd_smem_bytes,
+    bwd_split_d,
     bwd_tile,
 )
 
@@ -192,8 +193,12 @@ def test_sm90_bwd_compiles_for_sm90a(d: int, dtype: str, causal: bool, determini
         assert "MEMBAR.ALL.GPU" not in sass and "LDG.E.STRONG" not in sass
     # dS^T to smem by stmatrix (x4, transposed: 8 of the 32 dS values of a thread each), no
     # 16-bit element stores (seqused: the zeros of the tail rows past seqused are such stores,
-    # once per CTA or tail block).
-    assert len(re.findall(r"\bSTSM", sass)) == bodies * config.tile_m // 16
+    # once per CTA or tail block). Split d (d > 128): consumer 0 also stores P^T to sP, and
+    # each consumer loads the other's tile back by ldmatrix (consumer 1 P^T, consumer 0 dS^T).
+    split = bwd_split_d(d)
+    tiles = 2 if split else 1
+    assert len(re.findall(r"\bSTSM", sass)) == bodies * tiles * config.tile_m // 16
+    assert len(re.findall(r"\bLDSM", sass)) == (bodies * 2 * config.tile_m // 16 if split else 0)
     if not (config.seqused_q or config.seqused_k):
         assert "STS.U16" not in sass
     assert spills == 0 and info["stack"] == 0 and info["local"] == 0
