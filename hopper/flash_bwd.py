@@ -911,6 +911,23 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         pipeline.NamedBarrier(barrier_id=int(Barrier.Q_TAIL), num_threads=threads).arrive_and_wait()
 
     @cute.jit
+    def score_gemm(
+        self,
+        pipe: pipeline.PipelineTmaAsync,
+        state: pipeline.PipelineState,
+        acc: cute.Tensor,
+        tA: cute.Tensor,
+        tB: cute.Tensor,
+    ):
+        """Wait for ``pipe``'s stage of ``state``, then issue acc = A B^T (S^T = K_c Q^T or
+        dP^T = V_c dO^T, zero-initialized) as one commit group. A fresh TiledMma each call: its
+        ACCUMULATE field is set inside the staged region that issues it."""
+        pipe.consumer_wait(state)
+        warpgroup.fence()
+        gemm_over_k(self.make_mma_sdp(), acc, tA, tB, zero_init=True, b_stage=state.index)
+        warpgroup.commit_group()
+
+    @cute.jit
     def probabilities(
         self,
         S: cute.Tensor,
@@ -1008,14 +1025,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         acc_S = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((WG_KEYS, tm)))
         acc_dP = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((WG_KEYS, tm)))
         if cutlass.const_expr(not self.split_d):
-            pipeline_q.consumer_wait(state)
-            warpgroup.fence()
-            gemm_over_k(mma_sdp, acc_S, tSrK, tSrQ, zero_init=True, b_stage=stage)
-            warpgroup.commit_group()
-            pipeline_do.consumer_wait(state)
-            warpgroup.fence()
-            gemm_over_k(mma_sdp, acc_dP, tSrV, tSrdO, zero_init=True, b_stage=stage)
-            warpgroup.commit_group()
+            self.score_gemm(pipeline_q, state, acc_S, tSrK, tSrQ)
+            self.score_gemm(pipeline_do, state, acc_dP, tSrV, tSrdO)
             pipeline_lse.consumer_wait(state)
 
         # (query, key) views of the transposed tiles: rows are queries, columns keys, so the
@@ -1071,13 +1082,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             p_ready = pipeline.NamedBarrier(
                 barrier_id=int(Barrier.P_READY), num_threads=self.num_consumers * WARPGROUP
             )
-            # A TiledMma per staged branch (its ACCUMULATE field is set inside the region).
             if consumer == 0:
-                pipeline_q.consumer_wait(state)
-                warpgroup.fence()
-                gemm_over_k(self.make_mma_sdp(), acc_S, tSrK, tSrQ, zero_init=True,
-                            b_stage=stage)  # fmt: skip
-                warpgroup.commit_group()
+                self.score_gemm(pipeline_q, state, acc_S, tSrK, tSrQ)
                 pipeline_lse.consumer_wait(state)
                 warpgroup.wait_group(0)
                 if cutlass.const_expr(self.has_softcap):  # tanh is recovered from P for dS
@@ -1090,11 +1096,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
                 ds_ready.arrive_and_wait()
                 cute.copy(s2r, thr_s2r.partition_S(transposed(sdS_c)), thr_s2r.retile(rdS))
             else:
-                pipeline_do.consumer_wait(state)
-                warpgroup.fence()
-                gemm_over_k(self.make_mma_sdp(), acc_dP, tSrV, tSrdO, zero_init=True,
-                            b_stage=stage)  # fmt: skip
-                warpgroup.commit_group()
+                self.score_gemm(pipeline_do, state, acc_dP, tSrV, tSrdO)
                 pipeline_lse.consumer_wait(state)
                 p_ready.arrive_and_wait()
                 cute.copy(s2r, thr_s2r.partition_S(transposed(sP)), thr_s2r.retile(rP))
