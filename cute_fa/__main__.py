@@ -89,6 +89,23 @@ LONG_SEQLEN_HINT = 1 << 20
 SHORT_SEQLEN_HINT = 1
 
 
+def seqlen_hints() -> list[int]:
+    """Query lengths that together meet every forward plan sm90 dispatch makes: the shortest
+    and a very long one, and each length where ``hopper/support.py`` changes the plan (the
+    persistent grid's limits, its one-Q-stage causal range, three consumers for causal d 64)."""
+    from .hopper import support as sm90
+
+    return sorted({
+        SHORT_SEQLEN_HINT, LONG_SEQLEN_HINT, sm90.SM90_FWD_PERSISTENT_MAX_SEQLEN,
+        sm90.SM90_FWD_PERSISTENT_MAX_SEQLEN_CAUSAL, *sm90.SM90_FWD_PERSISTENT_ONE_Q_STAGE_CAUSAL,
+        sm90.SM90_FWD_3WG_CAUSAL_MIN_SEQLEN,
+    })  # fmt: skip
+
+
+def _seqlen_kind(hint: int) -> str:
+    return {SHORT_SEQLEN_HINT: "short", LONG_SEQLEN_HINT: "long"}.get(hint, f"{hint}-row")
+
+
 def _fwd_config(arch: str, target: str, request, seqlen_q: int | None):
     """(config, "") of the forward kernel ``arch`` asks for on ``target``, else (None, why)."""
     from .config import capability_for_target
@@ -156,13 +173,14 @@ def precompile_configs(
                 if mode in ("fwd", "both"):
                     config, reason = _fwd_config(arch, target, request, None)
                     add(PrecompileTask("fwd", config) if config else None, f"fwd {label}", reason)
-                    # What dispatch picks only for long query sequences (the sm90 d64 causal
-                    # tile) or only for short ones (the sm90 persistent grid, for SM90_SMS SMs:
-                    # an H100 SXM or H200; another count compiles its own at the first call).
-                    for hint, kind in ((LONG_SEQLEN_HINT, "long"), (SHORT_SEQLEN_HINT, "short")):
+                    # What dispatch picks only for some query lengths (the sm90 d64 causal
+                    # tile, the persistent grid for SM90_SMS SMs: an H100 SXM or H200; another
+                    # count compiles its own at the first call).
+                    for hint in seqlen_hints():
                         other, _ = _fwd_config(arch, target, request, hint)
                         if other is not None and other != config:
-                            add(PrecompileTask("fwd", other), f"fwd {label} ({kind} sequences)")
+                            add(PrecompileTask("fwd", other),
+                                f"fwd {label} ({_seqlen_kind(hint)} sequences)")  # fmt: skip
                 if mode in ("bwd", "both"):
                     tasks, reason = _bwd_tasks(arch, target, request)
                     if not tasks:

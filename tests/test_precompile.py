@@ -63,7 +63,7 @@ def test_precompile_auto_lists_what_dispatch_runs():
         for variant in variants:
             flags = cli._variant_flags(variant)
             request = FwdRequest(dtype="bf16", head_dim=d, head_dim_v=d, **flags)
-            for hint in (None, 1, cli.LONG_SEQLEN_HINT, 2048, 4096):
+            for hint in (None, 1, 1000, 2048, 3000, 4096, 6000, 8192, 9000, cli.LONG_SEQLEN_HINT):
                 assert ("fwd", fwd_plan((9, 0), request, hint)[1]) in configs, (d, variant, hint)
             main = bwd_config("sm_90a", "bf16", d, d, **flags)
             assert main.arch == 90 and ("bwd", main) in configs
