@@ -255,10 +255,36 @@ def _distribution_version(name: str) -> str | None:
 
 
 @functools.lru_cache(maxsize=1)
+def driver_cuda_major() -> int | None:
+    """The CUDA driver's major version (``cuDriverGetVersion`` through ctypes), None without a
+    driver."""
+    import ctypes
+
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int(0)
+        if libcuda.cuDriverGetVersion(ctypes.byref(version)) == 0:
+            return version.value // 1000
+    except (OSError, AttributeError):
+        pass
+    return None
+
+
+def pick_toolkit_flavor(flavors, driver_major: int | None) -> int | None:
+    """The CUDA toolkit flavor (major version) of the installed CuTe DSL builds that the DSL
+    loads: the newest the driver supports (major >= flavor), the newest of all without a
+    driver; None when the driver supports none. (``nvidia-cutlass-dsl[cu13]`` installs the cu12
+    and the cu13 build side by side; the DSL chooses this way in
+    ``cutlass/_mlir/_mlir_libs/__init__.py``.)"""
+    usable = [f for f in flavors if driver_major is None or driver_major >= f]
+    return max(usable) if usable else None
+
+
+@functools.lru_cache(maxsize=1)
 def dsl_runtime_library() -> str | None:
     """Path of the CuTe DSL's runtime library, found as the DSL finds it (``CUTE_DSL_LIBS``,
-    else ``cu<major>/lib`` in the installed package) but without importing the DSL; None when
-    that is ambiguous or missing."""
+    else ``cu<major>/lib`` in the installed package, the flavor the DSL loads:
+    ``pick_toolkit_flavor``) but without importing the DSL; None when missing or ambiguous."""
     import importlib.util
 
     listed = os.environ.get("CUTE_DSL_LIBS", "").strip()
@@ -272,7 +298,13 @@ def dsl_runtime_library() -> str | None:
     roots = list(spec.submodule_search_locations or []) if spec else []
     pattern = f"cu*/lib/{RUNTIME_LIBRARY}"
     candidates = [p for root in roots for p in sorted(Path(root).glob(pattern))]
-    return str(candidates[0]) if len(candidates) == 1 else None
+    by_flavor = {_runtime_cuda_major(str(p)): str(p) for p in candidates}
+    if not candidates or None in by_flavor or len(by_flavor) != len(candidates):
+        return None
+    if len(by_flavor) == 1:
+        return next(iter(by_flavor.values()))
+    flavor = pick_toolkit_flavor(by_flavor, driver_cuda_major())
+    return by_flavor[flavor] if flavor is not None else None
 
 
 def _runtime_cuda_major(path: str | None) -> int | None:

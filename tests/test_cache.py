@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -511,6 +512,30 @@ def test_fingerprint_needs_no_dsl_import():
     runtime = cache.dsl_runtime_library()
     assert runtime is not None and os.path.basename(runtime) == cache.RUNTIME_LIBRARY
     assert runtime in cutlass.runtime.find_runtime_libraries(enable_tvm_ffi=False)
+
+
+def test_runtime_library_of_the_flavor_the_dsl_loads(tmp_path, monkeypatch):
+    """With the cu12 and cu13 builds of the DSL side by side (``nvidia-cutlass-dsl[cu13]``),
+    the runtime library is the one of the flavor the DSL loads: the newest the driver supports,
+    the newest of all without a driver."""
+    assert cache.pick_toolkit_flavor([12, 13], None) == 13
+    assert cache.pick_toolkit_flavor([12, 13], 13) == 13
+    assert cache.pick_toolkit_flavor([12, 13], 12) == 12
+    assert cache.pick_toolkit_flavor([13], 12) is None
+    root = tmp_path / "nvidia_cutlass_dsl"
+    for flavor in ("cu12", "cu13"):
+        (root / flavor / "lib").mkdir(parents=True)
+        (root / flavor / "lib" / cache.RUNTIME_LIBRARY).write_bytes(b"")
+    spec = types.SimpleNamespace(submodule_search_locations=[str(root)])
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: spec)
+    monkeypatch.delenv("CUTE_DSL_LIBS", raising=False)
+    for driver, flavor in ((None, "cu13"), (13, "cu13"), (12, "cu12"), (11, None)):
+        monkeypatch.setattr(cache, "driver_cuda_major", lambda driver=driver: driver)
+        cache.dsl_runtime_library.cache_clear()
+        found = cache.dsl_runtime_library()
+        assert found == (str(root / flavor / "lib" / cache.RUNTIME_LIBRARY) if flavor else None)
+        assert cache._runtime_cuda_major(found) == (int(flavor[2:]) if flavor else None)
+    cache.dsl_runtime_library.cache_clear()
 
 
 @pytest.mark.gpu
