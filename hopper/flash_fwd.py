@@ -165,7 +165,9 @@ class FlashAttentionForwardSm90(AttentionKernel):
       zeroes those keys of the first visited block's V stage (``zero_v_tail``; its docstring
       has the ordering argument) before any consumer's P V GEMM reads it. Their scores are
       masked by select, so NaN in K does no harm.
-    Intra-warpgroup overlap in the SASS of d 128 (DSL's ptxas): between wgmma wait_group 1 and
+    Intra-warpgroup overlap in the SASS of d 128 (the CuTe DSL's CUDA 12 build; its CUDA 13
+      build, which the GPU machine of docs/performance.md runs, schedules differently, see
+      below): between wgmma wait_group 1 and
       0 sit the row max reductions, the scaling FFMAs and a few of the EX2 (unmasked loop: 4 of
       66, masked loop: 5 of 66, the 2 of the rescale factors included); the other EX2 run after
       the P V GEMM has completed. ptxas places the wait (WARPGROUP.DEPBAR) right after the last
@@ -179,7 +181,12 @@ class FlashAttentionForwardSm90(AttentionKernel):
       consumers: 64 and 66 of 66). The wait itself
       stays in the step: a commit group still in flight at the loop's back edge makes ptxas
       serialize every WGMMA. Default at d 64 only (``support.SM90_FWD_DEFER_RESCALE_DEFAULT``:
-      measured faster there, slower at d 128 and d 256).
+      measured faster there, slower at d 128 and d 256). Those SASS counts are of the CUDA 12
+      build: ptxas of the CUDA 13 build (the H200 measurements) puts the wait before the
+      exponentials anyway (unmasked / masked loops: d 128 0 and 1 of 66, d 256 5 and 15 of 42,
+      d 64 with three consumers 0 and 0, d 64 causal with two consumers 0 and 0; an ncu profile
+      of that last kernel on the H200 showed the same), so the deferred rescale measured there
+      moved the O rescale and the P conversion but not the exponentials.
     Exponentials on the FMA pipe (config.exp2_poly = k, CUTE_FA_SM90_FWD_EXP2_POLY): in the
       unmasked loop every k-th exponential of a thread's row is a polynomial (Note [exp2 on the
       FMA pipe] in cute_fa/dsl/softmax.py) instead of MUFU.EX2, which at d 64 is as busy as

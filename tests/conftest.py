@@ -8,6 +8,13 @@ import pytest
 import torch
 
 
+def pytest_report_header(config):
+    """Which build of the CuTe DSL compiles the kernels (its CUDA toolkit: its ptxas)."""
+    from cutlass.base_dsl.version_info import CUDA_VERSION
+
+    return f"CuTe DSL build: CUDA {CUDA_VERSION.major} (cu{CUDA_VERSION.major})"
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
