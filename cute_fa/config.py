@@ -83,7 +83,9 @@ class FwdConfig:
     # Tuning variants of the sm90 kernel (hopper/support.py switches); the defaults are the
     # kernel's own choice and leave the name unchanged.
     kv_stages: int = 0  # K/V smem stages; 0: the kernel's default
-    defer_rescale: bool = False  # O rescale and P conversion just before the next P V
+    # O rescale and P conversion just before the next P V: 0 off, 1 on, 2 on with the P V wait
+    # in a vote-guarded branch (hopper/flash_fwd.py, ``wait_pv_after_exponentials``).
+    defer_rescale: int = 0
     exp2_poly: int = 0  # every exp2_poly-th exponential of an unmasked block by polynomial
     rescale_threshold: int = 0  # log2 units a row max must move by to rescale O; 0: any move
     # Persistent grid (Note [persistent tiles] in cute_fa/dsl/scheduler.py): CTAs launched, one
@@ -111,8 +113,9 @@ class FwdConfig:
             flags.append("softcap")
         if getattr(self, "kv_stages", 0):  # (BwdConfig shares this name and has neither field)
             flags.append(f"kv{self.kv_stages}")
-        if getattr(self, "defer_rescale", False):
-            flags.append("defer")
+        defer = getattr(self, "defer_rescale", 0)
+        if defer:
+            flags.append("defer" if defer == 1 else f"defer{int(defer)}")
         if getattr(self, "exp2_poly", 0):
             flags.append(f"poly{self.exp2_poly}")
         if getattr(self, "rescale_threshold", 0):

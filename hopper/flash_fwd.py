@@ -186,7 +186,10 @@ class FlashAttentionForwardSm90(AttentionKernel):
       exponentials anyway (unmasked / masked loops: d 128 0 and 1 of 66, d 256 5 and 15 of 42,
       d 64 with three consumers 0 and 0, d 64 causal with two consumers 0 and 0; an ncu profile
       of that last kernel on the H200 showed the same), so the deferred rescale measured there
-      moved the O rescale and the P conversion but not the exponentials.
+      moved the O rescale and the P conversion but not the exponentials. config.defer_rescale
+      = 2 (CUTE_FA_SM90_FWD_DEFER_RESCALE=2) puts the wait in a vote-guarded branch instead
+      (``wait_pv_after_exponentials``): 66 of 66 at d 64 / d 128 and 42 of 42 at d 256 under
+      both builds; not timed yet.
     Exponentials on the FMA pipe (config.exp2_poly = k, CUTE_FA_SM90_FWD_EXP2_POLY): in the
       unmasked loop every k-th exponential of a thread's row is a polynomial (Note [exp2 on the
       FMA pipe] in cute_fa/dsl/softmax.py) instead of MUFU.EX2, which at d 64 is as busy as
@@ -798,6 +801,27 @@ class FlashAttentionForwardSm90(AttentionKernel):
             softmax.row_sum[r] = softmax.row_sum[r] + other * 0.0
 
     @cute.jit
+    def wait_pv_after_exponentials(self, softmax: OnlineSoftmax):
+        """wgmma wait_group 0 after every exponential of the step (defer_rescale = 2).
+
+        ptxas moves a wgmma wait as early as it may; the shuffle of ``after_exponentials`` holds
+        it back under the CUDA 12 build's ptxas, not under CUDA 13's (which the H200 runs: 0-6
+        of 66 EX2 inside the window). Here the wait sits in a branch whose warp-uniform
+        condition (a vote over every row sum of the thread) depends on every exponential, so
+        neither can cross it (SASS under both builds: 66 of 66 at d 64 and d 128). Both
+        branches wait, so the condition changes nothing; it always holds anyway (a row sum is
+        >= 0 or NaN).
+        """
+        ok = cutlass.Boolean(True)
+        for r in cutlass.range_constexpr(softmax.num_rows):
+            s = softmax.row_sum[r]
+            ok = ok & ((s >= Float32(0.0)) | (s != s))
+        if cute.arch.vote_all_sync(ok):
+            warpgroup.wait_group(0)
+        else:
+            warpgroup.wait_group(0)
+
+    @cute.jit
     def gemm_pv(self, mma: tuple, v_stage: Int32):
         """O += P V with P from registers (issue only)."""
         tOrV, acc_O, rP = mma[5], mma[6], mma[7]
@@ -867,8 +891,11 @@ class FlashAttentionForwardSm90(AttentionKernel):
             # still in flight at the loop's back edge.)
             softmax.step(acc_S, None, is_first, check_inf, corr, poly)
             if cutlass.const_expr(not is_first):
-                self.after_exponentials(softmax)
-                warpgroup.wait_group(0)
+                if cutlass.const_expr(self.defer_rescale == 2):
+                    self.wait_pv_after_exponentials(softmax)
+                else:
+                    self.after_exponentials(softmax)
+                    warpgroup.wait_group(0)
                 pipeline_v.consumer_release(v_state)
         elif cutlass.const_expr(is_first):
             softmax.step(acc_S, acc_O, True, check_inf)

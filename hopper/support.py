@@ -92,8 +92,11 @@ SM90_FWD_KV_STAGE_CHOICES = (2, 3)
 # to 16 bits of key block j from the end of its step to just before O += P_j V_j is issued (the
 # start of the next step, or the last P V). Between wgmma wait_group 1 and 0 nothing then writes
 # the registers the in-flight P V GEMM reads (P) or accumulates (O), so ptxas can keep the
-# exponentials of block j before the wait (flash_fwd.py, class docstring). =0: the order of
-# the other head dims. Unset: SM90_FWD_DEFER_RESCALE_DEFAULT. Read when a launch plan is made.
+# exponentials of block j before the wait (flash_fwd.py, class docstring). =2: the same, with
+# the wait in a branch whose warp-uniform condition depends on every row sum, which keeps the
+# exponentials before it under the CUDA 13 build's ptxas too (=1 holds only under CUDA 12's).
+# =0: the order of the other head dims. Unset: SM90_FWD_DEFER_RESCALE_DEFAULT (mode 1). Read
+# when a launch plan is made.
 DEFER_RESCALE_ENV = "CUTE_FA_SM90_FWD_DEFER_RESCALE"
 # Head dims that defer the rescale when the switch is unset. On the H200 (bf16, standard grid,
 # the switch as a peer in one process, docs/performance.md, Log 2026-12-01): d 64 +0 to +3 %
@@ -220,11 +223,11 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
     stages = int(value) if value else SM90_FWD_KV_STAGES
     if fwd_smem_bytes(config, stages) > SMEM_CAPACITY.get(config.target, 0):
         stages = SM90_FWD_KV_STAGES
-    defer_value = _env_choice(DEFER_RESCALE_ENV, ("0", "1"))
+    defer_value = _env_choice(DEFER_RESCALE_ENV, ("0", "1", "2"))
     if defer_value:
-        defer = defer_value == "1"
+        defer = int(defer_value)
     else:
-        defer = config.head_dim in SM90_FWD_DEFER_RESCALE_DEFAULT
+        defer = 1 if config.head_dim in SM90_FWD_DEFER_RESCALE_DEFAULT else 0
     poly = _env_choice(EXP2_POLY_ENV, ("0",) + tuple(str(k) for k in SM90_FWD_EXP2_POLY_CHOICES))
     threshold = _env_choice(
         RESCALE_THRESHOLD_ENV, ("0",) + tuple(str(t) for t in SM90_FWD_RESCALE_THRESHOLD_CHOICES)

@@ -271,7 +271,7 @@ def test_sm90_three_consumers_only_where_they_fit(monkeypatch) -> None:
 
 
 MALFORMED = [(KV_STAGES_ENV, "4"), (KV_STAGES_ENV, "three"), (DEFER_RESCALE_ENV, "yes"),
-             (DEFER_RESCALE_ENV, "2"), (EXP2_POLY_ENV, "3"), (EXP2_POLY_ENV, "on"),
+             (DEFER_RESCALE_ENV, "3"), (EXP2_POLY_ENV, "3"), (EXP2_POLY_ENV, "on"),
              (RESCALE_THRESHOLD_ENV, "6"), (RESCALE_THRESHOLD_ENV, "8.0")]  # fmt: skip
 
 
@@ -311,6 +311,11 @@ SWITCH_CASES = [
     pytest.param(DEFER_RESCALE_ENV, "1", 256, None, {"causal": True}, id="defer-d256-causal"),
     pytest.param(DEFER_RESCALE_ENV, "1", 128, None, LOCAL_SOFTCAP, id="defer-d128-local-softcap"),
     pytest.param(DEFER_RESCALE_ENV, "1", 64, SM90_FWD_TILE_M_3WG, {}, id="defer-d64-3wg"),
+    pytest.param(DEFER_RESCALE_ENV, "2", 128, None, {}, id="defer2-d128"),
+    pytest.param(DEFER_RESCALE_ENV, "2", 256, None, {}, id="defer2-d256"),
+    pytest.param(DEFER_RESCALE_ENV, "2", 64, SM90_FWD_TILE_M_3WG, {}, id="defer2-d64-3wg"),
+    pytest.param(DEFER_RESCALE_ENV, "2", 64, 128, {}, id="defer2-d64"),
+    pytest.param(DEFER_RESCALE_ENV, "2", 64, 128, {"causal": True}, id="defer2-d64-causal"),
     pytest.param(KV_STAGES_ENV, "3", 128, None, {}, id="stages3-d128"),
     pytest.param(KV_STAGES_ENV, "3", 128, None, {"causal": True}, id="stages3-d128-causal"),
     pytest.param(KV_STAGES_ENV, "3", 64, SM90_FWD_TILE_M_3WG, {}, id="stages3-d64-3wg"),
@@ -338,12 +343,14 @@ def test_sm90_fwd_switch_compiles(monkeypatch, capfd, name, value, d, tile_m, fl
                          num_warps=num_warps, **flags)  # fmt: skip
     config = fwd_tuned(config)
     sass = _check_compiled(config, capfd)
-    if name == DEFER_RESCALE_ENV and not flags:
+    if name == DEFER_RESCALE_ENV:
+        assert config.defer_rescale == int(value)
+    if name == DEFER_RESCALE_ENV and (not flags or value == "2"):
         # The exponentials of a loop step (tile_n / 2 of P, 2 of the rescale factors) sit
         # between wgmma wait_group 1 and wait_group 0 (class docstring): all of them at d128 and
         # d256, at least those of P with three consumers (d64: 64 and 66 of 66).
         inside = _exponentials_in_overlap_window(sass)
-        if dsl_cuda_major() >= 13:
+        if dsl_cuda_major() >= 13 and value == "1":
             # ptxas of the CUDA 13 build (the GPU machine's) puts the wait before the
             # exponentials whatever the anchor (d128 [0, 1], d256 [5, 15], d64 with three
             # consumers [0, 0] of 66 / 42 a loop; hopper/flash_fwd.py docstring).

@@ -453,6 +453,26 @@ def test_fwd_exp2_poly(monkeypatch, d, seqlen_q, seqlen_k, mask, softcap, dtype,
     )
 
 
+ROWS_192 = {"CUTE_FA_SM90_FWD_TILE_M": "192"}
+DEFER2_CASES = [(64, 1000, 777, "causal", {}), (64, 1000, 1000, "full", ROWS_192),
+                (128, 777, 1000, "full", {}), (256, 1000, 1000, "causal", {})]  # fmt: skip
+
+
+@pytest.mark.parametrize("d,seqlen_q,seqlen_k,mask,extra", DEFER2_CASES,
+                         ids=[f"d{c[0]}-{c[1]}x{c[2]}-{c[3]}" + ("-192rows" if c[4] else "")
+                              for c in DEFER2_CASES])  # fmt: skip
+def test_fwd_defer_rescale_vote_guarded_wait(monkeypatch, d, seqlen_q, seqlen_k, mask, extra):
+    """CUTE_FA_SM90_FWD_DEFER_RESCALE=2 (the deferred rescale with its P V wait in a
+    vote-guarded branch, ``wait_pv_after_exponentials``): against attention_ref, with the mode
+    in the kernel that ran."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("an sm90 forward switch")
+    switches = {"CUTE_FA_SM90_FWD_DEFER_RESCALE": "2", **extra}
+    config = run_sm90_switch_case(monkeypatch, switches, d, seqlen_q, seqlen_k, mask, 0.0,
+                                  torch.bfloat16, 4.0, h_kv=2)  # fmt: skip
+    assert config.defer_rescale == 2 and "defer2" in config.name, config.name
+
+
 # (d, seqlen_q, seqlen_k, mask, softcap, dtype, threshold, score spread, other switches).
 DEFER_AND_POLY4 = {"CUTE_FA_SM90_FWD_DEFER_RESCALE": "1", "CUTE_FA_SM90_FWD_EXP2_POLY": "4"}
 RESCALE_THRESHOLD_CASES = [

@@ -62,6 +62,7 @@ def test_sm90_variants_are_valid_peers_that_change_something(d):
     # Each switch is set against the default of this head dim: the deferred rescale is on by
     # default at d64 only, the rescale threshold at d256 only.
     assert ("cute_fa:CUTE_FA_SM90_FWD_DEFER_RESCALE=0" in peers) == (d == 64)
+    assert "cute_fa:CUTE_FA_SM90_FWD_DEFER_RESCALE=2" in peers  # the vote-guarded wait
     assert ("cute_fa:CUTE_FA_SM90_FWD_RESCALE_THRESHOLD=0" in peers) == (d == 256)
     # Three K/V stages only where Q and three stages fit in shared memory.
     assert ("cute_fa:CUTE_FA_SM90_FWD_KV_STAGES=3" in peers) == (d <= 128)
