@@ -177,18 +177,19 @@ class FlashAttentionForwardSm90(AttentionKernel):
       the O rescale and the P conversion of block j run at the start of the next step (or of
       the last P V), before its turn; one shuffle of the row sums (``after_exponentials``)
       anchors the wait after every exponential. SASS: 66 of 66 EX2 inside the window in both
-      loops of d 128, 42 of 42 at d 256 (causal: 58-66 of 66, 40-42 of 42; d 64 with three
-      consumers: 64 and 66 of 66). The wait itself
+      loops of d 128, 42 of 42 at d 256 with 80 keys (causal: 58-66 of 66, 40-42 of 42; d 64
+      with three consumers: 64 and 66 of 66). The wait itself
       stays in the step: a commit group still in flight at the loop's back edge makes ptxas
       serialize every WGMMA. Default at d 64 only (``support.SM90_FWD_DEFER_RESCALE_DEFAULT``:
       measured faster there, slower at d 128 and d 256). Those SASS counts are of the CUDA 12
       build: ptxas of the CUDA 13 build (the H200 measurements) puts the wait before the
-      exponentials anyway (unmasked / masked loops: d 128 0 and 1 of 66, d 256 5 and 15 of 42,
-      d 64 with three consumers 0 and 0, d 64 causal with two consumers 0 and 0; an ncu profile
+      exponentials anyway (unmasked / masked loops: d 128 0 and 1 of 66, d 256 5 and 15 of 34
+      (64 keys; CUDA 12: 34 and 32), d 64 with three consumers 0 and 0, d 64 causal with two
+      consumers 0 and 0; an ncu profile
       of that last kernel on the H200 showed the same), so the deferred rescale measured there
       moved the O rescale and the P conversion but not the exponentials. config.defer_rescale
       = 2 (CUTE_FA_SM90_FWD_DEFER_RESCALE=2) puts the wait in a vote-guarded branch instead
-      (``wait_pv_after_exponentials``): 66 of 66 at d 64 / d 128 and 42 of 42 at d 256 under
+      (``wait_pv_after_exponentials``): 66 of 66 at d 64 / d 128 and 34 of 34 at d 256 under
       both builds; not timed yet.
     Exponentials on the FMA pipe (config.exp2_poly = k, CUTE_FA_SM90_FWD_EXP2_POLY): in the
       unmasked loop every k-th exponential of a thread's row is a polynomial (Note [exp2 on the
