@@ -79,12 +79,11 @@ def sm90_fwd_variants(head_dim: int) -> list[str]:
     from .hopper import support as sm90
 
     defer = "0" if head_dim in sm90.SM90_FWD_DEFER_RESCALE_DEFAULT else "1"
-    # Mode 2 (the vote-guarded wait): the deferred rescale as designed under either ptxas.
     threshold = "0" if sm90.SM90_FWD_RESCALE_THRESHOLD_DEFAULT.get(head_dim) else "8"
     settings = [
         f"{FWD_ARCH_ENV}=90",
         f"{sm90.DEFER_RESCALE_ENV}={defer}",
-        f"{sm90.DEFER_RESCALE_ENV}=2",
+        f"{sm90.DEFER_RESCALE_ENV}=2",  # the vote-guarded wait: the design under either ptxas
         f"{sm90.RESCALE_THRESHOLD_ENV}={threshold}",
         f"{sm90.PERSISTENT_ENV}=0",
         f"{sm90.PERSISTENT_ENV}=1",

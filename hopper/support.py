@@ -65,9 +65,9 @@ SM90_FWD_3WG_FLAGS_OFF = ("local", "has_softcap")
 # same run, docs/performance.md) 192 rows against 128: non-causal +4-7 % at 512 / 1k, +6-16 % at
 # 2k-16k; causal -12 % at 512 / 1k (a third consumer on rows past the diagonal and past the
 # end), +1-16 % at 2k-16k. So causal calls took 192 rows from 2048 query rows up; since the
-# persistent grid (128 rows; three consumers spill in it) is +5 % at 2k and -2 % at 4k against
-# 192 rows (same session), from 4096 (the plan of
-# a call knows its longest query sequence; without it, 128).
+# persistent grid with 128 rows is +5 % at 2k and -2 % at 4k against 192 rows one CTA a tile
+# (same session), from 4096 (the plan of a call knows its longest query sequence; without it,
+# 128). From 4096 to 8192 rows the 192 rows run on the persistent grid too (below).
 SM90_FWD_3WG_DEFAULT = (64,)
 SM90_FWD_3WG_CAUSAL_MIN_SEQLEN = 4096
 
