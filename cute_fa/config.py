@@ -91,6 +91,9 @@ class FwdConfig:
     # Persistent grid (Note [persistent tiles] in cute_fa/dsl/scheduler.py): CTAs launched, one
     # an SM of the device; 0: one CTA a tile.
     num_ctas: int = 0
+    # Consumer warpgroups take turns issuing their GEMMs (named barriers); False: each issues
+    # as soon as its operands are ready (CUTE_FA_SM90_FWD_PINGPONG=0).
+    pingpong: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -122,6 +125,8 @@ class FwdConfig:
             flags.append(f"thr{self.rescale_threshold}")
         if getattr(self, "num_ctas", 0):
             flags.append(f"persistent{self.num_ctas}")
+        if not getattr(self, "pingpong", True):
+            flags.append("nopingpong")
         dv = "" if self.head_dim_v == self.head_dim else f"x{self.head_dim_v}"
         return (
             f"fwd_sm{self.arch}_{self.target}_{self.dtype}_d{self.head_dim}{dv}"

@@ -88,10 +88,14 @@ def sm90_fwd_variants(head_dim: int) -> list[str]:
         f"{sm90.PERSISTENT_ENV}=0",
         f"{sm90.PERSISTENT_ENV}=1",
     ]
-    if head_dim in sm90.SM90_FWD_3WG_MAX_TILE_N:
-        three = f"{sm90.TILE_M_ENV}={sm90.SM90_FWD_TILE_M_3WG}"
+    settings.append(f"{sm90.PINGPONG_ENV}=0")
+    three = f"{sm90.TILE_M_ENV}={sm90.SM90_FWD_TILE_M_3WG}"
+    max_keys = sm90.SM90_FWD_3WG_MAX_TILE_N.get(head_dim, 0)
+    if max_keys >= sm90.SM90_FWD_TILE_N[head_dim]:  # three consumers at the default keys
         settings += [f"{sm90.TILE_M_ENV}={sm90.SM90_FWD_TILE_M}", three,
                      f"{three}:{sm90.PERSISTENT_ENV}=1"]  # fmt: skip
+    elif max_keys:  # three consumers hold fewer keys than the default (d 128: 64 or 80)
+        settings += [f"{three}:{sm90.TILE_N_ENV}={n}" for n in (64, max_keys)]
     config = FwdConfig(
         arch=90, target="sm_90a", dtype="bf16", head_dim=head_dim, head_dim_v=head_dim,
         tile_m=sm90.SM90_FWD_TILE_M, tile_n=sm90.SM90_FWD_TILE_N[head_dim],

@@ -119,6 +119,9 @@ class FlashAttentionForwardSm90(AttentionKernel):
       (2,) 0, 1, ... and a barrier never sees a second arrival before its wait; the last
       consumer's last arrival on SCHEDULER_WG1 (and its first, when the CTA visits no block)
       is never waited for.
+      config.pingpong = False (CUTE_FA_SM90_FWD_PINGPONG=0, a tuning switch; not with
+      seqused_k, whose V-tail zeroing the turns order) drops the turns: each consumer issues
+      as soon as its operands are ready.
     Shared memory (swizzled WGMMA layouts written by TMA: 128-byte swizzle, 64-byte where the
     contiguous extent is 96 elements)
       sQ  (64, d, num_consumers * q_stages): one 64-row slice per consumer and Q stage (stage
@@ -760,20 +763,24 @@ class FlashAttentionForwardSm90(AttentionKernel):
 
     @cute.jit
     def start_turn(self, consumer: Int32):
-        """Wait until the previous consumer (round robin) has issued its GEMMs (pingpong)."""
-        pipeline.NamedBarrier(
-            barrier_id=int(Barrier.SCHEDULER_WG1) + consumer, num_threads=2 * WARPGROUP
-        ).arrive_and_wait()
+        """Wait until the previous consumer (round robin) has issued its GEMMs (pingpong;
+        nothing with config.pingpong off)."""
+        if cutlass.const_expr(self.config.pingpong):
+            pipeline.NamedBarrier(
+                barrier_id=int(Barrier.SCHEDULER_WG1) + consumer, num_threads=2 * WARPGROUP
+            ).arrive_and_wait()
 
     @cute.jit
     def end_turn(self, consumer: Int32):
-        """Hand the tensor cores to the next consumer, (consumer + 1) % num_consumers."""
-        next_consumer = consumer + 1
-        if next_consumer == self.num_consumers:
-            next_consumer = 0
-        pipeline.NamedBarrier(
-            barrier_id=int(Barrier.SCHEDULER_WG1) + next_consumer, num_threads=2 * WARPGROUP
-        ).arrive()
+        """Hand the tensor cores to the next consumer, (consumer + 1) % num_consumers
+        (nothing with config.pingpong off)."""
+        if cutlass.const_expr(self.config.pingpong):
+            next_consumer = consumer + 1
+            if next_consumer == self.num_consumers:
+                next_consumer = 0
+            pipeline.NamedBarrier(
+                barrier_id=int(Barrier.SCHEDULER_WG1) + next_consumer, num_threads=2 * WARPGROUP
+            ).arrive()
 
     @cute.jit
     def prepare_pv(self, softmax: OnlineSoftmax, mma: tuple):

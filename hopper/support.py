@@ -52,11 +52,14 @@ SM90_FWD_WG_M = 64
 SM90_FWD_REGS = {2: (24, 240), 3: (24, 160)}
 # Tiles of 192 query rows (three consumer warpgroups, so that three softmaxes take turns with
 # the GEMMs) by head dim, with the most keys a consumer holds in 160 registers without spills:
-# S (tile_n / 2 fp32 a thread), P (tile_n / 4) and O (dv / 2). Only d 64 fits: at tile_n 128
-# it is S 64 + P 32 + O 32 (the SASS peaks at R157); 144 keys spill (52 LDL/STL), and d 96
-# spills at 128 keys (78), causal even at 96 keys.
+# S (tile_n / 2 fp32 a thread), P (tile_n / 4) and O (dv / 2). d 64 at tile_n 128: S 64 + P 32
+# + O 32 (the SASS peaks at R157); 144 keys spill (52 LDL/STL). d 96 spills at 128 keys (78),
+# causal even at 96 keys. d 128 holds at most 80 keys (S 40 + P 20 + O 64; 0 spills at 64 and
+# 80, causal too; 96 keys spill 26, 112 keys 104), fewer than its default 128, so three
+# consumers there are a tuning choice only (CUTE_FA_SM90_FWD_TILE_M=192 with
+# CUTE_FA_SM90_FWD_TILE_N=64 or 80).
 SM90_FWD_TILE_M_3WG = 192
-SM90_FWD_3WG_MAX_TILE_N = {64: 128}
+SM90_FWD_3WG_MAX_TILE_N = {64: 128, 128: 80}
 # Features whose extra registers do not fit three consumers at d 64 / 128 keys: a window
 # (both edges, three loops; 142 LDL/STL) and softcap (the tanh scale; 52 with causal). Calls
 # with them keep 128 query rows.
@@ -171,9 +174,16 @@ SM90_SMS = 132
 # loads while this one runs; its O is staged in this one's Q stage), else one.
 SM90_FWD_PERSISTENT_Q_STAGES = 2
 
+# Tuning switch: CUTE_FA_SM90_FWD_PINGPONG=0 drops the turns of the consumer warpgroups (named
+# barriers SCHEDULER_WG1 + c, hopper/flash_fwd.py): each issues its GEMMs as soon as its own
+# operands are ready, and the warp schedulers interleave the consumers as they come. =1 or
+# unset: the turns (FA3's pingpong). Not with seqused_k, whose V-tail zeroing the turns order
+# (``zero_v_tail``). Read when a launch plan is made.
+PINGPONG_ENV = "CUTE_FA_SM90_FWD_PINGPONG"
+
 # These switches become fields of the compile key (FwdConfig.kv_stages, .defer_rescale,
-# .exp2_poly, .rescale_threshold, .num_ctas; see fwd_tuned), so a kernel compiled under one
-# setting is never served under another.
+# .exp2_poly, .rescale_threshold, .num_ctas, .pingpong; see fwd_tuned), so a kernel compiled
+# under one setting is never served under another.
 
 
 def _env_choice(name: str, choices: tuple[str, ...]) -> str:
@@ -218,7 +228,7 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
     sets the device's count) where it fits and ``seqlen_q`` (the call's longest query
     sequence) is at most SM90_FWD_PERSISTENT_MAX_SEQLEN(_CAUSAL) with two Q stages, or within
     SM90_FWD_PERSISTENT_ONE_Q_STAGE_CAUSAL for causal calls with one; or as
-    CUTE_FA_SM90_FWD_PERSISTENT says."""
+    CUTE_FA_SM90_FWD_PERSISTENT says; CUTE_FA_SM90_FWD_PINGPONG=0 (not with seqused_k)."""
     value = _env_choice(KV_STAGES_ENV, tuple(str(s) for s in SM90_FWD_KV_STAGE_CHOICES))
     stages = int(value) if value else SM90_FWD_KV_STAGES
     if fwd_smem_bytes(config, stages) > SMEM_CAPACITY.get(config.target, 0):
@@ -235,9 +245,10 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
     if not threshold:
         threshold = SM90_FWD_RESCALE_THRESHOLD_DEFAULT.get(config.head_dim, 0)
     forced = _env_choice(PERSISTENT_ENV, ("0", "1"))
+    pingpong = _env_choice(PINGPONG_ENV, ("0", "1")) != "0" or config.seqused_k
     config = config.replace(
         kv_stages=0 if stages == SM90_FWD_KV_STAGES else stages, defer_rescale=defer,
-        exp2_poly=int(poly or 0), rescale_threshold=int(threshold),
+        exp2_poly=int(poly or 0), rescale_threshold=int(threshold), pingpong=pingpong,
     )  # fmt: skip
     persistent = config.replace(num_ctas=SM90_SMS)
     limit = (
@@ -281,13 +292,14 @@ def fwd_tile_m(
     """Query rows a CTA: 192 by default for the head dims of SM90_FWD_3WG_DEFAULT without a
     causal mask, or causal with ``seqlen_q`` (the call's longest query sequence) of at least
     SM90_FWD_3WG_CAUSAL_MIN_SEQLEN (and keys tile_n that three consumers hold), else 128;
-    CUTE_FA_SM90_FWD_TILE_M=128|192 asks for one where three consumers fit the head dim and
-    features (``fwd_tile_ms``)."""
+    CUTE_FA_SM90_FWD_TILE_M=128|192 asks for one where three consumers fit the head dim,
+    features (``fwd_tile_ms``) and tile_n (SM90_FWD_3WG_MAX_TILE_N)."""
     override = _env_choice(TILE_M_ENV, (str(SM90_FWD_TILE_M), str(SM90_FWD_TILE_M_3WG)))
     tile_ms = fwd_tile_ms(head_dim, local, has_softcap)
-    if override:
-        return int(override) if int(override) in tile_ms else SM90_FWD_TILE_M
     fits = SM90_FWD_TILE_M_3WG in tile_ms and tile_n <= SM90_FWD_3WG_MAX_TILE_N[head_dim]
+    if override:
+        return SM90_FWD_TILE_M_3WG if int(override) == SM90_FWD_TILE_M_3WG and fits else \
+            SM90_FWD_TILE_M  # fmt: skip
     long_rows = seqlen_q is not None and seqlen_q >= SM90_FWD_3WG_CAUSAL_MIN_SEQLEN
     if head_dim in SM90_FWD_3WG_DEFAULT and fits and (not causal or long_rows):
         return SM90_FWD_TILE_M_3WG
@@ -373,6 +385,11 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
     smem = fwd_smem_bytes(config, fwd_kv_stages(config), fwd_q_stages(config))
     if smem > SMEM_CAPACITY.get(config.target, 0):
         return False, f"tiles need {smem} B of shared memory, more than {config.target} has"
+    if not config.pingpong and config.seqused_k:
+        return False, (
+            "pingpong off (CUTE_FA_SM90_FWD_PINGPONG=0) with seqused_k: the consumers' turns "
+            "order the zeroing of the V rows past seqused_k before any P V GEMM reads them"
+        )
     if config.num_ctas and not fwd_persistent_fits(config):
         return False, (
             "a persistent grid (num_ctas) takes dense calls without a window or seqused (their "

@@ -19,6 +19,7 @@ from cute_fa.hopper.support import (
     EXP2_POLY_ENV,
     KV_STAGES_ENV,
     PERSISTENT_ENV,
+    PINGPONG_ENV,
     RESCALE_THRESHOLD_ENV,
     SM90_FWD_3WG_MAX_TILE_N,
     SM90_FWD_HEAD_DIM_PAIRS,
@@ -70,7 +71,7 @@ def _tiled_config(d: int, dv: int, **flags) -> FwdConfig:
 def _clear_switches(monkeypatch) -> None:
     """No tuning switch of the sm90 forward set: dispatch makes its default choices."""
     for name in (TILE_N_ENV, TILE_M_ENV, KV_STAGES_ENV, DEFER_RESCALE_ENV, EXP2_POLY_ENV,
-                 RESCALE_THRESHOLD_ENV, PERSISTENT_ENV, FWD_ARCH_ENV):  # fmt: skip
+                 RESCALE_THRESHOLD_ENV, PERSISTENT_ENV, PINGPONG_ENV, FWD_ARCH_ENV):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
 
 
@@ -237,12 +238,17 @@ COMPILE_CASES_3WG = [
     pytest.param(64, "bf16", {"varlen_k": True}, id="d64-varlen_k"),
     pytest.param(64, "bf16", {"causal": True, "seqused_k": True}, id="d64-causal-seqused_k"),
     pytest.param(64, "bf16", {**VARLEN_SEQUSED_K, "causal": True}, id="d64-causal-all-varlen"),
+    pytest.param(128, "bf16", {}, id="d128-80keys"),
+    pytest.param(128, "bf16", {"causal": True}, id="d128-80keys-causal"),
 ]
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("d, dtype, flags", COMPILE_CASES_3WG)
-def test_sm90_fwd_three_consumers_compiles(d: int, dtype: str, flags: dict, capfd) -> None:
+def test_sm90_fwd_three_consumers_compiles(
+    monkeypatch, d: int, dtype: str, flags: dict, capfd
+) -> None:
+    monkeypatch.setenv(TILE_N_ENV, str(SM90_FWD_3WG_MAX_TILE_N[d]))
     tile_m, tile_n, num_warps = fwd_tile(d, flags.get("causal", False), SM90_FWD_TILE_M_3WG)
     config = _config(head_dim=d, head_dim_v=d, dtype=dtype, tile_m=tile_m, tile_n=tile_n,
                      num_warps=num_warps, **flags)  # fmt: skip
@@ -252,11 +258,21 @@ def test_sm90_fwd_three_consumers_compiles(d: int, dtype: str, flags: dict, capf
 
 def test_sm90_three_consumers_only_where_they_fit(monkeypatch) -> None:
     monkeypatch.delenv(TILE_N_ENV, raising=False)
+    monkeypatch.delenv(TILE_M_ENV, raising=False)
     for d, dv in SM90_FWD_HEAD_DIM_PAIRS:
         config = _config(head_dim=d, head_dim_v=dv, tile_m=192, tile_n=fwd_tile(d, False)[1],
                          num_warps=16)  # fmt: skip
         ok, reason = fwd_can_implement(config)
-        assert ok == (d in SM90_FWD_3WG_MAX_TILE_N), (d, dv, reason)
+        fits = d in SM90_FWD_3WG_MAX_TILE_N and config.tile_n <= SM90_FWD_3WG_MAX_TILE_N[d]
+        assert ok == fits, (d, dv, reason)
+    # d 128 holds three consumers at 64 or 80 keys only (a tuning choice, not a default).
+    for tile_n, fits in ((64, True), (80, True), (96, False)):
+        monkeypatch.setenv(TILE_N_ENV, str(tile_n))
+        assert fwd_tile(128, False, tile_m=None)[0] == 128  # never by default
+        monkeypatch.setenv(TILE_M_ENV, "192")
+        assert fwd_tile(128, False)[0] == (192 if fits else 128), tile_n
+        monkeypatch.delenv(TILE_M_ENV)
+    monkeypatch.delenv(TILE_N_ENV)
     # A window or softcap would spill in 160 registers: those keep two consumers.
     for flags in ({"local": True}, {"has_softcap": True}, {"causal": True, "has_softcap": True}):
         config = _config(head_dim=64, head_dim_v=64, tile_m=192, tile_n=128, num_warps=16,
@@ -272,7 +288,8 @@ def test_sm90_three_consumers_only_where_they_fit(monkeypatch) -> None:
 
 MALFORMED = [(KV_STAGES_ENV, "4"), (KV_STAGES_ENV, "three"), (DEFER_RESCALE_ENV, "yes"),
              (DEFER_RESCALE_ENV, "3"), (EXP2_POLY_ENV, "3"), (EXP2_POLY_ENV, "on"),
-             (RESCALE_THRESHOLD_ENV, "6"), (RESCALE_THRESHOLD_ENV, "8.0")]  # fmt: skip
+             (RESCALE_THRESHOLD_ENV, "6"), (RESCALE_THRESHOLD_ENV, "8.0"), (PINGPONG_ENV, "off"),
+             (PINGPONG_ENV, "2")]  # fmt: skip
 
 
 @pytest.mark.parametrize("name, value", MALFORMED)
@@ -327,6 +344,9 @@ SWITCH_CASES = [
     pytest.param(
         RESCALE_THRESHOLD_ENV, "4", 128, None, LOCAL_SOFTCAP, id="thr4-d128-local-softcap"
     ),  # fmt: skip
+    pytest.param(PINGPONG_ENV, "0", 128, None, {}, id="nopingpong-d128"),
+    pytest.param(PINGPONG_ENV, "0", 64, None, {"causal": True}, id="nopingpong-d64-causal"),
+    pytest.param(PINGPONG_ENV, "0", 64, SM90_FWD_TILE_M_3WG, {}, id="nopingpong-d64-3wg"),
 ]
 
 
@@ -369,6 +389,14 @@ def test_sm90_fwd_switch_compiles(monkeypatch, capfd, name, value, d, tile_m, fl
         assert config.rescale_threshold == int(value) and f"thr{value}" in config.name
         votes = (3 if config.local else 2) + (1 if config.defer_rescale else 0)
         assert sass.count("VOTE.ANY") == votes, sass.count("VOTE.ANY")
+    if name == PINGPONG_ENV:
+        # No turns: the consumers' named-barrier waits and arrivals of the pingpong are gone
+        # (the epilogue's barriers stay).
+        monkeypatch.delenv(name)
+        default = compile_and_inspect(fwd_tuned(config.replace(pingpong=True)))["sass_text"]
+        assert not config.pingpong and "nopingpong" in config.name
+        turns = default.count("BAR.ARV") + default.count("BAR.SYNC")
+        assert sass.count("BAR.ARV") + sass.count("BAR.SYNC") < turns
     if name == EXP2_POLY_ENV:
         # Each thread's row of an unmasked block (tile_n / 2 scores) has tile_n / 2 / k
         # polynomial exponentials; the kernel has one unmasked loop.

@@ -268,6 +268,11 @@ def test_sm90_tile_m_switch(monkeypatch):
                     req(head_dim=128, head_dim_v=128)):  # fmt: skip
         _, config = dispatch.fwd_plan((9, 0), request)
         assert (config.arch, config.tile_m, config.num_warps) == (90, 128, 12)
+    # d128 holds three consumers at 80 keys or fewer (a tuning choice with the key switch).
+    monkeypatch.setenv("CUTE_FA_SM90_FWD_TILE_N", "80")
+    _, config = dispatch.fwd_plan((9, 0), req(head_dim=128, head_dim_v=128), 8192)
+    assert (config.arch, config.tile_m, config.tile_n, config.num_warps) == (90, 192, 80, 16)
+    monkeypatch.delenv("CUTE_FA_SM90_FWD_TILE_N")
     monkeypatch.setenv(TILE_M_ENV, "128")
     _, config = dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64))
     assert config.tile_m == 128

@@ -66,6 +66,13 @@ def test_sm90_variants_are_valid_peers_that_change_something(d):
     assert ("cute_fa:CUTE_FA_SM90_FWD_RESCALE_THRESHOLD=0" in peers) == (d == 256)
     # Three K/V stages only where Q and three stages fit in shared memory.
     assert ("cute_fa:CUTE_FA_SM90_FWD_KV_STAGES=3" in peers) == (d <= 128)
+    assert "cute_fa:CUTE_FA_SM90_FWD_PINGPONG=0" in peers
+    # Three consumers: d64 at its default keys, d128 at the 64 or 80 keys they hold.
+    three = [p for p in peers if "CUTE_FA_SM90_FWD_TILE_M=192" in p]
+    if d == 128:
+        assert three == [f"cute_fa:CUTE_FA_SM90_FWD_TILE_M=192:CUTE_FA_SM90_FWD_TILE_N={n}"
+                         for n in (64, 80)]  # fmt: skip
+    assert bool(three) == (d in (64, 128))
 
 
 def test_sm90_tuning_is_forward_only():
