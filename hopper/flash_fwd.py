@@ -69,7 +69,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
     192 (three consumers) for d 64 without a window or softcap, causal only from 4096 query
     rows (measured faster, ``support.SM90_FWD_3WG_DEFAULT``), 128 (two) otherwise;
     CUTE_FA_SM90_FWD_TILE_M picks 128 or 192 where it fits (``support.fwd_tile_ms``: what fits
-    160 registers a consumer thread). tile_n from ``support.fwd_tile`` (128 for d <= 128, 112
+    160 registers a consumer thread; d 128 with 64 or 80 keys, CUTE_FA_SM90_FWD_TILE_N). tile_n from ``support.fwd_tile`` (128 for d <= 128, 112
     for d 192, 64 for d 256: what fits Q plus two K/V stages in 227 KiB, and at d 256 measured
     faster than the 80 that fit; the reasons are there).
 
@@ -119,9 +119,12 @@ class FlashAttentionForwardSm90(AttentionKernel):
       (2,) 0, 1, ... and a barrier never sees a second arrival before its wait; the last
       consumer's last arrival on SCHEDULER_WG1 (and its first, when the CTA visits no block)
       is never waited for.
-      config.pingpong = False (CUTE_FA_SM90_FWD_PINGPONG=0, a tuning switch; not with
-      seqused_k, whose V-tail zeroing the turns order) drops the turns: each consumer issues
-      as soon as its operands are ready.
+      config.pingpong = False (CUTE_FA_SM90_FWD_PINGPONG=0; not with seqused_k, whose V-tail
+      zeroing the turns order) drops the turns: each consumer issues as soon as its operands
+      are ready. Default for d 64 causal calls on the persistent grid with two consumers
+      (``support.SM90_FWD_PINGPONG_OFF_DEFAULT``: +1-4 % there on the H200), where a
+      consumer's softmax outlasts the other's GEMMs and a turn mostly makes a ready consumer
+      wait.
     Shared memory (swizzled WGMMA layouts written by TMA: 128-byte swizzle, 64-byte where the
     contiguous extent is 96 elements)
       sQ  (64, d, num_consumers * q_stages): one 64-row slice per consumer and Q stage (stage
@@ -193,7 +196,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
       moved the O rescale and the P conversion but not the exponentials. config.defer_rescale
       = 2 (CUTE_FA_SM90_FWD_DEFER_RESCALE=2) puts the wait in a vote-guarded branch instead
       (``wait_pv_after_exponentials``): 66 of 66 at d 64 / d 128 and 34 of 34 at d 256 under
-      both builds; not timed yet.
+      both builds; on the H200 0.91-1.02 of the default over the forward grid (median 0.98),
+      so off.
     Exponentials on the FMA pipe (config.exp2_poly = k, CUTE_FA_SM90_FWD_EXP2_POLY): in the
       unmasked loop every k-th exponential of a thread's row is a polynomial (Note [exp2 on the
       FMA pipe] in cute_fa/dsl/softmax.py) instead of MUFU.EX2, which at d 64 is as busy as
@@ -215,11 +219,11 @@ class FlashAttentionForwardSm90(AttentionKernel):
     Softcap (compile-time flag; the value is a runtime argument): right after S is complete,
       s -> tanh(s * softmax_scale / softcap) (MUFU.TANH), with the exponent's scale
       softcap * log2(e); both scales come from the shared ``score_scales`` (as in sm80).
-    Neither tuning switch is part of the compile key (FwdConfig); support.py says how to
-      compare them.
-    Not yet: TMA-store epilogue, head_dim_v != head_dim other than 192 x 128, tuned
-      tile shapes and stage counts, persistent scheduling of window and varlen calls (tiles of
-      unequal cost want a dynamic schedule).
+    Every tuning switch is a field of the compile key (FwdConfig); hopper/support.py has
+      each with its measurements and defaults.
+    Not yet: TMA-store epilogue, head_dim_v != head_dim other than 192 x 128, persistent
+      scheduling of window and varlen calls (tiles of unequal cost want a dynamic schedule;
+      the persistent grid's round robin is static).
     """
 
     arch = 90

@@ -176,10 +176,18 @@ SM90_FWD_PERSISTENT_Q_STAGES = 2
 
 # Tuning switch: CUTE_FA_SM90_FWD_PINGPONG=0 drops the turns of the consumer warpgroups (named
 # barriers SCHEDULER_WG1 + c, hopper/flash_fwd.py): each issues its GEMMs as soon as its own
-# operands are ready, and the warp schedulers interleave the consumers as they come. =1 or
-# unset: the turns (FA3's pingpong). Not with seqused_k, whose V-tail zeroing the turns order
-# (``zero_v_tail``). Read when a launch plan is made.
+# operands are ready, and the warp schedulers interleave the consumers as they come. =1: the
+# turns (FA3's pingpong). Unset: SM90_FWD_PINGPONG_OFF_DEFAULT below. Never off with seqused_k,
+# whose V-tail zeroing the turns order (``zero_v_tail``). Read when a launch plan is made.
 PINGPONG_ENV = "CUTE_FA_SM90_FWD_PINGPONG"
+# Where the turns are off when the switch is unset: d 64 causal calls on the persistent grid with
+# two consumers (128 rows: below 4096 query rows). On the H200 (bf16, standard grid, the switch
+# as a peer in one process, docs/performance.md, Log 2026-12-02), three runs: +2 / +3 / +3 % at
+# 512, +4 / +1 / +2 % at 1k, +3 / +3 / +2 % at 2k. Not elsewhere: d 64 causal 4k (192 rows) -4 /
+# -5 %, d 64 non-causal (192 rows) -3 to 0 %, d 128 -5 to +3 % (two runs, inside the spread),
+# d 256 -4 to +1 %. At d 64 a consumer's softmax (66 exponentials a thread) takes longer than
+# the other consumer's GEMMs, so a turn mostly makes a consumer whose operands are ready wait.
+SM90_FWD_PINGPONG_OFF_DEFAULT = (64,)
 
 # These switches become fields of the compile key (FwdConfig.kv_stages, .defer_rescale,
 # .exp2_poly, .rescale_threshold, .num_ctas, .pingpong; see fwd_tuned), so a kernel compiled
@@ -228,7 +236,9 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
     sets the device's count) where it fits and ``seqlen_q`` (the call's longest query
     sequence) is at most SM90_FWD_PERSISTENT_MAX_SEQLEN(_CAUSAL) with two Q stages, or within
     SM90_FWD_PERSISTENT_ONE_Q_STAGE_CAUSAL for causal calls with one; or as
-    CUTE_FA_SM90_FWD_PERSISTENT says; CUTE_FA_SM90_FWD_PINGPONG=0 (not with seqused_k)."""
+    CUTE_FA_SM90_FWD_PERSISTENT says; the consumers' turns as CUTE_FA_SM90_FWD_PINGPONG says
+    (never off with seqused_k; unset: off for SM90_FWD_PINGPONG_OFF_DEFAULT's causal calls on
+    the persistent grid with 128 rows)."""
     value = _env_choice(KV_STAGES_ENV, tuple(str(s) for s in SM90_FWD_KV_STAGE_CHOICES))
     stages = int(value) if value else SM90_FWD_KV_STAGES
     if fwd_smem_bytes(config, stages) > SMEM_CAPACITY.get(config.target, 0):
@@ -245,7 +255,8 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
     if not threshold:
         threshold = SM90_FWD_RESCALE_THRESHOLD_DEFAULT.get(config.head_dim, 0)
     forced = _env_choice(PERSISTENT_ENV, ("0", "1"))
-    pingpong = _env_choice(PINGPONG_ENV, ("0", "1")) != "0" or config.seqused_k
+    pingpong_value = _env_choice(PINGPONG_ENV, ("0", "1"))
+    pingpong = pingpong_value != "0" or config.seqused_k
     config = config.replace(
         kv_stages=0 if stages == SM90_FWD_KV_STAGES else stages, defer_rescale=defer,
         exp2_poly=int(poly or 0), rescale_threshold=int(threshold), pingpong=pingpong,
@@ -260,7 +271,12 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
         low, high = SM90_FWD_PERSISTENT_ONE_Q_STAGE_CAUSAL
         by_default = config.causal and seqlen_q is not None and low <= seqlen_q <= high
     if (forced == "1" or (not forced and by_default)) and fwd_persistent_fits(config):
-        return persistent
+        config = persistent
+    if not pingpong_value and config.head_dim in SM90_FWD_PINGPONG_OFF_DEFAULT and (
+        config.causal and config.num_ctas and config.tile_m == SM90_FWD_TILE_M
+        and not config.seqused_k
+    ):  # fmt: skip
+        config = config.replace(pingpong=False)
     return config
 
 

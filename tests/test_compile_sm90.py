@@ -205,6 +205,9 @@ def test_sm90_fwd_default_plans_compile(monkeypatch, capfd, d, flags, seqlen_q) 
     assert cls is SM90_FWD and config.arch == 90
     if d == 64:
         assert config.defer_rescale
+        # No consumer turns for causal calls with two consumers on the persistent grid.
+        two_persistent = config.causal and config.num_ctas and config.tile_m == 128
+        assert config.pingpong == (not two_persistent), config.name
     if d == 256:
         assert config.tile_n == 64 and config.rescale_threshold == 8
         assert config.num_ctas  # causal 1k-8k: the persistent grid, one Q stage

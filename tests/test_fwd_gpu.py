@@ -504,7 +504,8 @@ def test_fwd_pingpong_off_and_three_consumers_at_d128(
     if "CUTE_FA_SM90_FWD_PINGPONG" in switches:
         assert not config.pingpong and "nopingpong" in config.name, config.name
     if "CUTE_FA_SM90_FWD_TILE_M" in switches:
-        assert (config.tile_m, config.tile_n) == (192, int(switches["CUTE_FA_SM90_FWD_TILE_N"]))
+        keys = int(switches.get("CUTE_FA_SM90_FWD_TILE_N", 128))
+        assert (config.tile_m, config.tile_n) == (192, keys), config.name
     if "CUTE_FA_SM90_FWD_PERSISTENT" in switches:
         assert config.num_ctas, config.name
 
