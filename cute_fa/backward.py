@@ -131,6 +131,7 @@ def bwd_config(
     if forced == "90" or (forced == "" and target.startswith("sm_90")):
         tile_m, tile_n, num_warps = sm90_support.bwd_tile(head_dim, causal, has_softcap)
         config = BwdConfig(arch=90, tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, **flags)
+        config = sm90_support.bwd_tuned(config)
         ok, reason = sm90_support.bwd_can_implement(config)
         if ok:
             return config
@@ -289,7 +290,8 @@ def _kernels(target, dtype, head_dim, head_dim_v, causal, local, has_softcap, va
              varlen_k, seqused_q, seqused_k, deterministic, has_dlse, switches,
              det_fit=None):  # fmt: skip
     """(config, preprocess, main, postprocess) of a backward request, kept per request (the
-    arguments; ``switches``: the values of CUTE_FA_BWD_ARCH and CUTE_FA_BWD_TILE): a training
+    arguments; ``switches``: the values of the backward's tuning variables, CUTE_FA_BWD_ARCH,
+    CUTE_FA_BWD_TILE, CUTE_FA_BWD_DET_ORDER and CUTE_FA_SM90_BWD_Q_STAGES): a training
     step's backward calls then skip building the compile keys and the three cache lookups
     (~10-25 us of Python a call). ``det_fit`` (deterministic calls without a window): the
     longest key sequence and the device, which decide ``det_coresident``."""
@@ -384,7 +386,8 @@ def run_backward(
         target, _DTYPE_NAMES[dtype], head_dim, head_dim_v, causal, local, softcap > 0, varlen_q,
         varlen_k, seqused_q is not None, seqused_k is not None, deterministic, dlse is not None,
         (os.environ.get(BWD_ARCH_ENV, ""), os.environ.get(BWD_TILE_ENV, ""),
-         os.environ.get(BWD_DET_ORDER_ENV, "")), det_fit,
+         os.environ.get(BWD_DET_ORDER_ENV, ""), os.environ.get(sm90_support.Q_STAGES_ENV, "")),
+        det_fit,
     )  # fmt: skip
 
     device = q.device

@@ -208,6 +208,8 @@ class BwdConfig:
     # checked that they fit on the GPU), so the turns may follow the order in which they reach
     # a query block (Note [deterministic dQ] in ampere/flash_bwd.py).
     det_coresident: bool = False
+    # sm90 kernel: Q / dO stages (CUTE_FA_SM90_BWD_Q_STAGES, hopper/support.py); 0: its default.
+    q_stages: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -224,6 +226,7 @@ class BwdConfig:
     def name(self) -> str:
         det = "_deterministic" if self.deterministic else ""
         det += "_coresident" if self.det_coresident else ""
+        det += f"_q{self.q_stages}" if self.q_stages else ""
         return "bwd" + FwdConfig.name.fget(self)[3:] + det  # same naming as the forward
 
 

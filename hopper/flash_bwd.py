@@ -214,7 +214,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
                                          (16-bit) in its own 64 rows of them (split d: its
                                          column half).
       sQ (tile_m, d, q_stages),          K-major B of S^T / dP^T; viewed (d, tile_m) MN-major as
-      sdO (tile_m, dv, q_stages)         the B of dK / dV. q_stages = 2 (1 at d 256).
+      sdO (tile_m, dv, q_stages)         the B of dK / dV. q_stages = 2 (1 at d 256;
+                                         CUTE_FA_SM90_BWD_Q_STAGES=3 where it fits).
       sLSE, sdPsum (tile_m, q_stages)    fp32: LSE * log2 e and delta of the block's rows.
       sdS (tile_m, tile_n, 2)            16-bit dS, K-major A of dQ.
       sP (tile_m, tile_n), split d       16-bit P^T of the block, laid out as an sdS buffer
@@ -303,7 +304,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
     def __init__(self, config: BwdConfig):
         super().__init__(config)
         self.num_consumers = 2
-        self.q_stages = bwd_q_stages(config.head_dim)
+        self.q_stages = bwd_q_stages(config)
         # d > 128 (split_d): both consumers share the CTA's 64 keys and each owns half of the
         # columns of dK / dV (docstring: split d).
         self.split_d = bwd_split_d(config.head_dim)

@@ -458,9 +458,30 @@ def bwd_split_d(head_dim: int) -> bool:
     return head_dim > SM90_BWD_SPLIT_D_ABOVE
 
 
-def bwd_q_stages(head_dim: int) -> int:
-    """Q / dO (and LSE / delta) stages of the sm90 backward."""
-    return SM90_BWD_Q_STAGES if head_dim <= SM90_BWD_TWO_Q_STAGES_MAX_D else 1
+# Tuning switch: CUTE_FA_SM90_BWD_Q_STAGES=2|3, the Q / dO (and LSE / delta) stages of the sm90
+# backward where they fit in shared memory (3: d 64 at 64 rows, d 96, d 128 (226.5 KiB of 227);
+# not d 64 at 128 rows, d 192 or d 256), else the default. Unset: SM90_BWD_Q_STAGES (1 at
+# d 256). Read when a launch plan is made; a field of the compile key (BwdConfig.q_stages).
+Q_STAGES_ENV = "CUTE_FA_SM90_BWD_Q_STAGES"
+SM90_BWD_Q_STAGE_CHOICES = (2, 3)
+
+
+def bwd_q_stages(config: BwdConfig) -> int:
+    """Q / dO (and LSE / delta) stages of the sm90 backward: ``config.q_stages`` when set, else
+    two (one above SM90_BWD_TWO_Q_STAGES_MAX_D)."""
+    if config.q_stages:
+        return config.q_stages
+    return SM90_BWD_Q_STAGES if config.head_dim <= SM90_BWD_TWO_Q_STAGES_MAX_D else 1
+
+
+def bwd_tuned(config: BwdConfig) -> BwdConfig:
+    """``config`` with CUTE_FA_SM90_BWD_Q_STAGES applied where that many stages fit in shared
+    memory (dispatch calls this)."""
+    value = _env_choice(Q_STAGES_ENV, tuple(str(s) for s in SM90_BWD_Q_STAGE_CHOICES))
+    if not value or int(value) == bwd_q_stages(config):
+        return config
+    tuned = config.replace(q_stages=int(value))
+    return tuned if bwd_smem_bytes(tuned) <= SMEM_CAPACITY.get(config.target, 0) else config
 
 
 def bwd_tile(head_dim: int, causal: bool, has_softcap: bool = False) -> tuple[int, int, int]:
@@ -478,7 +499,7 @@ def bwd_smem_bytes(config: BwdConfig) -> int:
     buffers (split d: and the P^T tile); the fp32 dQ tile; barriers and the 1024-byte
     alignment of the tiles."""
     tm, tn, d, dv = config.tile_m, config.tile_n, config.head_dim, config.head_dim_v
-    stages = bwd_q_stages(d)
+    stages = bwd_q_stages(config)
     ds_tiles = SM90_BWD_DS_BUFFERS + (1 if bwd_split_d(d) else 0)
     tiles = tn * (d + dv) + stages * tm * (d + dv) + ds_tiles * tm * tn
     return tiles * 2 + stages * 2 * tm * 4 + tm * d * 4 + SM90_FWD_SMEM_SLACK

@@ -150,3 +150,25 @@ def test_sm90_bwd_deterministic_more_ctas_than_fit(causal):
     for g, g2, g3, name in zip(grads, again, dispatched, ("dq", "dk", "dv"), strict=True):
         assert torch.equal(g.view(torch.int16), g2.view(torch.int16)), f"{name} differs"
         assert torch.equal(g.view(torch.int16), g3.view(torch.int16)), f"{name} (dispatch)"
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 1000), (203, 113)], ids=["1000", "203x113"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["", "det"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_bwd_three_q_stages(monkeypatch, causal, deterministic, seqlen_q, seqlen_k):
+    """CUTE_FA_SM90_BWD_Q_STAGES=3 at d128 (226.5 KiB of shared memory): gradients through the
+    public API against the reference, with the three-stage kernel the one that ran."""
+    from cute_fa.backward import bwd_cache
+    from cute_fa.hopper.support import Q_STAGES_ENV
+
+    monkeypatch.setenv(Q_STAGES_ENV, "3")
+    q, k, v = (
+        torch.randn(2, s, 4, 128, device="cuda", dtype=torch.bfloat16).requires_grad_()
+        for s in (seqlen_q, seqlen_k, seqlen_k)
+    )
+    out = cute_fa.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_grads(grads, q, k, v, dout, causal=causal)
+    ran = [c for c in bwd_cache().keys() if getattr(c, "q_stages", 0) == 3]
+    assert any(c.causal == causal and c.deterministic == deterministic for c in ran), ran

@@ -139,6 +139,9 @@ COMPILE_CASES = [
         {"varlen_q": True, "varlen_k": True, "seqused_q": True, "seqused_k": True},
         id="d128-causal-varlen-seqused",
     ),  # fmt: skip
+    # Three Q / dO stages (CUTE_FA_SM90_BWD_Q_STAGES=3) where they fit.
+    pytest.param(128, "bf16", False, False, {"q_stages": 3}, id="d128-q3"),
+    pytest.param(128, "bf16", True, True, {"q_stages": 3}, id="d128-causal-det-q3"),
 ]
 
 
@@ -221,3 +224,26 @@ def test_compiles_through_the_backward_path(monkeypatch) -> None:
     assert main_cls.__name__ == "FlashAttentionBackwardSm90"
     assert pre_cls.arch == 80 and post_cls.arch == 80
     assert compile_bwd(config) is not None
+
+
+def test_sm90_bwd_q_stages_switch(monkeypatch) -> None:
+    """CUTE_FA_SM90_BWD_Q_STAGES: three stages where they fit in shared memory (d96, d128, d64
+    at 64 rows), the default elsewhere; part of the compile key; bad values raise."""
+    from cute_fa.config import SettingError
+    from cute_fa.hopper.support import Q_STAGES_ENV, bwd_q_stages, bwd_tuned
+
+    monkeypatch.delenv(Q_STAGES_ENV, raising=False)
+    assert bwd_tuned(_config(128)) == _config(128)
+    monkeypatch.setenv(Q_STAGES_ENV, "3")
+    for d, fits in ((64, False), (96, True), (128, True), (192, False), (256, False)):
+        config = bwd_tuned(_config(d))
+        assert (bwd_q_stages(config) == 3) == fits, d
+        assert bwd_smem_bytes(config) <= SMEM_CAPACITY["sm_90a"]
+        assert bwd_can_implement(config) == (True, "")
+        assert ("_q3" in config.name) == fits
+    monkeypatch.setenv(Q_STAGES_ENV, "2")
+    assert bwd_q_stages(bwd_tuned(_config(256))) == 1  # two do not fit at d256
+    for bad in ("4", "three"):
+        monkeypatch.setenv(Q_STAGES_ENV, bad)
+        with pytest.raises(SettingError, match=Q_STAGES_ENV):
+            bwd_tuned(_config(128))
