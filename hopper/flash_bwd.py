@@ -86,9 +86,9 @@ class FlashAttentionBackwardSm90(AttentionKernel):
     in cute_fa/backward.py); the sm80 backward runs the rest. tests/test_bwd_sm90_gpu.py and
     tests/test_bwd_gpu.py check its gradients on an H200 (d 64 to 256, bf16/fp16, causal,
     windows, softcap, MHA/GQA, varlen with empty sequences and NaN past seqused, lengths
-    0..1000); on the H200 it measured 0.99-1.18x SDPA CUDNN's backward at d64, 0.96-1.06x at
-    d128, 1.10-1.19x at d96, 1.06-1.20x at d192 (before the split score GEMMs; not
-    re-measured since) and 1.10-1.26x at d256 (dense; docs/performance.md).
+    0..1000); on the H200 (2026-12-02, docs/performance.md) it measured 1.01-1.15x SDPA
+    CUDNN's backward at d64, 1.00-1.07x at d128, 1.22-1.37x at d192, 1.10-1.27x at d256
+    (dense, standard grid; d96 1.10-1.19x in an earlier run).
     tests/test_compile_sm90_bwd.py cross-compiles it for sm_90a and reads its SASS (HGMMA, no
     spills, no stack). It takes the backward protocol of ``bwd_fake_args`` and reuses
     the sm80 preprocess (delta, dQaccum zeroing) and postprocess (dQ conversion) kernels as they
