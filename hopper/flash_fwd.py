@@ -69,9 +69,10 @@ class FlashAttentionForwardSm90(AttentionKernel):
     192 (three consumers) for d 64 without a window or softcap, causal only from 4096 query
     rows (measured faster, ``support.SM90_FWD_3WG_DEFAULT``), 128 (two) otherwise;
     CUTE_FA_SM90_FWD_TILE_M picks 128 or 192 where it fits (``support.fwd_tile_ms``: what fits
-    160 registers a consumer thread; d 128 with 64 or 80 keys, CUTE_FA_SM90_FWD_TILE_N). tile_n from ``support.fwd_tile`` (128 for d <= 128, 112
-    for d 192, 64 for d 256: what fits Q plus two K/V stages in 227 KiB, and at d 256 measured
-    faster than the 80 that fit; the reasons are there).
+    160 registers a consumer thread; d 128 with 64 or 80 keys, CUTE_FA_SM90_FWD_TILE_N).
+    tile_n from ``support.fwd_tile`` (128 for d <= 128, 112 for d 192, 64 for d 256: what fits
+    Q plus two K/V stages in 227 KiB, and at d 256 measured faster than the 80 that fit; the
+    reasons are there).
 
     Grid and work split
       A tile is tile_m (128 or 192) query rows of one (head, batch); its CTA visits the tile's

@@ -158,8 +158,9 @@ def test_sm90_bwd_deterministic_more_ctas_than_fit(causal):
 def test_sm90_bwd_three_q_stages(monkeypatch, causal, deterministic, seqlen_q, seqlen_k):
     """CUTE_FA_SM90_BWD_Q_STAGES=3 at d128 (226.5 KiB of shared memory): gradients through the
     public API against the reference, with the three-stage kernel the one that ran."""
-    from cute_fa.backward import bwd_cache
     from cute_fa.hopper.support import Q_STAGES_ENV
+
+    from cute_fa.backward import bwd_cache
 
     monkeypatch.setenv(Q_STAGES_ENV, "3")
     q, k, v = (

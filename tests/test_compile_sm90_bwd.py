@@ -229,8 +229,9 @@ def test_compiles_through_the_backward_path(monkeypatch) -> None:
 def test_sm90_bwd_q_stages_switch(monkeypatch) -> None:
     """CUTE_FA_SM90_BWD_Q_STAGES: three stages where they fit in shared memory (d96, d128, d64
     at 64 rows), the default elsewhere; part of the compile key; bad values raise."""
-    from cute_fa.config import SettingError
     from cute_fa.hopper.support import Q_STAGES_ENV, bwd_q_stages, bwd_tuned
+
+    from cute_fa.config import SettingError
 
     monkeypatch.delenv(Q_STAGES_ENV, raising=False)
     assert bwd_tuned(_config(128)) == _config(128)
