@@ -94,6 +94,9 @@ class FwdConfig:
     # Consumer warpgroups take turns issuing their GEMMs (named barriers); False: each issues
     # as soon as its operands are ready (CUTE_FA_SM90_FWD_PINGPONG=0).
     pingpong: bool = True
+    # A consumer's softmax of block j runs while its O += P V of block j - 1 is in flight
+    # (intra-warpgroup overlap); False: it waits for both GEMMs (CUTE_FA_SM90_FWD_OVERLAP=0).
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -127,6 +130,8 @@ class FwdConfig:
             flags.append(f"persistent{self.num_ctas}")
         if not getattr(self, "pingpong", True):
             flags.append("nopingpong")
+        if not getattr(self, "overlap", True):
+            flags.append("nooverlap")
         dv = "" if self.head_dim_v == self.head_dim else f"x{self.head_dim_v}"
         return (
             f"fwd_sm{self.arch}_{self.target}_{self.dtype}_d{self.head_dim}{dv}"

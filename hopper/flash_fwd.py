@@ -110,6 +110,9 @@ class FlashAttentionForwardSm90(AttentionKernel):
       after the last block:  [turn] O += P V[n_min] [/turn]
       S = Q K^T is WGMMA SS (both operands in smem); O += P V is WGMMA RS (P from registers,
       the C fragment reinterpreted as the A fragment, no data movement).
+      config.overlap = False (CUTE_FA_SM90_FWD_OVERLAP=0, a tuning switch): wait_group 0
+      instead of 1 after the issue, so the softmax of block n waits for O += P V[n + 1] too
+      (no intra-warpgroup overlap).
     Pingpong ([turn] ... [/turn]), round robin over the consumers: consumer c waits on named
       barrier SCHEDULER_WG1 + c (256 threads: its own 128, which wait, and the 128 of consumer
       c - 1 mod num_consumers, which arrive) before issuing its GEMMs, and arrives on the
@@ -883,8 +886,9 @@ class FlashAttentionForwardSm90(AttentionKernel):
             warpgroup.commit_group()
         self.end_turn(consumer)
         # S is complete after this wait; O += P V (when issued) may still run during the
-        # softmax below, which leaves acc_O alone until it has completed.
-        warpgroup.wait_group(0 if is_first else 1)
+        # softmax below, which leaves acc_O alone until it has completed (config.overlap off:
+        # both have completed).
+        warpgroup.wait_group(0 if is_first or not self.config.overlap else 1)
         pipeline_k.consumer_release(k_state)
 
         if cutlass.const_expr(self.has_softcap):

@@ -188,10 +188,15 @@ PINGPONG_ENV = "CUTE_FA_SM90_FWD_PINGPONG"
 # d 256 -4 to +1 %. At d 64 a consumer's softmax (66 exponentials a thread) takes longer than
 # the other consumer's GEMMs, so a turn mostly makes a consumer whose operands are ready wait.
 SM90_FWD_PINGPONG_OFF_DEFAULT = (64,)
+# Tuning switch: CUTE_FA_SM90_FWD_OVERLAP=0 turns the intra-warpgroup overlap off: a consumer
+# waits for both GEMMs of its step (S = Q K[j]^T and O += P V[j + 1]) before the softmax of
+# block j, instead of only for S (hopper/flash_fwd.py, ``step``). =1 or unset: the overlap.
+# Read when a launch plan is made.
+OVERLAP_ENV = "CUTE_FA_SM90_FWD_OVERLAP"
 
 # These switches become fields of the compile key (FwdConfig.kv_stages, .defer_rescale,
-# .exp2_poly, .rescale_threshold, .num_ctas, .pingpong; see fwd_tuned), so a kernel compiled
-# under one setting is never served under another.
+# .exp2_poly, .rescale_threshold, .num_ctas, .pingpong, .overlap; see fwd_tuned), so a kernel
+# compiled under one setting is never served under another.
 
 
 def _env_choice(name: str, choices: tuple[str, ...]) -> str:
@@ -238,7 +243,7 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
     SM90_FWD_PERSISTENT_ONE_Q_STAGE_CAUSAL for causal calls with one; or as
     CUTE_FA_SM90_FWD_PERSISTENT says; the consumers' turns as CUTE_FA_SM90_FWD_PINGPONG says
     (never off with seqused_k; unset: off for SM90_FWD_PINGPONG_OFF_DEFAULT's causal calls on
-    the persistent grid with 128 rows)."""
+    the persistent grid with 128 rows); CUTE_FA_SM90_FWD_OVERLAP=0."""
     value = _env_choice(KV_STAGES_ENV, tuple(str(s) for s in SM90_FWD_KV_STAGE_CHOICES))
     stages = int(value) if value else SM90_FWD_KV_STAGES
     if fwd_smem_bytes(config, stages) > SMEM_CAPACITY.get(config.target, 0):
@@ -257,9 +262,11 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
     forced = _env_choice(PERSISTENT_ENV, ("0", "1"))
     pingpong_value = _env_choice(PINGPONG_ENV, ("0", "1"))
     pingpong = pingpong_value != "0" or config.seqused_k
+    overlap = _env_choice(OVERLAP_ENV, ("0", "1")) != "0"
     config = config.replace(
         kv_stages=0 if stages == SM90_FWD_KV_STAGES else stages, defer_rescale=defer,
         exp2_poly=int(poly or 0), rescale_threshold=int(threshold), pingpong=pingpong,
+        overlap=overlap,
     )  # fmt: skip
     persistent = config.replace(num_ctas=SM90_SMS)
     limit = (

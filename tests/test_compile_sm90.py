@@ -19,6 +19,7 @@ from cute_fa.hopper.support import (
     EXP2_POLY_ENV,
     KV_STAGES_ENV,
     PERSISTENT_ENV,
+    OVERLAP_ENV,
     PINGPONG_ENV,
     RESCALE_THRESHOLD_ENV,
     SM90_FWD_3WG_MAX_TILE_N,
@@ -71,7 +72,8 @@ def _tiled_config(d: int, dv: int, **flags) -> FwdConfig:
 def _clear_switches(monkeypatch) -> None:
     """No tuning switch of the sm90 forward set: dispatch makes its default choices."""
     for name in (TILE_N_ENV, TILE_M_ENV, KV_STAGES_ENV, DEFER_RESCALE_ENV, EXP2_POLY_ENV,
-                 RESCALE_THRESHOLD_ENV, PERSISTENT_ENV, PINGPONG_ENV, FWD_ARCH_ENV):  # fmt: skip
+                 RESCALE_THRESHOLD_ENV, PERSISTENT_ENV, PINGPONG_ENV, OVERLAP_ENV,
+                 FWD_ARCH_ENV):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
 
 
@@ -292,7 +294,7 @@ def test_sm90_three_consumers_only_where_they_fit(monkeypatch) -> None:
 MALFORMED = [(KV_STAGES_ENV, "4"), (KV_STAGES_ENV, "three"), (DEFER_RESCALE_ENV, "yes"),
              (DEFER_RESCALE_ENV, "3"), (EXP2_POLY_ENV, "3"), (EXP2_POLY_ENV, "on"),
              (RESCALE_THRESHOLD_ENV, "6"), (RESCALE_THRESHOLD_ENV, "8.0"), (PINGPONG_ENV, "off"),
-             (PINGPONG_ENV, "2")]  # fmt: skip
+             (PINGPONG_ENV, "2"), (OVERLAP_ENV, "no")]  # fmt: skip
 
 
 @pytest.mark.parametrize("name, value", MALFORMED)
@@ -350,6 +352,9 @@ SWITCH_CASES = [
     pytest.param(PINGPONG_ENV, "0", 128, None, {}, id="nopingpong-d128"),
     pytest.param(PINGPONG_ENV, "0", 64, None, {"causal": True}, id="nopingpong-d64-causal"),
     pytest.param(PINGPONG_ENV, "0", 64, SM90_FWD_TILE_M_3WG, {}, id="nopingpong-d64-3wg"),
+    pytest.param(OVERLAP_ENV, "0", 128, None, {}, id="nooverlap-d128"),
+    pytest.param(OVERLAP_ENV, "0", 64, None, {"causal": True}, id="nooverlap-d64-causal"),
+    pytest.param(OVERLAP_ENV, "0", 256, None, {"causal": True}, id="nooverlap-d256-causal"),
 ]
 
 
@@ -400,6 +405,12 @@ def test_sm90_fwd_switch_compiles(monkeypatch, capfd, name, value, d, tile_m, fl
         assert not config.pingpong and "nopingpong" in config.name
         turns = default.count("BAR.ARV") + default.count("BAR.SYNC")
         assert sass.count("BAR.ARV") + sass.count("BAR.SYNC") < turns
+    if name == OVERLAP_ENV:
+        # No overlap: every wait after an issue is wait_group 0 (the default's loops wait for
+        # S alone with wait_group 1).
+        assert not config.overlap and "nooverlap" in config.name
+        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" not in sass
+        assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") >= 3
     if name == EXP2_POLY_ENV:
         # Each thread's row of an unmasked block (tile_n / 2 scores) has tile_n / 2 / k
         # polynomial exponentials; the kernel has one unmasked loop.

@@ -474,9 +474,11 @@ def test_fwd_defer_rescale_vote_guarded_wait(monkeypatch, d, seqlen_q, seqlen_k,
 
 
 NO_PINGPONG = {"CUTE_FA_SM90_FWD_PINGPONG": "0"}
+NO_OVERLAP = {"CUTE_FA_SM90_FWD_OVERLAP": "0"}
 PERSISTENT = {"CUTE_FA_SM90_FWD_PERSISTENT": "1"}
-# (d, seqlen_q, seqlen_k, mask, switches): pingpong off; three consumers at d128 (64 / 80 keys).
-LAYOUT_SWITCH_CASES = [
+# (d, seqlen_q, seqlen_k, mask, switches): pingpong off; three consumers at d128 (64 / 80 keys);
+# the intra-warpgroup overlap off.
+SCHEDULE_SWITCH_CASES = [
     (64, 1000, 777, "causal", NO_PINGPONG),
     (64, 1000, 1000, "full", {**NO_PINGPONG, **ROWS_192}),
     (128, 777, 1000, "full", NO_PINGPONG),
@@ -485,18 +487,22 @@ LAYOUT_SWITCH_CASES = [
     (128, 1000, 777, "full", {**ROWS_192, "CUTE_FA_SM90_FWD_TILE_N": "80"}),
     (128, 1000, 1000, "causal", {**ROWS_192, "CUTE_FA_SM90_FWD_TILE_N": "80", **PERSISTENT}),
     (128, 777, 1000, "causal", {**ROWS_192, "CUTE_FA_SM90_FWD_TILE_N": "64"}),
+    (64, 1000, 777, "causal", NO_OVERLAP),
+    (128, 1000, 1000, "full", NO_OVERLAP),
+    (256, 777, 1000, "causal", NO_OVERLAP),
 ]
 
 
-@pytest.mark.parametrize("d,seqlen_q,seqlen_k,mask,switches", LAYOUT_SWITCH_CASES,
+@pytest.mark.parametrize("d,seqlen_q,seqlen_k,mask,switches", SCHEDULE_SWITCH_CASES,
                          ids=[f"d{c[0]}-{c[1]}x{c[2]}-{c[3]}-" + "-".join(
                              f"{k.rsplit('_', 1)[-1].lower()}{v}" for k, v in c[4].items())
-                             for c in LAYOUT_SWITCH_CASES])  # fmt: skip
-def test_fwd_pingpong_off_and_three_consumers_at_d128(
+                             for c in SCHEDULE_SWITCH_CASES])  # fmt: skip
+def test_fwd_schedule_switches(
     monkeypatch, d, seqlen_q, seqlen_k, mask, switches
 ):
-    """CUTE_FA_SM90_FWD_PINGPONG=0 (no consumer turns) and CUTE_FA_SM90_FWD_TILE_M=192 at d128
-    with 64 or 80 keys: against attention_ref, with the switches in the kernel that ran."""
+    """CUTE_FA_SM90_FWD_PINGPONG=0 (no consumer turns), CUTE_FA_SM90_FWD_TILE_M=192 at d128
+    with 64 or 80 keys and CUTE_FA_SM90_FWD_OVERLAP=0: against attention_ref, with the switches
+    in the kernel that ran."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("sm90 forward switches")
     config = run_sm90_switch_case(monkeypatch, switches, d, seqlen_q, seqlen_k, mask, 0.0,
@@ -508,6 +514,8 @@ def test_fwd_pingpong_off_and_three_consumers_at_d128(
         assert (config.tile_m, config.tile_n) == (192, keys), config.name
     if "CUTE_FA_SM90_FWD_PERSISTENT" in switches:
         assert config.num_ctas, config.name
+    if "CUTE_FA_SM90_FWD_OVERLAP" in switches:
+        assert not config.overlap and "nooverlap" in config.name, config.name
 
 
 # (d, seqlen_q, seqlen_k, mask, softcap, dtype, threshold, score spread, other switches).
