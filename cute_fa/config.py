@@ -91,6 +91,9 @@ class FwdConfig:
     # Persistent grid (Note [persistent tiles] in cute_fa/dsl/scheduler.py): CTAs launched, one
     # an SM of the device; 0: one CTA a tile.
     num_ctas: int = 0
+    # Persistent grid only: CTAs take their next work unit from a global counter (atomicAdd)
+    # instead of the static round robin (CUTE_FA_SM90_FWD_PERSISTENT=2).
+    dynamic_tiles: bool = False
     # Consumer warpgroups take turns issuing their GEMMs (named barriers); False: each issues
     # as soon as its operands are ready (CUTE_FA_SM90_FWD_PINGPONG=0).
     pingpong: bool = True
@@ -128,6 +131,8 @@ class FwdConfig:
             flags.append(f"thr{self.rescale_threshold}")
         if getattr(self, "num_ctas", 0):
             flags.append(f"persistent{self.num_ctas}")
+        if getattr(self, "dynamic_tiles", False):
+            flags.append("dynamic")
         if not getattr(self, "pingpong", True):
             flags.append("nopingpong")
         if not getattr(self, "overlap", True):

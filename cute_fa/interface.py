@@ -521,6 +521,7 @@ class _Plan(NamedTuple):
     seqused_q: bool
     has_int_metadata: bool  # cu_seqlens / seqused present: their values are checked per call
     no_work: bool  # out is empty or there are no keys: no launch
+    tile_counter: bool  # the kernel takes a zeroed work-unit counter (dynamic persistent grid)
     window_left: int
     window_right: int
     shapes: _Shapes
@@ -626,6 +627,7 @@ def _make_plan(
             t is not None for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
         ),
         no_work=no_work,
+        tile_counter=getattr(config, "dynamic_tiles", False),
         window_left=wl,
         window_right=wr,
         shapes=shapes,
@@ -701,9 +703,11 @@ def _fwd_impl(
     else:
         q4, out4, lse3 = q, out, lse
     k4, v4 = (k.unsqueeze(0), v.unsqueeze(0)) if plan.varlen_k else (k, v)
+    # A persistent grid with a dynamic schedule counts its work units from zero on each call.
+    counter = torch.zeros(1, dtype=torch.int32, device=plan.device) if plan.tile_counter else None
     plan.kernel(
         q4, k4, v4, out4, lse3, softmax_scale, softcap, plan.window_left, plan.window_right,
-        max_seqlen_q, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+        max_seqlen_q, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, counter,
     )  # fmt: skip
     return out, lse
 

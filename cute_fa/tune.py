@@ -87,6 +87,7 @@ def sm90_fwd_variants(head_dim: int) -> list[str]:
         f"{sm90.RESCALE_THRESHOLD_ENV}={threshold}",
         f"{sm90.PERSISTENT_ENV}=0",
         f"{sm90.PERSISTENT_ENV}=1",
+        f"{sm90.PERSISTENT_ENV}=2",  # the dynamic schedule
     ]
     settings += [f"{sm90.PINGPONG_ENV}=0", f"{sm90.OVERLAP_ENV}=0"]
     if head_dim in sm90.SM90_FWD_PINGPONG_OFF_DEFAULT:  # off by default for some calls
@@ -152,7 +153,7 @@ def _check(kernel, config, torch) -> float:
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for s in (sq, sk, sk))
     out = torch.full_like(q, float("nan"))
     lse = torch.empty(b, h, sq, device="cuda", dtype=torch.float32)
-    kernel(q, k, v, out, lse, d**-0.5, 0.0, 0, 0, sq, None, None, None, None)
+    kernel(q, k, v, out, lse, d**-0.5, 0.0, 0, 0, sq, None, None, None, None, None)
     out_ref, _ = attention_ref(q, k, v, causal=config.causal)
     out_pt, _ = attention_ref(q, k, v, causal=config.causal, upcast=False)
     check_close(out, out_ref, out_pt)
@@ -289,7 +290,7 @@ def run_bwd(head_dims, seqlens, causals, warmup_ms: float, rep_ms: float) -> lis
 
 def _kernel_call(kernel, q, k, v, out, lse, seqlen: int):
     scale = q.shape[-1] ** -0.5
-    return lambda: kernel(q, k, v, out, lse, scale, 0.0, 0, 0, seqlen, None, None, None, None)
+    return lambda: kernel(q, k, v, out, lse, scale, 0.0, 0, 0, seqlen, None, None, None, None, None)
 
 
 def _sdpa_call(torch, q, k, v, causal: bool):

@@ -92,6 +92,13 @@ class FlashAttentionForwardSm90(AttentionKernel):
       producer and each consumer run the same tile loop; pipeline states and the pingpong
       turns carry over from tile to tile, so the producer loads the next tile's Q, K and V
       while the consumers finish this one.
+      Dynamic schedule (config.dynamic_tiles, CUTE_FA_SM90_FWD_PERSISTENT=2; not timed yet):
+      after its first unit (its block index) the producer warp takes each next unit as grid +
+      the old value of mTileCounter (lane 0's atomicAdd; the caller zeroes the counter), and
+      hands every unit, and finally one past the end, to the consumers through pipeline_tile
+      (PipelineAsync, q_stages + 1 slots of int32 ``unit * 2 + second`` in smem; lane 0 of the
+      producer warp fills a slot, all consumer threads read and release it), which read it
+      at the start of each tile.
     Warp roles (1 + num_consumers warpgroups: 384 threads launched at <= 168 registers a
     thread with two consumers, 512 threads at <= 128 with three; ``support.SM90_FWD_REGS``)
       warpgroup 0: producer. Warp 0 issues every TMA load (Q once, then K[n] and V[n] of each
@@ -241,6 +248,10 @@ class FlashAttentionForwardSm90(AttentionKernel):
         self.defer_rescale = config.defer_rescale
         self.regs_producer, self.regs_consumer = SM90_FWD_REGS[self.num_consumers]
         self.num_ctas = config.num_ctas  # persistent grid; 0: one CTA a tile
+        self.dynamic_tiles = config.dynamic_tiles  # persistent: units from a global counter
+        # Slots of the work-unit ring (dynamic schedule): one more than the Q stages, so the
+        # ring never holds the producer back more than the Q ring does.
+        self.tile_stages = fwd_q_stages(config) + 1 if config.dynamic_tiles else 1
         self.q_stages = fwd_q_stages(config)
         self.exp2_poly = config.exp2_poly  # 0: every exponential on MUFU
         self.rescale_threshold = float(config.rescale_threshold)  # 0: O rescaled every block
@@ -283,6 +294,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         mCuSeqlensK: cute.Tensor | None,
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
+        mTileCounter: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
         d, dv, tile_n, wg_m = self.tile_hdim, self.tile_hdimv, self.tile_n, self.wg_m
@@ -322,6 +334,9 @@ class FlashAttentionForwardSm90(AttentionKernel):
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            # Dynamic schedule: the ring of work units the producer hands the consumers.
+            mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * self.tile_stages]
+            tile_slot: cute.struct.MemRange[cutlass.Int32, self.tile_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
@@ -341,7 +356,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         self.kernel(
             mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE, tma_q, tma_k, tma_v,
             score_scale, scale_log2, window_left, window_right,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mTileCounter,
             sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv, copy_r2g, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)  # fmt: skip
@@ -370,6 +385,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         mCuSeqlensK: cute.Tensor | None,
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
+        mTileCounter: cute.Tensor | None,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -387,6 +403,16 @@ class FlashAttentionForwardSm90(AttentionKernel):
         pipeline_q = tma_pipeline(storage.mbar_q, self.q_stages, self.tx_q, consumer_warps)
         pipeline_k = tma_pipeline(storage.mbar_k, self.kv_stages, self.tx_k, consumer_warps)
         pipeline_v = tma_pipeline(storage.mbar_v, self.kv_stages, self.tx_v, consumer_warps)
+        pipeline_tile = None
+        if cutlass.const_expr(self.dynamic_tiles):
+            pipeline_tile = pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar_tile.data_ptr(), num_stages=self.tile_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, self.num_consumers * WARPGROUP
+                ),
+                defer_sync=True,
+            )  # fmt: skip
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -395,6 +421,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         gmem = (mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE,
                 mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)  # fmt: skip
+        sTile = storage.tile_slot.get_tensor(cute.make_layout(self.tile_stages))
         smem_tiles = (sQ, sK, sV)
         pipes = (pipeline_q, pipeline_k, pipeline_v)
         window = (window_left, window_right)
@@ -416,15 +443,28 @@ class FlashAttentionForwardSm90(AttentionKernel):
                     pipeline.PipelineUserType.Producer, self.kv_stages
                 )
                 tma = (tma_q, tma_k, tma_v)
+                tile_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.tile_stages
+                )
                 if cutlass.const_expr(self.num_ctas > 0):
+                    if cutlass.const_expr(self.dynamic_tiles):
+                        tile_state = self.publish_unit(pipeline_tile, sTile, tile_state, unit,
+                                                       second)  # fmt: skip
                     while unit < num_units:
                         q_state, kv_state = self.load_tile(
                             (unit, second), gmem, tma, smem_tiles, pipes, q_state, kv_state,
                             window,
                         )  # fmt: skip
-                        unit, second = next_tile(
-                            unit, second, stride, mQ.shape[1], self.tile_m, self.causal
-                        )
+                        if cutlass.const_expr(self.dynamic_tiles):
+                            unit, second = self.take_unit(unit, second, stride, mTileCounter,
+                                                          mQ.shape[1])  # fmt: skip
+                            # The last one published is past the end: the consumers stop.
+                            tile_state = self.publish_unit(pipeline_tile, sTile, tile_state,
+                                                           unit, second)  # fmt: skip
+                        else:
+                            unit, second = next_tile(
+                                unit, second, stride, mQ.shape[1], self.tile_m, self.causal
+                            )
                 else:
                     self.load_tile((unit, second), gmem, tma, smem_tiles, pipes, q_state,
                                    kv_state, window)  # fmt: skip
@@ -440,20 +480,72 @@ class FlashAttentionForwardSm90(AttentionKernel):
             )
             if consumer == self.num_consumers - 1:
                 self.end_turn(consumer)  # the last consumer hands the first turn to consumer 0
+            tile_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.tile_stages
+            )
             if cutlass.const_expr(self.num_ctas > 0):
+                if cutlass.const_expr(self.dynamic_tiles):
+                    unit, second, tile_state = self.receive_unit(pipeline_tile, sTile, tile_state)
                 while unit < num_units:
                     states = self.consume_tile(
                         (unit, second), gmem, smem_tiles, pipes, states, mmas, consumer,
                         tidx % WARPGROUP, scales, window,
                     )  # fmt: skip
-                    unit, second = next_tile(
-                        unit, second, stride, mQ.shape[1], self.tile_m, self.causal
-                    )
+                    if cutlass.const_expr(self.dynamic_tiles):
+                        unit, second, tile_state = self.receive_unit(pipeline_tile, sTile,
+                                                                     tile_state)  # fmt: skip
+                    else:
+                        unit, second = next_tile(
+                            unit, second, stride, mQ.shape[1], self.tile_m, self.causal
+                        )
             else:
                 self.consume_tile(
                     (unit, second), gmem, smem_tiles, pipes, states, mmas, consumer,
                     tidx % WARPGROUP, scales, window,
                 )  # fmt: skip
+
+    @cute.jit
+    def take_unit(
+        self, unit: Int32, second: Int32, stride: Int32, mTileCounter: cute.Tensor,
+        seqlen_q: Int32,
+    ):  # fmt: skip
+        """Producer warp, dynamic schedule: the tile after ``(unit, second)``: a pair's second
+        tile, else the first of unit ``stride`` + the counter's old value (lane 0's atomicAdd,
+        shared with the warp). A CTA's first unit is its block index, so the counter hands out
+        units grid, grid + 1, ... in the order the CTAs ask (Note [persistent tiles])."""
+        next_unit, next_second = next_tile(unit, second, Int32(0), seqlen_q, self.tile_m,
+                                           self.causal)  # fmt: skip
+        if next_second == 0:
+            taken = Int32(0)
+            if cute.arch.lane_idx() == 0:
+                taken = cute.arch.atomic_add(mTileCounter.iterator.llvm_ptr, Int32(1))
+            next_unit = stride + cute.arch.shuffle_sync(taken, 0)
+        return next_unit, next_second
+
+    @cute.jit
+    def publish_unit(
+        self, pipeline_tile, sTile: cute.Tensor, state: pipeline.PipelineState, unit: Int32,
+        second: Int32,
+    ):  # fmt: skip
+        """Producer warp, dynamic schedule: hand ``(unit, second)`` to the consumers through
+        the next slot of the work-unit ring (lane 0 waits for the slot, writes it and arrives;
+        the arrive's release orders the write). Returns the advanced state."""
+        if cute.arch.lane_idx() == 0:
+            pipeline_tile.producer_acquire(state)
+            sTile[state.index] = unit * 2 + second
+            pipeline_tile.producer_commit(state)
+        state.advance()
+        return state
+
+    @cute.jit
+    def receive_unit(self, pipeline_tile, sTile: cute.Tensor, state: pipeline.PipelineState):
+        """Consumer thread, dynamic schedule: the next (unit, second) from the work-unit ring,
+        and the advanced state (the slot is released once read)."""
+        pipeline_tile.consumer_wait(state)
+        code = sTile[state.index]
+        pipeline_tile.consumer_release(state)
+        state.advance()
+        return code // 2, code % 2, state
 
     @cute.jit
     def tile_work(self, tile: tuple, gmem: tuple, window: tuple):

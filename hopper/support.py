@@ -161,8 +161,10 @@ SM90_FWD_RESCALE_THRESHOLD_DEFAULT = {256: 8}
 # 0.99 and 1.06 at 16k. So they follow the rule above (causal up to 8192 rows): d 64 causal
 # calls run 128 rows persistent below 4096 rows, 192 rows persistent from 4096 to 8192, and
 # 192 rows one CTA a tile above.
-# Switch: CUTE_FA_SM90_FWD_PERSISTENT=1 for every call that fits, =0 for none. Read when a
-# launch plan is made.
+# Switch: CUTE_FA_SM90_FWD_PERSISTENT=1 for every call that fits, =0 for none, =2 for every call
+# that fits with a dynamic schedule: each CTA takes its next work unit from a global counter
+# (atomicAdd; Note [persistent tiles]), so SMs that run ahead take more units (not timed yet).
+# Read when a launch plan is made.
 PERSISTENT_ENV = "CUTE_FA_SM90_FWD_PERSISTENT"
 SM90_FWD_PERSISTENT_MAX_SEQLEN = 2048
 SM90_FWD_PERSISTENT_MAX_SEQLEN_CAUSAL = 8192
@@ -241,9 +243,10 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
     sets the device's count) where it fits and ``seqlen_q`` (the call's longest query
     sequence) is at most SM90_FWD_PERSISTENT_MAX_SEQLEN(_CAUSAL) with two Q stages, or within
     SM90_FWD_PERSISTENT_ONE_Q_STAGE_CAUSAL for causal calls with one; or as
-    CUTE_FA_SM90_FWD_PERSISTENT says; the consumers' turns as CUTE_FA_SM90_FWD_PINGPONG says
-    (never off with seqused_k; unset: off for SM90_FWD_PINGPONG_OFF_DEFAULT's causal calls on
-    the persistent grid with 128 rows); CUTE_FA_SM90_FWD_OVERLAP=0."""
+    CUTE_FA_SM90_FWD_PERSISTENT says (=2: with a dynamic schedule); the consumers' turns as
+    CUTE_FA_SM90_FWD_PINGPONG says (never off with seqused_k; unset: off for
+    SM90_FWD_PINGPONG_OFF_DEFAULT's causal calls on the persistent grid with 128 rows);
+    CUTE_FA_SM90_FWD_OVERLAP=0."""
     value = _env_choice(KV_STAGES_ENV, tuple(str(s) for s in SM90_FWD_KV_STAGE_CHOICES))
     stages = int(value) if value else SM90_FWD_KV_STAGES
     if fwd_smem_bytes(config, stages) > SMEM_CAPACITY.get(config.target, 0):
@@ -259,7 +262,7 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
     )
     if not threshold:
         threshold = SM90_FWD_RESCALE_THRESHOLD_DEFAULT.get(config.head_dim, 0)
-    forced = _env_choice(PERSISTENT_ENV, ("0", "1"))
+    forced = _env_choice(PERSISTENT_ENV, ("0", "1", "2"))
     pingpong_value = _env_choice(PINGPONG_ENV, ("0", "1"))
     pingpong = pingpong_value != "0" or config.seqused_k
     overlap = _env_choice(OVERLAP_ENV, ("0", "1")) != "0"
@@ -277,7 +280,9 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
     else:  # one Q stage (d 192, d 256): causal calls of a middle length only
         low, high = SM90_FWD_PERSISTENT_ONE_Q_STAGE_CAUSAL
         by_default = config.causal and seqlen_q is not None and low <= seqlen_q <= high
-    if (forced == "1" or (not forced and by_default)) and fwd_persistent_fits(config):
+    if forced == "2" and fwd_persistent_fits(config):
+        config = persistent.replace(dynamic_tiles=True)
+    elif (forced == "1" or (not forced and by_default)) and fwd_persistent_fits(config):
         config = persistent
     if not pingpong_value and config.head_dim in SM90_FWD_PINGPONG_OFF_DEFAULT and (
         config.causal and config.num_ctas and config.tile_m == SM90_FWD_TILE_M
@@ -413,6 +418,8 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
             "pingpong off (CUTE_FA_SM90_FWD_PINGPONG=0) with seqused_k: the consumers' turns "
             "order the zeroing of the V rows past seqused_k before any P V GEMM reads them"
         )
+    if config.dynamic_tiles and not config.num_ctas:
+        return False, "dynamic_tiles is a schedule of the persistent grid (num_ctas)"
     if config.num_ctas and not fwd_persistent_fits(config):
         return False, (
             "a persistent grid (num_ctas) takes dense calls without a window or seqused (their "

@@ -260,8 +260,12 @@ def test_launch_follows_the_kernel_protocol(fake_gpu):
     assert launch["shapes"] == [(2, 16, 4, 64), (2, 24, 2, 64), (2, 24, 2, 64), (2, 16, 4, 64),
                                 (2, 4, 16)]  # fmt: skip
     assert launch["scalars"] == (pytest.approx(64**-0.5), 3.0, 0, 0, 16)
-    assert launch["metadata"] == (None, None, None, None)
+    assert launch["metadata"] == (None, None, None, None, None)  # varlen, seqused, counter
     (config,) = fake_gpu.configs
+    # As many arguments as the protocol's fake arguments, less the stream (TVM-FFI's own).
+    from cute_fa.dsl.fake import fwd_fake_args
+
+    assert 10 + len(launch["metadata"]) == len(fwd_fake_args(config)) - 1
     assert config.target == "sm_90a" and config.head_dim == 64
     assert config.causal and config.has_softcap and not config.local
 
@@ -412,3 +416,20 @@ def test_backward_kernels_are_looked_up_once_per_request(monkeypatch):
     assert [c.deterministic for c in run(deterministic=True)] == [False, True]
     monkeypatch.setenv(backward.BWD_ARCH_ENV, "80")
     assert [c.arch for c in run()] == [90, 90, 80]
+
+
+def test_dynamic_persistent_grid_gets_a_zeroed_counter(fake_gpu, monkeypatch):
+    """CUTE_FA_SM90_FWD_PERSISTENT=2: the plan's config has a dynamic schedule and every launch
+    gets a fresh int32 counter holding 0 (the kernel counts its work units from it)."""
+    monkeypatch.setenv("CUTE_FA_SM90_FWD_PERSISTENT", "2")
+    q, k, v = cpu_qkv(d=128)
+    for _ in range(2):
+        flash_attn_func(q, k, v)
+    (config,) = fake_gpu.configs
+    assert config.num_ctas == 132 and config.dynamic_tiles and "dynamic" in config.name
+    counters = [launch["metadata"][4] for launch in fake_gpu.launches]
+    assert all(c.dtype == torch.int32 and c.shape == (1,) and int(c) == 0 for c in counters)
+    assert counters[0] is not counters[1]
+    monkeypatch.setenv("CUTE_FA_SM90_FWD_PERSISTENT", "1")
+    flash_attn_func(q, k, v, causal=True)
+    assert fake_gpu.launches[-1]["metadata"][4] is None and not fake_gpu.configs[-1].dynamic_tiles

@@ -18,8 +18,8 @@ from cute_fa.hopper.support import (
     DEFER_RESCALE_ENV,
     EXP2_POLY_ENV,
     KV_STAGES_ENV,
-    PERSISTENT_ENV,
     OVERLAP_ENV,
+    PERSISTENT_ENV,
     PINGPONG_ENV,
     RESCALE_THRESHOLD_ENV,
     SM90_FWD_3WG_MAX_TILE_N,
@@ -294,7 +294,8 @@ def test_sm90_three_consumers_only_where_they_fit(monkeypatch) -> None:
 MALFORMED = [(KV_STAGES_ENV, "4"), (KV_STAGES_ENV, "three"), (DEFER_RESCALE_ENV, "yes"),
              (DEFER_RESCALE_ENV, "3"), (EXP2_POLY_ENV, "3"), (EXP2_POLY_ENV, "on"),
              (RESCALE_THRESHOLD_ENV, "6"), (RESCALE_THRESHOLD_ENV, "8.0"), (PINGPONG_ENV, "off"),
-             (PINGPONG_ENV, "2"), (OVERLAP_ENV, "no")]  # fmt: skip
+             (PINGPONG_ENV, "2"), (OVERLAP_ENV, "no"),
+             (PERSISTENT_ENV, "3")]  # fmt: skip
 
 
 @pytest.mark.parametrize("name, value", MALFORMED)
@@ -352,6 +353,12 @@ SWITCH_CASES = [
     pytest.param(PINGPONG_ENV, "0", 128, None, {}, id="nopingpong-d128"),
     pytest.param(PINGPONG_ENV, "0", 64, None, {"causal": True}, id="nopingpong-d64-causal"),
     pytest.param(PINGPONG_ENV, "0", 64, SM90_FWD_TILE_M_3WG, {}, id="nopingpong-d64-3wg"),
+    pytest.param(PERSISTENT_ENV, "2", 128, None, {}, id="dynamic-d128"),
+    pytest.param(PERSISTENT_ENV, "2", 128, None, {"causal": True}, id="dynamic-d128-causal"),
+    pytest.param(
+        PERSISTENT_ENV, "2", 64, SM90_FWD_TILE_M_3WG, {"causal": True}, id="dynamic-d64-3wg-causal"
+    ),  # fmt: skip
+    pytest.param(PERSISTENT_ENV, "2", 256, None, {}, id="dynamic-d256"),
     pytest.param(OVERLAP_ENV, "0", 128, None, {}, id="nooverlap-d128"),
     pytest.param(OVERLAP_ENV, "0", 64, None, {"causal": True}, id="nooverlap-d64-causal"),
     pytest.param(OVERLAP_ENV, "0", 256, None, {"causal": True}, id="nooverlap-d256-causal"),
@@ -405,6 +412,12 @@ def test_sm90_fwd_switch_compiles(monkeypatch, capfd, name, value, d, tile_m, fl
         assert not config.pingpong and "nopingpong" in config.name
         turns = default.count("BAR.ARV") + default.count("BAR.SYNC")
         assert sass.count("BAR.ARV") + sass.count("BAR.SYNC") < turns
+    if name == PERSISTENT_ENV and value == "2":
+        # The dynamic schedule: a persistent grid whose producer takes each next work unit
+        # with one atomicAdd on the counter (lane 0), and nothing else atomic.
+        assert config.num_ctas and config.dynamic_tiles and "dynamic" in config.name
+        assert re.findall(r"\bATOM\S*", sass) == ["ATOMG.E.ADD.STRONG.GPU"], sass.count("ATOM")
+        assert not re.search(r"\bRED", sass)
     if name == OVERLAP_ENV:
         # No overlap: every wait after an issue is wait_group 0 (the default's loops wait for
         # S alone with wait_group 1).

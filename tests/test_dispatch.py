@@ -343,7 +343,11 @@ def test_sm90_persistent_grid_choice(monkeypatch):
     assert num_ctas(1 << 20, head_dim=64, head_dim_v=64, causal=True) == SM90_SMS
     monkeypatch.setenv(PERSISTENT_ENV, "0")
     assert num_ctas(short) == 0
-    monkeypatch.setenv(PERSISTENT_ENV, "2")
+    monkeypatch.setenv(PERSISTENT_ENV, "2")  # a dynamic schedule, where a persistent grid fits
+    _, dynamic = dispatch.fwd_plan((9, 0), req(), long)
+    assert dynamic.num_ctas == SM90_SMS and dynamic.dynamic_tiles and "dynamic" in dynamic.name
+    assert num_ctas(short, local=True) == 0
+    monkeypatch.setenv(PERSISTENT_ENV, "3")
     with pytest.raises(ValueError, match=PERSISTENT_ENV):
         num_ctas(short)
     # The persistent config is its own compile key and an sm90 kernel implements it.

@@ -353,21 +353,23 @@ def test_fwd_persistent_three_consumers_causal(monkeypatch, seqlen_q, seqlen_k):
     assert config.tile_m == 192 and config.num_ctas, config.name
 
 
+@pytest.mark.parametrize("schedule", ["1", "2"], ids=["static", "dynamic"])
 @pytest.mark.parametrize("softcap", [0.0, 15.0], ids=["nocap", "cap15"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(
     "d,dv,seqlen_q,seqlen_k", PERSISTENT_CASES, ids=[f"d{c[0]}x{c[1]}" for c in PERSISTENT_CASES]
 )
-def test_fwd_persistent_grid(monkeypatch, d, dv, seqlen_q, seqlen_k, causal, softcap):
+def test_fwd_persistent_grid(monkeypatch, d, dv, seqlen_q, seqlen_k, causal, softcap, schedule):
     """CUTE_FA_SM90_FWD_PERSISTENT=1 (one CTA an SM looping over tiles; causal: over pairs of
-    tiles): several work units a CTA, against attention_ref, bitwise equal across two runs,
-    and the plan really is persistent."""
+    tiles) and =2 (the same units taken from a counter, a dynamic schedule): several work units
+    a CTA, against attention_ref, bitwise equal across two runs, and the plan really is
+    persistent (and dynamic with =2)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the persistent grid is an sm90 forward switch")
     from cute_fa import dispatch
     from cute_fa.cache import fwd_cache
 
-    monkeypatch.setenv("CUTE_FA_SM90_FWD_PERSISTENT", "1")
+    monkeypatch.setenv("CUTE_FA_SM90_FWD_PERSISTENT", schedule)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     b, h, h_kv = 6, 16, 4
     q, k, v = _qkv(b, seqlen_q, seqlen_k, h, h_kv, d, torch.bfloat16, softcap)
@@ -378,7 +380,7 @@ def test_fwd_persistent_grid(monkeypatch, d, dv, seqlen_q, seqlen_k, causal, sof
     _, config = dispatch.fwd_plan((9, 0), cute_fa.interface._check_metadata(
         q, k, v, None, None, None, None, causal=causal, local=False, softcap=softcap
     ).request, seqlen_q)  # fmt: skip
-    assert config.num_ctas, config.name
+    assert config.num_ctas and config.dynamic_tiles == (schedule == "2"), config.name
     assert config.replace(num_ctas=sms) in fwd_cache()._memory, "the persistent kernel did not run"
     m_blocks = -(-seqlen_q // config.tile_m)
     units = b * h * (-(-m_blocks // 2) if causal else m_blocks)
@@ -497,9 +499,7 @@ SCHEDULE_SWITCH_CASES = [
                          ids=[f"d{c[0]}-{c[1]}x{c[2]}-{c[3]}-" + "-".join(
                              f"{k.rsplit('_', 1)[-1].lower()}{v}" for k, v in c[4].items())
                              for c in SCHEDULE_SWITCH_CASES])  # fmt: skip
-def test_fwd_schedule_switches(
-    monkeypatch, d, seqlen_q, seqlen_k, mask, switches
-):
+def test_fwd_schedule_switches(monkeypatch, d, seqlen_q, seqlen_k, mask, switches):
     """CUTE_FA_SM90_FWD_PINGPONG=0 (no consumer turns), CUTE_FA_SM90_FWD_TILE_M=192 at d128
     with 64 or 80 keys and CUTE_FA_SM90_FWD_OVERLAP=0: against attention_ref, with the switches
     in the kernel that ran."""

@@ -1,5 +1,5 @@
-"""Which (query block, head, batch) tiles a CTA computes: one per CTA, or a static persistent
-schedule (Note [persistent tiles])."""
+"""Which (query block, head, batch) tiles a CTA computes: one per CTA, or a persistent schedule,
+static or dynamic (Note [persistent tiles])."""
 
 from __future__ import annotations
 
@@ -20,6 +20,14 @@ from cutlass import Int32
 # one (head, batch), query blocks n_m - 1 - j and then j (the longest first; the middle block
 # of an odd n_m alone): every pair costs about the same, n_m + 1 key blocks of a square mask,
 # and consecutive units still share their head's K and V.
+# Dynamic schedule (sm90 forward, ``dynamic_tiles``, CUTE_FA_SM90_FWD_PERSISTENT=2): CTA b still
+# starts with unit b, but then takes unit G + c, where c is the old value of a global int32
+# counter (zero at launch) that its producer warp increments (one atomicAdd each), and hands
+# each unit to its consumers through a small ring of shared-memory slots; the first unit
+# number past the end stops them. Units then go to whichever SM asks first, as the hardware's
+# CTA scheduler hands out the tiles of a grid of one CTA a tile, without that grid's CTA launch
+# and pipeline fill between tiles. The order of the units is the same; which CTA computes a
+# unit changes nothing in its result (bitwise).
 
 
 @cute.jit
