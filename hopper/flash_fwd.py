@@ -233,8 +233,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
     Every tuning switch is a field of the compile key (FwdConfig); hopper/support.py has
       each with its measurements and defaults.
     Not yet: TMA-store epilogue, head_dim_v != head_dim other than 192 x 128, persistent
-      scheduling of window and varlen calls (tiles of unequal cost want a dynamic schedule;
-      the persistent grid's round robin is static).
+      scheduling of window and varlen calls (tiles of unequal cost; the dynamic schedule could
+      take them once it is measured).
     """
 
     arch = 90
