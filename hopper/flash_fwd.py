@@ -157,6 +157,9 @@ class FlashAttentionForwardSm90(AttentionKernel):
                    K[n] is released once S = Q K[n]^T has completed.
       pipeline_v:  producer -> every consumer, kv_stages, 4 * num_consumers arrivals;
                    V[n] is released one step later, once O += P V[n] has completed.
+      pipeline_tile (dynamic schedule only): PipelineAsync, q_stages + 1 int32 slots
+                   (``tile_slot``), lane 0 of the producer warp fills one per tile (one
+                   arrival), every consumer thread reads it and arrives on "empty".
       kv_stages = 2; config.kv_stages = 3 (CUTE_FA_SM90_FWD_KV_STAGES=3, ``support.fwd_tuned``)
       gives 3 where they fit in shared memory (d 64 to 128 at 128 keys; 225 KiB at d 128).
     P -> 16-bit registers: converted 8 values at a time (``convert_in_chunks``), so the
