@@ -36,7 +36,7 @@ from .fragments import (
     zero_rows_from,
 )
 from .support import SM90_BWD_DS_BUFFERS, bwd_can_implement, bwd_q_stages, bwd_split_d
-from .sync import tma_pipeline
+from .sync import thread_pipeline, tma_pipeline
 
 WARPGROUP = 128  # threads
 WG_KEYS = 64  # keys of one consumer warpgroup (the M of its WGMMAs)
@@ -529,14 +529,9 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         pipeline_kv = tma_pipeline(storage.mbar_kv, 1, self.tx_kv, consumer_warps)
         pipeline_q = tma_pipeline(storage.mbar_q, self.q_stages, self.tx_q, consumer_warps)
         pipeline_do = tma_pipeline(storage.mbar_do, self.q_stages, self.tx_do, consumer_warps)
-        pipeline_lse = pipeline.PipelineAsync.create(
-            barrier_storage=storage.mbar_lse.data_ptr(), num_stages=self.q_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-            consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.num_consumers * WARPGROUP
-            ),
-            defer_sync=True,
-        )  # fmt: skip
+        pipeline_lse = thread_pipeline(
+            storage.mbar_lse, self.q_stages, 32, self.num_consumers * WARPGROUP
+        )
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 

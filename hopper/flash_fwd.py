@@ -35,7 +35,7 @@ from .support import (
     fwd_num_consumers,
     fwd_q_stages,
 )
-from .sync import tma_pipeline
+from .sync import thread_pipeline, tma_pipeline
 
 WARPGROUP = 128  # threads
 
@@ -408,14 +408,9 @@ class FlashAttentionForwardSm90(AttentionKernel):
         pipeline_v = tma_pipeline(storage.mbar_v, self.kv_stages, self.tx_v, consumer_warps)
         pipeline_tile = None
         if cutlass.const_expr(self.dynamic_tiles):
-            pipeline_tile = pipeline.PipelineAsync.create(
-                barrier_storage=storage.mbar_tile.data_ptr(), num_stages=self.tile_stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-                consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, self.num_consumers * WARPGROUP
-                ),
-                defer_sync=True,
-            )  # fmt: skip
+            pipeline_tile = thread_pipeline(
+                storage.mbar_tile, self.tile_stages, 1, self.num_consumers * WARPGROUP
+            )
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 

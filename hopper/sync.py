@@ -19,3 +19,17 @@ def tma_pipeline(barriers, stages: int, tx_bytes: int, consumer_warps: int):
         tx_count=tx_bytes,
         defer_sync=True,
     )
+
+
+def thread_pipeline(barriers, stages: int, producer_threads: int, consumer_threads: int):
+    """An mbarrier pipeline of ``stages`` whose stages ``producer_threads`` threads fill with
+    ordinary stores (each arrives on "full" after its stores; the arrive's release orders
+    them) and ``consumer_threads`` threads release (one arrival each). ``defer_sync`` as in
+    ``tma_pipeline``."""
+    return pipeline.PipelineAsync.create(
+        barrier_storage=barriers.data_ptr(),
+        num_stages=stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producer_threads),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_threads),
+        defer_sync=True,
+    )
