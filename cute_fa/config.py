@@ -94,6 +94,9 @@ class FwdConfig:
     # Persistent grid only: CTAs take their next work unit from a global counter (atomicAdd)
     # instead of the static round robin (CUTE_FA_SM90_FWD_PERSISTENT=2).
     dynamic_tiles: bool = False
+    # O leaves by TMA store from shared memory instead of 16-byte stores (sm90; dense calls with
+    # dv == d; CUTE_FA_SM90_FWD_TMA_STORE=1).
+    tma_store: bool = False
     # Consumer warpgroups take turns issuing their GEMMs (named barriers); False: each issues
     # as soon as its operands are ready (CUTE_FA_SM90_FWD_PINGPONG=0).
     pingpong: bool = True
@@ -133,6 +136,8 @@ class FwdConfig:
             flags.append(f"persistent{self.num_ctas}")
         if getattr(self, "dynamic_tiles", False):
             flags.append("dynamic")
+        if getattr(self, "tma_store", False):
+            flags.append("tmastore")
         if not getattr(self, "pingpong", True):
             flags.append("nopingpong")
         if not getattr(self, "overlap", True):

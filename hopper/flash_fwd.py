@@ -168,7 +168,11 @@ class FlashAttentionForwardSm90(AttentionKernel):
     Epilogue (per consumer): O / l once, O -> 16-bit -> its slice of sQ, named barrier
       EPILOGUE_WG1 + c (128 threads), 16-byte stores of rows < seqlen_q (gcd(dv / 8, 128)
       threads a row; dv 96: 4 threads of 3 vectors); LSE from the quad leaders. Rows that see
-      no key: O = 0, LSE = -inf.
+      no key: O = 0, LSE = -inf. config.tma_store (CUTE_FA_SM90_FWD_TMA_STORE=1; dense query
+      rows, dv == d; not timed yet): a fence.proxy.async after the smem writes, then thread 0
+      issues one TMA store of the (64, dv) box (rows past the tensor's end are clipped) and
+      waits until it has read the slice (cp.async.bulk.wait_group.read 0) before its warp
+      releases the Q stage.
     Out-of-range rows: TMA zero-fills rows past the tensor's sequence extent (Q, K and V);
       scores of keys past seqlen_k are masked to -inf; Q rows past seqlen_q are computed and
       never stored.
@@ -235,7 +239,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
       softcap * log2(e); both scales come from the shared ``score_scales`` (as in sm80).
     Every tuning switch is a field of the compile key (FwdConfig); hopper/support.py has
       each with its measurements and defaults.
-    Not yet: TMA-store epilogue, head_dim_v != head_dim other than 192 x 128, persistent
+    Not yet: head_dim_v != head_dim other than 192 x 128, persistent
       scheduling of window and varlen calls (tiles of unequal cost; the dynamic schedule could
       take them once it is measured).
     """
@@ -252,6 +256,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         self.regs_producer, self.regs_consumer = SM90_FWD_REGS[self.num_consumers]
         self.num_ctas = config.num_ctas  # persistent grid; 0: one CTA a tile
         self.dynamic_tiles = config.dynamic_tiles  # persistent: units from a global counter
+        self.tma_store = config.tma_store  # O leaves by one TMA store a consumer
         # Slots of the work-unit ring (dynamic schedule): one more than the Q stages, so the
         # ring never holds the producer back more than the Q ring does.
         self.tile_stages = fwd_q_stages(config) + 1 if config.dynamic_tiles else 1
@@ -328,6 +333,14 @@ class FlashAttentionForwardSm90(AttentionKernel):
         tma_v, mV_tma = cpasync.make_tiled_tma_atom(
             load, mVt, cute.slice_(sV_layout, (None, None, 0)), (dv, tile_n)
         )
+        # O by TMA store (config.tma_store): from the consumer's Q slice, (wg_m, dv) boxes.
+        tma_o, mO_tma = None, None
+        if cutlass.const_expr(self.tma_store):
+            mO_t = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
+            tma_o, mO_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mO_t, cute.slice_(sQ_layout, (None, None, 0)),
+                (wg_m, dv),
+            )  # fmt: skip
         self.tx_q = cute.size_in_bytes(self.dtype, sQ_layout) // self.q_stages
         self.tx_k = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
         self.tx_v = cute.size_in_bytes(self.dtype, cute.slice_(sV_layout, (None, None, 0)))
@@ -359,7 +372,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         self.kernel(
             mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE, tma_q, tma_k, tma_v,
             score_scale, scale_log2, window_left, window_right,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mTileCounter,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mTileCounter, tma_o, mO_tma,
             sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv, copy_r2g, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)  # fmt: skip
@@ -389,6 +402,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
         mTileCounter: cute.Tensor | None,
+        tma_o: cute.CopyAtom | None,
+        mO_tma: cute.Tensor | None,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -417,7 +432,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        gmem = (mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE,
+        gmem = (mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE, mO_tma,
                 mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)  # fmt: skip
         sTile = storage.tile_slot.get_tensor(cute.make_layout(self.tile_stages))
         smem_tiles = (sQ, sK, sV)
@@ -469,7 +484,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             consumer = wg_idx - 1
-            mmas = (tiled_mma_qk, tiled_mma_pv, copy_r2g)
+            mmas = (tiled_mma_qk, tiled_mma_pv, copy_r2g, tma_o)
             scales = (score_scale, scale_log2)
             states = (
                 pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages),
@@ -550,7 +565,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         """Where tile ``tile`` (unit, second; Note [persistent tiles]) lies and which key blocks
         it visits: (m_block, its sequence's seqlen_q and seqlen_k, the (head, batch) slices of
         Q, K, V (TMA coordinate tensors), O and LSE, and block_range's four bounds)."""
-        (mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE,
+        (mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE, mO_tma,
          mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK) = gmem  # fmt: skip
         if cutlass.const_expr(self.num_ctas > 0):
             m_block, head, batch = tile_coords(
@@ -589,7 +604,10 @@ class FlashAttentionForwardSm90(AttentionKernel):
         if cutlass.const_expr(mCuSeqlensK is not None):
             mK_cur = cute.domain_offset((offset_k, 0), mK_cur)
             mV_cur = cute.domain_offset((0, offset_k), mV_cur)
-        views = (mQ_cur, mK_cur, mV_cur, mO_cur, mLSE_cur)
+        mO_tma_cur = None  # dense only (config.tma_store): no sequence offsets
+        if cutlass.const_expr(self.tma_store):
+            mO_tma_cur = mO_tma[None, None, head, batch]
+        views = (mQ_cur, mK_cur, mV_cur, mO_cur, mLSE_cur, mO_tma_cur)
         blocks = (n_block_min, n_block_max, n_block_no_right, n_block_no_left)
         return m_block, seqlen_q, seqlen_k, views, blocks
 
@@ -631,7 +649,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         row_start = m_block * self.tile_m + consumer * self.wg_m
         return self.consume(
             views[3], views[4], *smem_tiles, *pipes, *states, *mmas, consumer, tidx, row_start,
-            seqlen_q, seqlen_k, *blocks, *scales, *window,
+            seqlen_q, seqlen_k, *blocks, *scales, *window, views[5], m_block,
         )  # fmt: skip
 
     @cute.jit
@@ -710,6 +728,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         copy_r2g: cute.TiledCopy,
+        tma_o: cute.CopyAtom | None,
         consumer: Int32,
         tidx: Int32,
         row_start: Int32,
@@ -723,9 +742,12 @@ class FlashAttentionForwardSm90(AttentionKernel):
         scale_log2: Float32,
         window_left: Int32,
         window_right: Int32,
+        mO_tma: cute.Tensor | None,
+        m_block: Int32,
     ):
         """Consumer warpgroup, one tile: its 64 query rows against every visited key block,
-        then store; returns the advanced (q_state, k_state, v_state)."""
+        then store; returns the advanced (q_state, k_state, v_state). ``mO_tma``: this (head,
+        batch)'s TMA coordinates of O with config.tma_store, else None."""
         wg_m, tile_n, dv = self.wg_m, self.tile_n, self.tile_hdimv
         sQ_c = sQ[None, None, q_state.index * self.num_consumers + consumer]
         thr_qk = tiled_mma_qk.get_slice(tidx)
@@ -806,6 +828,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
         if cutlass.const_expr(dv != self.tile_hdim):
             sO = cute.local_tile(sQ_c, (wg_m, dv), (0, 0))
         acc_to_smem(acc_O, tiled_mma_pv, sO, tidx)
+        if cutlass.const_expr(self.tma_store):
+            cute.arch.fence_proxy("async.shared", space="cta")  # the TMA store reads them
         if tidx % 4 == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = tScS[r, 0][0]
@@ -814,8 +838,24 @@ class FlashAttentionForwardSm90(AttentionKernel):
         pipeline.NamedBarrier(
             barrier_id=int(Barrier.EPILOGUE_WG1) + consumer, num_threads=WARPGROUP
         ).arrive_and_wait()
-        gO = cute.local_tile(cute.domain_offset((row_start, 0), mO), (wg_m, dv), (0, 0))
-        store_rows(sO, gO, rows_left, copy_r2g, tidx)
+        if cutlass.const_expr(self.tma_store):
+            # One TMA store of the consumer's (wg_m, dv) box (rows past seqlen_q are clipped
+            # at the tensor's end); warp 0 releases the Q stage below only after the store has
+            # read it, and the stage needs every warp's release before its next load.
+            if tidx < 32:
+                gO = cute.local_tile(mO_tma, (wg_m, dv), (None, 0))
+                tOsO, tOgO = cpasync.tma_partition(
+                    tma_o, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                    cute.group_modes(gO, 0, 2),
+                )  # fmt: skip
+                if tidx == 0:
+                    cute.copy(tma_o, tOsO[None, q_state.index * self.num_consumers + consumer],
+                              tOgO[None, m_block * self.num_consumers + consumer])  # fmt: skip
+                    cute.arch.cp_async_bulk_commit_group()
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+        else:
+            gO = cute.local_tile(cute.domain_offset((row_start, 0), mO), (wg_m, dv), (0, 0))
+            store_rows(sO, gO, rows_left, copy_r2g, tidx)
         if has_q:
             # The Q stage (O staged in it) goes back to the producer for a later tile's Q: the
             # generic-proxy reads and writes of O above come before that TMA write.

@@ -195,10 +195,16 @@ SM90_FWD_PINGPONG_OFF_DEFAULT = (64,)
 # block j, instead of only for S (hopper/flash_fwd.py, ``step``). =1 or unset: the overlap.
 # Read when a launch plan is made.
 OVERLAP_ENV = "CUTE_FA_SM90_FWD_OVERLAP"
+# Tuning switch: CUTE_FA_SM90_FWD_TMA_STORE=1: each consumer's O leaves by one TMA store from
+# its shared-memory slice (FA3's epilogue) instead of 16-byte stores by its 128 threads. Dense
+# query calls with dv == d only (a varlen box would cross into the next sequence; the O tile
+# is staged in the Q slice's layout); elsewhere the switch changes nothing. =0 or unset: the
+# 16-byte stores. Read when a launch plan is made.
+TMA_STORE_ENV = "CUTE_FA_SM90_FWD_TMA_STORE"
 
 # These switches become fields of the compile key (FwdConfig.kv_stages, .defer_rescale,
-# .exp2_poly, .rescale_threshold, .num_ctas, .pingpong, .overlap; see fwd_tuned), so a kernel
-# compiled under one setting is never served under another.
+# .exp2_poly, .rescale_threshold, .num_ctas, .dynamic_tiles, .pingpong, .overlap, .tma_store;
+# see fwd_tuned), so a kernel compiled under one setting is never served under another.
 
 
 def _env_choice(name: str, choices: tuple[str, ...]) -> str:
@@ -225,6 +231,12 @@ def fwd_persistent_fits(config: FwdConfig) -> bool:
     )  # fmt: skip
 
 
+def fwd_tma_store_fits(config: FwdConfig) -> bool:
+    """Whether O can leave by TMA store: dense query rows (no cu_seqlens_q or seqused_q) and
+    dv == d."""
+    return not (config.varlen_q or config.seqused_q) and config.head_dim_v == config.head_dim
+
+
 def fwd_q_stages(config: FwdConfig) -> int:
     """Q stages of the sm90 forward: 1, or SM90_FWD_PERSISTENT_Q_STAGES for a persistent grid
     where they fit in shared memory."""
@@ -246,7 +258,7 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
     CUTE_FA_SM90_FWD_PERSISTENT says (=2: with a dynamic schedule); the consumers' turns as
     CUTE_FA_SM90_FWD_PINGPONG says (never off with seqused_k; unset: off for
     SM90_FWD_PINGPONG_OFF_DEFAULT's causal calls on the persistent grid with 128 rows);
-    CUTE_FA_SM90_FWD_OVERLAP=0."""
+    CUTE_FA_SM90_FWD_OVERLAP=0; CUTE_FA_SM90_FWD_TMA_STORE=1 where it fits."""
     value = _env_choice(KV_STAGES_ENV, tuple(str(s) for s in SM90_FWD_KV_STAGE_CHOICES))
     stages = int(value) if value else SM90_FWD_KV_STAGES
     if fwd_smem_bytes(config, stages) > SMEM_CAPACITY.get(config.target, 0):
@@ -266,10 +278,11 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
     pingpong_value = _env_choice(PINGPONG_ENV, ("0", "1"))
     pingpong = pingpong_value != "0" or config.seqused_k
     overlap = _env_choice(OVERLAP_ENV, ("0", "1")) != "0"
+    tma_store = _env_choice(TMA_STORE_ENV, ("0", "1")) == "1" and fwd_tma_store_fits(config)
     config = config.replace(
         kv_stages=0 if stages == SM90_FWD_KV_STAGES else stages, defer_rescale=defer,
         exp2_poly=int(poly or 0), rescale_threshold=int(threshold), pingpong=pingpong,
-        overlap=overlap,
+        overlap=overlap, tma_store=tma_store,
     )  # fmt: skip
     persistent = config.replace(num_ctas=SM90_SMS)
     limit = (
@@ -418,6 +431,8 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
             "pingpong off (CUTE_FA_SM90_FWD_PINGPONG=0) with seqused_k: the consumers' turns "
             "order the zeroing of the V rows past seqused_k before any P V GEMM reads them"
         )
+    if config.tma_store and not fwd_tma_store_fits(config):
+        return False, "tma_store takes dense query rows (no cu_seqlens_q / seqused_q) and dv == d"
     if config.dynamic_tiles and not config.num_ctas:
         return False, "dynamic_tiles is a schedule of the persistent grid (num_ctas)"
     if config.num_ctas and not fwd_persistent_fits(config):

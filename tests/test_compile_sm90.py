@@ -29,6 +29,7 @@ from cute_fa.hopper.support import (
     SM90_FWD_TILE_M_3WG,
     TILE_M_ENV,
     TILE_N_ENV,
+    TMA_STORE_ENV,
     fwd_can_implement,
     fwd_kv_stages,
     fwd_num_consumers,
@@ -73,7 +74,7 @@ def _clear_switches(monkeypatch) -> None:
     """No tuning switch of the sm90 forward set: dispatch makes its default choices."""
     for name in (TILE_N_ENV, TILE_M_ENV, KV_STAGES_ENV, DEFER_RESCALE_ENV, EXP2_POLY_ENV,
                  RESCALE_THRESHOLD_ENV, PERSISTENT_ENV, PINGPONG_ENV, OVERLAP_ENV,
-                 FWD_ARCH_ENV):  # fmt: skip
+                 TMA_STORE_ENV, FWD_ARCH_ENV):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
 
 
@@ -295,7 +296,7 @@ MALFORMED = [(KV_STAGES_ENV, "4"), (KV_STAGES_ENV, "three"), (DEFER_RESCALE_ENV,
              (DEFER_RESCALE_ENV, "3"), (EXP2_POLY_ENV, "3"), (EXP2_POLY_ENV, "on"),
              (RESCALE_THRESHOLD_ENV, "6"), (RESCALE_THRESHOLD_ENV, "8.0"), (PINGPONG_ENV, "off"),
              (PINGPONG_ENV, "2"), (OVERLAP_ENV, "no"),
-             (PERSISTENT_ENV, "3")]  # fmt: skip
+             (PERSISTENT_ENV, "3"), (TMA_STORE_ENV, "yes")]  # fmt: skip
 
 
 @pytest.mark.parametrize("name, value", MALFORMED)
@@ -359,6 +360,10 @@ SWITCH_CASES = [
         PERSISTENT_ENV, "2", 64, SM90_FWD_TILE_M_3WG, {"causal": True}, id="dynamic-d64-3wg-causal"
     ),  # fmt: skip
     pytest.param(PERSISTENT_ENV, "2", 256, None, {}, id="dynamic-d256"),
+    pytest.param(TMA_STORE_ENV, "1", 128, None, {}, id="tmastore-d128"),
+    pytest.param(TMA_STORE_ENV, "1", 64, SM90_FWD_TILE_M_3WG, {}, id="tmastore-d64-3wg"),
+    pytest.param(TMA_STORE_ENV, "1", 256, None, {"causal": True}, id="tmastore-d256-causal"),
+    pytest.param(TMA_STORE_ENV, "1", 128, None, VARLEN, id="tmastore-d128-varlen-not-taken"),
     pytest.param(OVERLAP_ENV, "0", 128, None, {}, id="nooverlap-d128"),
     pytest.param(OVERLAP_ENV, "0", 64, None, {"causal": True}, id="nooverlap-d64-causal"),
     pytest.param(OVERLAP_ENV, "0", 256, None, {"causal": True}, id="nooverlap-d256-causal"),
@@ -418,6 +423,16 @@ def test_sm90_fwd_switch_compiles(monkeypatch, capfd, name, value, d, tile_m, fl
         assert config.num_ctas and config.dynamic_tiles and "dynamic" in config.name
         assert re.findall(r"\bATOM\S*", sass) == ["ATOMG.E.ADD.STRONG.GPU"], sass.count("ATOM")
         assert not re.search(r"\bRED", sass)
+    if name == TMA_STORE_ENV:
+        # O by TMA store: one UTMASTG per 64-column box of a consumer's (64, dv) tile, no
+        # 16-byte global stores left (the two STG.E are the LSE); varlen queries keep them.
+        stores = len(re.findall(r"\bUTMASTG", sass))
+        wide = sass.count("STG.E.128")
+        if config.varlen_q:
+            assert not config.tma_store and stores == 0 and wide > 0
+        else:
+            assert config.tma_store and "tmastore" in config.name
+            assert stores == max(1, config.head_dim_v // 64) and wide == 0, (stores, wide)
     if name == OVERLAP_ENV:
         # No overlap: every wait after an issue is wait_group 0 (the default's loops wait for
         # S alone with wait_group 1).
