@@ -97,6 +97,9 @@ class FwdConfig:
     # O leaves by TMA store from shared memory instead of 16-byte stores (sm90; dense calls with
     # dv == d; CUTE_FA_SM90_FWD_TMA_STORE=1).
     tma_store: bool = False
+    # P reaches O += P V through shared memory (an SS WGMMA) instead of registers (RS); sm90,
+    # without the deferred rescale (CUTE_FA_SM90_FWD_P_SMEM=1).
+    p_smem: bool = False
     # Consumer warpgroups take turns issuing their GEMMs (named barriers); False: each issues
     # as soon as its operands are ready (CUTE_FA_SM90_FWD_PINGPONG=0).
     pingpong: bool = True
@@ -138,6 +141,8 @@ class FwdConfig:
             flags.append("dynamic")
         if getattr(self, "tma_store", False):
             flags.append("tmastore")
+        if getattr(self, "p_smem", False):
+            flags.append("psmem")
         if not getattr(self, "pingpong", True):
             flags.append("nopingpong")
         if not getattr(self, "overlap", True):

@@ -89,7 +89,8 @@ def sm90_fwd_variants(head_dim: int) -> list[str]:
         f"{sm90.PERSISTENT_ENV}=1",
         f"{sm90.PERSISTENT_ENV}=2",  # the dynamic schedule
     ]
-    settings += [f"{sm90.PINGPONG_ENV}=0", f"{sm90.OVERLAP_ENV}=0", f"{sm90.TMA_STORE_ENV}=1"]
+    settings += [f"{sm90.PINGPONG_ENV}=0", f"{sm90.OVERLAP_ENV}=0", f"{sm90.TMA_STORE_ENV}=1",
+                 f"{sm90.P_SMEM_ENV}=1"]  # fmt: skip
     if head_dim in sm90.SM90_FWD_PINGPONG_OFF_DEFAULT:  # off by default for some calls
         settings.append(f"{sm90.PINGPONG_ENV}=1")
     three = f"{sm90.TILE_M_ENV}={sm90.SM90_FWD_TILE_M_3WG}"

@@ -11,6 +11,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from cute_fa.config import FwdConfig
@@ -50,6 +51,9 @@ class Barrier(enum.IntEnum):
     SCHEDULER_WG1 = 4  # 256 threads: consumer 0 may issue its GEMMs (pingpong)
     SCHEDULER_WG2 = 5  # 256 threads: consumer 1 may issue its GEMMs
     SCHEDULER_WG3 = 6  # 256 threads: consumer 2 may issue its GEMMs
+    P_READY_WG1 = 7  # 128 threads, config.p_smem: consumer 0 wrote its P to sP
+    P_READY_WG2 = 8  # consumer 1 the same
+    P_READY_WG3 = 9  # consumer 2 the same
 
 
 class FlashAttentionForwardSm90(AttentionKernel):
@@ -116,7 +120,11 @@ class FlashAttentionForwardSm90(AttentionKernel):
         wait_group 0 (P V done); rescale O; P -> registers
       after the last block:  [turn] O += P V[n_min] [/turn]
       S = Q K^T is WGMMA SS (both operands in smem); O += P V is WGMMA RS (P from registers,
-      the C fragment reinterpreted as the A fragment, no data movement).
+      the C fragment reinterpreted as the A fragment, no data movement). config.p_smem
+      (CUTE_FA_SM90_FWD_P_SMEM=1, not timed yet; the deferred rescale off): after its
+      conversion P goes to the consumer's slice of sP (stmatrix, fence.proxy.async, named
+      barrier P_READY_WG1 + c of its 128 threads) and O += P V is WGMMA SS; the slice is
+      rewritten only after wait_group 0 of the step, when the P V GEMM that read it is done.
       config.overlap = False (CUTE_FA_SM90_FWD_OVERLAP=0, a tuning switch): wait_group 0
       instead of 1 after the issue, so the softmax of block n waits for O += P V[n + 1] too
       (no intra-warpgroup overlap).
@@ -143,6 +151,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
                       tile (the first dv columns of it; dv <= d).
       sK  (tile_n, d, kv_stages)      K-major B operand of S = Q K^T.
       sV  (dv, tile_n, kv_stages)     V^T viewed MN-major: the B operand of O = P V.
+      sP  (64, tile_n, num_consumers) config.p_smem only (else a 16-byte placeholder): P,
+                                      keys contiguous, the K-major A operand of O = P V.
     Pipelines (mbarriers, cutlass.pipeline.PipelineTmaAsync; producer = 1 warp whose TMA
     transaction bytes complete "full"; consumers arrive on "empty" with one thread per warp)
       pipeline_q:  producer -> every consumer, q_stages (1; 2 with a persistent grid where
@@ -257,6 +267,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         self.num_ctas = config.num_ctas  # persistent grid; 0: one CTA a tile
         self.dynamic_tiles = config.dynamic_tiles  # persistent: units from a global counter
         self.tma_store = config.tma_store  # O leaves by one TMA store a consumer
+        self.p_smem = config.p_smem  # P reaches O += P V through shared memory (SS WGMMA)
         # Slots of the work-unit ring (dynamic schedule): one more than the Q stages, so the
         # ring never holds the producer back more than the Q ring does.
         self.tile_stages = fwd_q_stages(config) + 1 if config.dynamic_tiles else 1
@@ -265,6 +276,13 @@ class FlashAttentionForwardSm90(AttentionKernel):
         self.rescale_threshold = float(config.rescale_threshold)  # 0: O rescaled every block
 
     can_implement = staticmethod(fwd_can_implement)
+
+    def make_tiled_mma_pv_ss(self) -> cute.TiledMma:
+        """O = P V with both operands in shared memory (config.p_smem: P from sP)."""
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+            Float32, (1, 1, 1), (self.wg_m, self.tile_hdimv),
+        )  # fmt: skip
 
     def make_tiled_mmas(self) -> tuple[cute.TiledMma, cute.TiledMma]:
         """(S = Q K^T: both operands in smem, O = P V: P from registers), one warpgroup each.
@@ -323,6 +341,12 @@ class FlashAttentionForwardSm90(AttentionKernel):
         sV_layout = sm90_utils.make_smem_layout_b(
             LayoutEnum.COL_MAJOR, (wg_m, dv, tile_n), self.dtype, self.kv_stages
         )
+        # config.p_smem: P (wg_m x tile_n, keys contiguous: the K-major A of O += P V), one
+        # slice a consumer; otherwise a 16-byte placeholder.
+        sP_layout = sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, (wg_m, dv, tile_n), self.dtype, self.num_consumers
+        )
+        p_elems, p_align = (cute.cosize(sP_layout), 1024) if self.p_smem else (8, 16)
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, mQ_tma = cpasync.make_tiled_tma_atom(
             load, mQ_t, cute.slice_(sQ_layout, (None, None, 0)), (wg_m, d)
@@ -356,6 +380,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], p_align]
 
         # Global stores of O: 16 bytes a thread, one warpgroup over a (wg_m, dv) tile.
         copy_r2g = row_store_copy(self.dtype, WARPGROUP, dv)
@@ -373,7 +398,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
             mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE, tma_q, tma_k, tma_v,
             score_scale, scale_log2, window_left, window_right,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mTileCounter, tma_o, mO_tma,
-            sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv, copy_r2g, SharedStorage,
+            sQ_layout, sK_layout, sV_layout, sP_layout, tiled_mma_qk, tiled_mma_pv, copy_r2g,
+            SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)  # fmt: skip
 
@@ -407,6 +433,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         copy_r2g: cute.TiledCopy,
@@ -432,6 +459,9 @@ class FlashAttentionForwardSm90(AttentionKernel):
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sP = None
+        if cutlass.const_expr(self.p_smem):
+            sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
         gmem = (mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE, mO_tma,
                 mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)  # fmt: skip
         sTile = storage.tile_slot.get_tensor(cute.make_layout(self.tile_stages))
@@ -484,7 +514,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             consumer = wg_idx - 1
-            mmas = (tiled_mma_qk, tiled_mma_pv, copy_r2g, tma_o)
+            mmas = (tiled_mma_qk, tiled_mma_pv, copy_r2g, tma_o, sP)
             scales = (score_scale, scale_log2)
             states = (
                 pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages),
@@ -729,6 +759,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         tiled_mma_pv: cute.TiledMma,
         copy_r2g: cute.TiledCopy,
         tma_o: cute.CopyAtom | None,
+        sP: cute.Tensor | None,
         consumer: Int32,
         tidx: Int32,
         row_start: Int32,
@@ -774,7 +805,21 @@ class FlashAttentionForwardSm90(AttentionKernel):
         if cutlass.const_expr(self.defer_rescale):
             acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((wg_m, tile_n)))
             corr = cute.make_rmem_tensor(softmax.num_rows, Float32)
-        mma = (thr_qk, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_O, rP, tScS, acc_S, corr)
+        # config.p_smem: stmatrix of the 16-bit P into this consumer's sP slice, and the SS
+        # WGMMA operand that reads it.
+        p_parts = None
+        if cutlass.const_expr(self.p_smem):
+            sP_c = sP[None, None, consumer]
+            r2s = cute.make_tiled_copy_C(
+                cute.make_copy_atom(StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
+                tiled_mma_qk,
+            )  # fmt: skip
+            thr_r2s = r2s.get_slice(tidx)
+            thr_pv_ss = self.make_tiled_mma_pv_ss().get_slice(tidx)
+            p_parts = (r2s, thr_r2s.retile(rP), thr_r2s.partition_D(sP_c),
+                       thr_pv_ss.make_fragment_A(thr_pv_ss.partition_A(sP_c)))  # fmt: skip
+        mma = (thr_qk, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_O, rP, tScS, acc_S, corr,
+               p_parts)  # fmt: skip
         pipes = (pipeline_k, pipeline_v)
         score_args = (score_scale, row_start, seqlen_q, seqlen_k, window_left, window_right)
         # Blocks [start_unmasked, n_block_max) may cut the seqlen tail, the causal diagonal or
@@ -971,10 +1016,14 @@ class FlashAttentionForwardSm90(AttentionKernel):
     def gemm_pv(self, mma: tuple, v_stage: Int32):
         """O += P V with P from registers (issue only)."""
         tOrV, acc_O, rP = mma[5], mma[6], mma[7]
-        _, tiled_mma_pv = self.make_tiled_mmas()
-        tOrP = acc_as_rs_operand(rP)
         tOrV_stage = tOrV[None, None, None, v_stage]  # sliced once: fewer address computations
-        gemm_over_k(tiled_mma_pv, acc_O, tOrP, tOrV_stage, zero_init=False)
+        if cutlass.const_expr(self.p_smem):  # P from shared memory (SS)
+            gemm_over_k(self.make_tiled_mma_pv_ss(), acc_O, mma[11][3], tOrV_stage,
+                        zero_init=False)  # fmt: skip
+        else:
+            _, tiled_mma_pv = self.make_tiled_mmas()
+            tOrP = acc_as_rs_operand(rP)
+            gemm_over_k(tiled_mma_pv, acc_O, tOrP, tOrV_stage, zero_init=False)
 
     @cute.jit
     def step(
@@ -994,7 +1043,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         unless ``is_first``), softcap (when compiled in), mask (``masked``: the block may cut
         the seqlen tail, the causal diagonal or a window edge), online softmax, P -> registers
         (16-bit) for the next step."""
-        thr_qk, _, _, tSrQ, tSrK, _, acc_O, rP, tScS, acc_S, corr = mma
+        thr_qk, _, _, tSrQ, tSrK, _, acc_O, rP, tScS, acc_S, corr, _ = mma
         tiled_mma_qk, _ = self.make_tiled_mmas()
         pipeline_k, pipeline_v = pipes
         score_scale, row_start, seqlen_q, seqlen_k, window_left, window_right = score_args
@@ -1054,6 +1103,21 @@ class FlashAttentionForwardSm90(AttentionKernel):
             softmax.rescale(acc_O, corr)
         if cutlass.const_expr(not self.defer_rescale):
             convert_in_chunks(rP, acc_S)
+            if cutlass.const_expr(self.p_smem):
+                self.store_p(mma, consumer)
+
+    @cute.jit
+    def store_p(self, mma: tuple, consumer: Int32):
+        """config.p_smem: the 16-bit P of this consumer to its sP slice (stmatrix), visible to
+        the async proxy, and all its 128 threads' parts written before any of them issues the
+        P V WGMMA that reads it. The slice's previous P was read by the P V GEMM this step
+        waited for (wait_group 0)."""
+        r2s, tPrP, tPsP, _ = mma[11]
+        cute.copy(r2s, tPrP, tPsP)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        pipeline.NamedBarrier(
+            barrier_id=int(Barrier.P_READY_WG1) + consumer, num_threads=WARPGROUP
+        ).arrive_and_wait()
 
     @cute.jit
     def last_pv(

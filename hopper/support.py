@@ -201,10 +201,17 @@ OVERLAP_ENV = "CUTE_FA_SM90_FWD_OVERLAP"
 # is staged in the Q slice's layout); elsewhere the switch changes nothing. =0 or unset: the
 # 16-byte stores. Read when a launch plan is made.
 TMA_STORE_ENV = "CUTE_FA_SM90_FWD_TMA_STORE"
+# Tuning switch: CUTE_FA_SM90_FWD_P_SMEM=1: each consumer writes its 16-bit P to a shared-memory
+# slice (stmatrix; + tile_m * tile_n * 2 bytes) and O += P V reads it there (an SS WGMMA)
+# instead of from registers (RS, FA3's choice). The deferred rescale is then off (it keeps P in
+# fp32 registers until the P V issue). Where the slices do not fit next to Q and K/V, nothing
+# changes. =0 or unset: P from registers. Read when a launch plan is made.
+P_SMEM_ENV = "CUTE_FA_SM90_FWD_P_SMEM"
 
 # These switches become fields of the compile key (FwdConfig.kv_stages, .defer_rescale,
-# .exp2_poly, .rescale_threshold, .num_ctas, .dynamic_tiles, .pingpong, .overlap, .tma_store;
-# see fwd_tuned), so a kernel compiled under one setting is never served under another.
+# .exp2_poly, .rescale_threshold, .num_ctas, .dynamic_tiles, .pingpong, .overlap, .tma_store,
+# .p_smem; see fwd_tuned), so a kernel compiled under one setting is never served under
+# another.
 
 
 def _env_choice(name: str, choices: tuple[str, ...]) -> str:
@@ -258,7 +265,8 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
     CUTE_FA_SM90_FWD_PERSISTENT says (=2: with a dynamic schedule); the consumers' turns as
     CUTE_FA_SM90_FWD_PINGPONG says (never off with seqused_k; unset: off for
     SM90_FWD_PINGPONG_OFF_DEFAULT's causal calls on the persistent grid with 128 rows);
-    CUTE_FA_SM90_FWD_OVERLAP=0; CUTE_FA_SM90_FWD_TMA_STORE=1 where it fits."""
+    CUTE_FA_SM90_FWD_OVERLAP=0; CUTE_FA_SM90_FWD_TMA_STORE=1 and CUTE_FA_SM90_FWD_P_SMEM=1
+    where they fit (P_SMEM turns the deferred rescale off)."""
     value = _env_choice(KV_STAGES_ENV, tuple(str(s) for s in SM90_FWD_KV_STAGE_CHOICES))
     stages = int(value) if value else SM90_FWD_KV_STAGES
     if fwd_smem_bytes(config, stages) > SMEM_CAPACITY.get(config.target, 0):
@@ -279,10 +287,15 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
     pingpong = pingpong_value != "0" or config.seqused_k
     overlap = _env_choice(OVERLAP_ENV, ("0", "1")) != "0"
     tma_store = _env_choice(TMA_STORE_ENV, ("0", "1")) == "1" and fwd_tma_store_fits(config)
+    p_smem = _env_choice(P_SMEM_ENV, ("0", "1")) == "1" and fwd_smem_bytes(
+        config.replace(p_smem=True), stages
+    ) <= SMEM_CAPACITY.get(config.target, 0)
+    if p_smem:
+        defer = 0
     config = config.replace(
         kv_stages=0 if stages == SM90_FWD_KV_STAGES else stages, defer_rescale=defer,
         exp2_poly=int(poly or 0), rescale_threshold=int(threshold), pingpong=pingpong,
-        overlap=overlap, tma_store=tma_store,
+        overlap=overlap, tma_store=tma_store, p_smem=p_smem,
     )  # fmt: skip
     persistent = config.replace(num_ctas=SM90_SMS)
     limit = (
@@ -374,9 +387,10 @@ def fwd_tile(
 def fwd_smem_bytes(
     config: FwdConfig, kv_stages: int = SM90_FWD_KV_STAGES, q_stages: int = 1
 ) -> int:
-    """Shared memory of the Q stages and the K and V rings (16-bit elements), barriers and
-    alignment included."""
-    return (q_stages * config.tile_m * config.head_dim
+    """Shared memory of the Q stages, the K and V rings and (config.p_smem) the P slices
+    (16-bit elements), barriers and alignment included."""
+    p_tiles = config.tile_m * config.tile_n if getattr(config, "p_smem", False) else 0
+    return (q_stages * config.tile_m * config.head_dim + p_tiles
             + kv_stages * config.tile_n * (config.head_dim + config.head_dim_v)) * 2 \
         + SM90_FWD_SMEM_SLACK  # fmt: skip
 
@@ -431,6 +445,8 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
             "pingpong off (CUTE_FA_SM90_FWD_PINGPONG=0) with seqused_k: the consumers' turns "
             "order the zeroing of the V rows past seqused_k before any P V GEMM reads them"
         )
+    if config.p_smem and config.defer_rescale:
+        return False, "p_smem keeps P in shared memory; the deferred rescale keeps it in registers"
     if config.tma_store and not fwd_tma_store_fits(config):
         return False, "tma_store takes dense query rows (no cu_seqlens_q / seqused_q) and dv == d"
     if config.dynamic_tiles and not config.num_ctas:

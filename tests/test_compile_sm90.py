@@ -19,6 +19,7 @@ from cute_fa.hopper.support import (
     EXP2_POLY_ENV,
     KV_STAGES_ENV,
     OVERLAP_ENV,
+    P_SMEM_ENV,
     PERSISTENT_ENV,
     PINGPONG_ENV,
     RESCALE_THRESHOLD_ENV,
@@ -74,7 +75,7 @@ def _clear_switches(monkeypatch) -> None:
     """No tuning switch of the sm90 forward set: dispatch makes its default choices."""
     for name in (TILE_N_ENV, TILE_M_ENV, KV_STAGES_ENV, DEFER_RESCALE_ENV, EXP2_POLY_ENV,
                  RESCALE_THRESHOLD_ENV, PERSISTENT_ENV, PINGPONG_ENV, OVERLAP_ENV,
-                 TMA_STORE_ENV, FWD_ARCH_ENV):  # fmt: skip
+                 TMA_STORE_ENV, P_SMEM_ENV, FWD_ARCH_ENV):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
 
 
@@ -296,7 +297,7 @@ MALFORMED = [(KV_STAGES_ENV, "4"), (KV_STAGES_ENV, "three"), (DEFER_RESCALE_ENV,
              (DEFER_RESCALE_ENV, "3"), (EXP2_POLY_ENV, "3"), (EXP2_POLY_ENV, "on"),
              (RESCALE_THRESHOLD_ENV, "6"), (RESCALE_THRESHOLD_ENV, "8.0"), (PINGPONG_ENV, "off"),
              (PINGPONG_ENV, "2"), (OVERLAP_ENV, "no"),
-             (PERSISTENT_ENV, "3"), (TMA_STORE_ENV, "yes")]  # fmt: skip
+             (PERSISTENT_ENV, "3"), (TMA_STORE_ENV, "yes"), (P_SMEM_ENV, "on")]  # fmt: skip
 
 
 @pytest.mark.parametrize("name, value", MALFORMED)
@@ -360,6 +361,10 @@ SWITCH_CASES = [
         PERSISTENT_ENV, "2", 64, SM90_FWD_TILE_M_3WG, {"causal": True}, id="dynamic-d64-3wg-causal"
     ),  # fmt: skip
     pytest.param(PERSISTENT_ENV, "2", 256, None, {}, id="dynamic-d256"),
+    pytest.param(P_SMEM_ENV, "1", 128, None, {}, id="psmem-d128"),
+    pytest.param(P_SMEM_ENV, "1", 64, None, {"causal": True}, id="psmem-d64-causal"),
+    pytest.param(P_SMEM_ENV, "1", 64, SM90_FWD_TILE_M_3WG, {}, id="psmem-d64-3wg"),
+    pytest.param(P_SMEM_ENV, "1", 256, None, {"causal": True}, id="psmem-d256-causal"),
     pytest.param(TMA_STORE_ENV, "1", 128, None, {}, id="tmastore-d128"),
     pytest.param(TMA_STORE_ENV, "1", 64, SM90_FWD_TILE_M_3WG, {}, id="tmastore-d64-3wg"),
     pytest.param(TMA_STORE_ENV, "1", 256, None, {"causal": True}, id="tmastore-d256-causal"),
@@ -423,6 +428,13 @@ def test_sm90_fwd_switch_compiles(monkeypatch, capfd, name, value, d, tile_m, fl
         assert config.num_ctas and config.dynamic_tiles and "dynamic" in config.name
         assert re.findall(r"\bATOM\S*", sass) == ["ATOMG.E.ADD.STRONG.GPU"], sass.count("ATOM")
         assert not re.search(r"\bRED", sass)
+    if name == P_SMEM_ENV:
+        # P through shared memory: stmatrix of P in every loop body and the first block (the
+        # P V GEMMs read it with SS WGMMAs, still one fence a place: checked above); the
+        # deferred rescale is off with it.
+        assert config.p_smem and not config.defer_rescale and "psmem" in config.name
+        stsm = len(re.findall(r"\bSTSM", sass))
+        assert stsm and stsm % ((3 if config.local else 2) + 1) == 0, stsm
     if name == TMA_STORE_ENV:
         # O by TMA store: one UTMASTG per 64-column box of a consumer's (64, dv) tile, no
         # 16-byte global stores left (the two STG.E are the LSE); varlen queries keep them.

@@ -478,10 +478,11 @@ def test_fwd_defer_rescale_vote_guarded_wait(monkeypatch, d, seqlen_q, seqlen_k,
 NO_PINGPONG = {"CUTE_FA_SM90_FWD_PINGPONG": "0"}
 NO_OVERLAP = {"CUTE_FA_SM90_FWD_OVERLAP": "0"}
 TMA_STORE = {"CUTE_FA_SM90_FWD_TMA_STORE": "1"}
+P_SMEM = {"CUTE_FA_SM90_FWD_P_SMEM": "1"}
 PERSISTENT = {"CUTE_FA_SM90_FWD_PERSISTENT": "1"}
 # (d, seqlen_q, seqlen_k, mask, switches): pingpong off; three consumers at d128 (64 / 80 keys);
 # the intra-warpgroup overlap off; O by TMA store (17 rows: a box past the end of the tensor;
-# 1000 x 300 causal: tiles that see no key store zeros).
+# 1000 x 300 causal: tiles that see no key store zeros); P through shared memory.
 SCHEDULE_SWITCH_CASES = [
     (64, 1000, 777, "causal", NO_PINGPONG),
     (64, 1000, 1000, "full", {**NO_PINGPONG, **ROWS_192}),
@@ -501,6 +502,11 @@ SCHEDULE_SWITCH_CASES = [
     (64, 1000, 1000, "full", {**TMA_STORE, **ROWS_192}),
     (256, 777, 1000, "causal", TMA_STORE),
     (128, 1000, 1000, "full", {**TMA_STORE, "CUTE_FA_SM90_FWD_PERSISTENT": "2"}),
+    (128, 1000, 777, "full", P_SMEM),
+    (64, 1000, 777, "causal", P_SMEM),
+    (64, 1000, 1000, "full", {**P_SMEM, **ROWS_192}),
+    (256, 777, 1000, "causal", P_SMEM),
+    (128, 1000, 1000, "win64_0", P_SMEM),
 ]
 
 
@@ -510,8 +516,9 @@ SCHEDULE_SWITCH_CASES = [
                              for c in SCHEDULE_SWITCH_CASES])  # fmt: skip
 def test_fwd_schedule_switches(monkeypatch, d, seqlen_q, seqlen_k, mask, switches):
     """CUTE_FA_SM90_FWD_PINGPONG=0 (no consumer turns), CUTE_FA_SM90_FWD_TILE_M=192 at d128
-    with 64 or 80 keys, CUTE_FA_SM90_FWD_OVERLAP=0 and CUTE_FA_SM90_FWD_TMA_STORE=1: against
-    attention_ref, with the switches in the kernel that ran."""
+    with 64 or 80 keys, CUTE_FA_SM90_FWD_OVERLAP=0, CUTE_FA_SM90_FWD_TMA_STORE=1 and
+    CUTE_FA_SM90_FWD_P_SMEM=1: against attention_ref, with the switches in the kernel that
+    ran."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("sm90 forward switches")
     config = run_sm90_switch_case(monkeypatch, switches, d, seqlen_q, seqlen_k, mask, 0.0,
@@ -527,6 +534,8 @@ def test_fwd_schedule_switches(monkeypatch, d, seqlen_q, seqlen_k, mask, switche
         assert not config.overlap and "nooverlap" in config.name, config.name
     if "CUTE_FA_SM90_FWD_TMA_STORE" in switches:
         assert config.tma_store and "tmastore" in config.name, config.name
+    if "CUTE_FA_SM90_FWD_P_SMEM" in switches:
+        assert config.p_smem and not config.defer_rescale, config.name
     if switches.get("CUTE_FA_SM90_FWD_PERSISTENT") == "2":
         assert config.dynamic_tiles, config.name
 

@@ -69,6 +69,7 @@ def test_sm90_variants_are_valid_peers_that_change_something(d):
     assert "cute_fa:CUTE_FA_SM90_FWD_PINGPONG=0" in peers
     assert "cute_fa:CUTE_FA_SM90_FWD_OVERLAP=0" in peers
     assert "cute_fa:CUTE_FA_SM90_FWD_TMA_STORE=1" in peers
+    assert "cute_fa:CUTE_FA_SM90_FWD_P_SMEM=1" in peers
     assert "cute_fa:CUTE_FA_SM90_FWD_PERSISTENT=2" in peers  # the dynamic schedule
     assert ("cute_fa:CUTE_FA_SM90_FWD_PINGPONG=1" in peers) == (d == 64)  # off for some d64
     # Three consumers: d64 at its default keys, d128 at the 64 or 80 keys they hold.
