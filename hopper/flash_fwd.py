@@ -18,7 +18,7 @@ from cute_fa.config import FwdConfig
 from cute_fa.dsl.copy import acc_to_smem, row_store_copy, store_rows, transposed
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask, block_range
-from cute_fa.dsl.scheduler import next_tile, tile_coords, unit_count
+from cute_fa.dsl.scheduler import next_tile, next_tile_dynamic, tile_coords, unit_count
 from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import OnlineSoftmax, mn_view_wgmma, score_scales, softcap_scores
 
@@ -270,22 +270,16 @@ class FlashAttentionForwardSm90(AttentionKernel):
         self.p_smem = config.p_smem  # P reaches O += P V through shared memory (SS WGMMA)
         # Slots of the work-unit ring (dynamic schedule): one more than the Q stages, so the
         # ring never holds the producer back more than the Q ring does.
-        self.tile_stages = fwd_q_stages(config) + 1 if config.dynamic_tiles else 1
         self.q_stages = fwd_q_stages(config)
+        self.tile_stages = self.q_stages + 1 if config.dynamic_tiles else 1
         self.exp2_poly = config.exp2_poly  # 0: every exponential on MUFU
         self.rescale_threshold = float(config.rescale_threshold)  # 0: O rescaled every block
 
     can_implement = staticmethod(fwd_can_implement)
 
-    def make_tiled_mma_pv_ss(self) -> cute.TiledMma:
-        """O = P V with both operands in shared memory (config.p_smem: P from sP)."""
-        return sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-            Float32, (1, 1, 1), (self.wg_m, self.tile_hdimv),
-        )  # fmt: skip
-
     def make_tiled_mmas(self) -> tuple[cute.TiledMma, cute.TiledMma]:
-        """(S = Q K^T: both operands in smem, O = P V: P from registers), one warpgroup each.
+        """(S = Q K^T: both operands in smem, O = P V: P from registers, or from smem with
+        config.p_smem), one warpgroup each.
 
         The device code builds fresh ones in every step: a TiledMma whose ACCUMULATE field was
         set inside one staged region cannot be reused in another.
@@ -296,7 +290,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
         )  # fmt: skip
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-            Float32, (1, 1, 1), (self.wg_m, self.tile_hdimv), warpgroup.OperandSource.RMEM,
+            Float32, (1, 1, 1), (self.wg_m, self.tile_hdimv),
+            warpgroup.OperandSource.SMEM if self.p_smem else warpgroup.OperandSource.RMEM,
         )  # fmt: skip
         return tiled_mma_qk, tiled_mma_pv
 
@@ -499,8 +494,10 @@ class FlashAttentionForwardSm90(AttentionKernel):
                             window,
                         )  # fmt: skip
                         if cutlass.const_expr(self.dynamic_tiles):
-                            unit, second = self.take_unit(unit, second, stride, mTileCounter,
-                                                          mQ.shape[1])  # fmt: skip
+                            unit, second = next_tile_dynamic(
+                                unit, second, stride, mTileCounter, mQ.shape[1], self.tile_m,
+                                self.causal,
+                            )  # fmt: skip
                             # The last one published is past the end: the consumers stop.
                             tile_state = self.publish_unit(pipeline_tile, sTile, tile_state,
                                                            unit, second)  # fmt: skip
@@ -546,24 +543,6 @@ class FlashAttentionForwardSm90(AttentionKernel):
                     (unit, second), gmem, smem_tiles, pipes, states, mmas, consumer,
                     tidx % WARPGROUP, scales, window,
                 )  # fmt: skip
-
-    @cute.jit
-    def take_unit(
-        self, unit: Int32, second: Int32, stride: Int32, mTileCounter: cute.Tensor,
-        seqlen_q: Int32,
-    ):  # fmt: skip
-        """Producer warp, dynamic schedule: the tile after ``(unit, second)``: a pair's second
-        tile, else the first of unit ``stride`` + the counter's old value (lane 0's atomicAdd,
-        shared with the warp). A CTA's first unit is its block index, so the counter hands out
-        units grid, grid + 1, ... in the order the CTAs ask (Note [persistent tiles])."""
-        next_unit, next_second = next_tile(unit, second, Int32(0), seqlen_q, self.tile_m,
-                                           self.causal)  # fmt: skip
-        if next_second == 0:
-            taken = Int32(0)
-            if cute.arch.lane_idx() == 0:
-                taken = cute.arch.atomic_add(mTileCounter.iterator.llvm_ptr, Int32(1))
-            next_unit = stride + cute.arch.shuffle_sync(taken, 0)
-        return next_unit, next_second
 
     @cute.jit
     def publish_unit(
@@ -815,9 +794,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
                 tiled_mma_qk,
             )  # fmt: skip
             thr_r2s = r2s.get_slice(tidx)
-            thr_pv_ss = self.make_tiled_mma_pv_ss().get_slice(tidx)
             p_parts = (r2s, thr_r2s.retile(rP), thr_r2s.partition_D(sP_c),
-                       thr_pv_ss.make_fragment_A(thr_pv_ss.partition_A(sP_c)))  # fmt: skip
+                       thr_pv.make_fragment_A(thr_pv.partition_A(sP_c)))  # fmt: skip
         mma = (thr_qk, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_O, rP, tScS, acc_S, corr,
                p_parts)  # fmt: skip
         pipes = (pipeline_k, pipeline_v)
@@ -1014,16 +992,15 @@ class FlashAttentionForwardSm90(AttentionKernel):
 
     @cute.jit
     def gemm_pv(self, mma: tuple, v_stage: Int32):
-        """O += P V with P from registers (issue only)."""
+        """O += P V with P from registers (config.p_smem: from its smem slice); issue only."""
         tOrV, acc_O, rP = mma[5], mma[6], mma[7]
-        tOrV_stage = tOrV[None, None, None, v_stage]  # sliced once: fewer address computations
-        if cutlass.const_expr(self.p_smem):  # P from shared memory (SS)
-            gemm_over_k(self.make_tiled_mma_pv_ss(), acc_O, mma[11][3], tOrV_stage,
-                        zero_init=False)  # fmt: skip
+        _, tiled_mma_pv = self.make_tiled_mmas()
+        if cutlass.const_expr(self.p_smem):
+            tOrP = mma[11][3]
         else:
-            _, tiled_mma_pv = self.make_tiled_mmas()
             tOrP = acc_as_rs_operand(rP)
-            gemm_over_k(tiled_mma_pv, acc_O, tOrP, tOrV_stage, zero_init=False)
+        tOrV_stage = tOrV[None, None, None, v_stage]  # sliced once: fewer address computations
+        gemm_over_k(tiled_mma_pv, acc_O, tOrP, tOrV_stage, zero_init=False)
 
     @cute.jit
     def step(

@@ -310,9 +310,9 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
         config = persistent.replace(dynamic_tiles=True)
     elif (forced == "1" or (not forced and by_default)) and fwd_persistent_fits(config):
         config = persistent
+    # (A persistent grid never takes seqused_k, whose V-tail zeroing needs the turns.)
     if not pingpong_value and config.head_dim in SM90_FWD_PINGPONG_OFF_DEFAULT and (
         config.causal and config.num_ctas and config.tile_m == SM90_FWD_TILE_M
-        and not config.seqused_k
     ):  # fmt: skip
         config = config.replace(pingpong=False)
     return config

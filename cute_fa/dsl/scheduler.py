@@ -93,6 +93,29 @@ def next_tile(
     return next_unit, next_second
 
 
+@cute.jit
+def next_tile_dynamic(
+    unit: Int32,
+    second: Int32,
+    stride: Int32,
+    counter: cute.Tensor,
+    seqlen_q: Int32,
+    tile_m: cutlass.Constexpr[int],
+    pairs: cutlass.Constexpr[bool],
+):
+    """``next_tile`` of the dynamic schedule, for one warp: a pair's second tile, else the
+    first tile of unit ``stride`` + the old value of ``counter`` (lane 0's atomicAdd, shared
+    with the warp). A CTA's first unit is its block index, so the counter hands out units
+    grid, grid + 1, ... in the order the CTAs ask (Note [persistent tiles])."""
+    next_unit, next_second = next_tile(unit, second, Int32(0), seqlen_q, tile_m, pairs)
+    if next_second == 0:
+        taken = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            taken = cute.arch.atomic_add(counter.iterator.llvm_ptr, Int32(1))
+        next_unit = stride + cute.arch.shuffle_sync(taken, 0)
+    return next_unit, next_second
+
+
 def _key_blocks_slowest(deterministic: bool, causal: bool, coresident: bool) -> bool:
     # measured: Note [deterministic dQ] in ampere/flash_bwd.py
     return deterministic and causal and not coresident
