@@ -93,6 +93,8 @@ def sm90_fwd_variants(head_dim: int) -> list[str]:
                  f"{sm90.P_SMEM_ENV}=1"]  # fmt: skip
     if head_dim in sm90.SM90_FWD_PINGPONG_OFF_DEFAULT:  # off by default for some calls
         settings.append(f"{sm90.PINGPONG_ENV}=1")
+    if head_dim in sm90.SM90_FWD_OVERLAP_OFF_DEFAULT:  # likewise the overlap
+        settings.append(f"{sm90.OVERLAP_ENV}=1")
     three = f"{sm90.TILE_M_ENV}={sm90.SM90_FWD_TILE_M_3WG}"
     max_keys = sm90.SM90_FWD_3WG_MAX_TILE_N.get(head_dim, 0)
     if max_keys >= sm90.SM90_FWD_TILE_N[head_dim]:  # three consumers at the default keys

@@ -163,7 +163,8 @@ SM90_FWD_RESCALE_THRESHOLD_DEFAULT = {256: 8}
 # 192 rows one CTA a tile above.
 # Switch: CUTE_FA_SM90_FWD_PERSISTENT=1 for every call that fits, =0 for none, =2 for every call
 # that fits with a dynamic schedule: each CTA takes its next work unit from a global counter
-# (atomicAdd; Note [persistent tiles]), so SMs that run ahead take more units (not timed yet).
+# (atomicAdd; Note [persistent tiles]), so SMs that run ahead take more units (measured 0.93-1.02
+# of the default on the H200: not a default).
 # Read when a launch plan is made.
 PERSISTENT_ENV = "CUTE_FA_SM90_FWD_PERSISTENT"
 SM90_FWD_PERSISTENT_MAX_SEQLEN = 2048
@@ -192,9 +193,18 @@ PINGPONG_ENV = "CUTE_FA_SM90_FWD_PINGPONG"
 SM90_FWD_PINGPONG_OFF_DEFAULT = (64,)
 # Tuning switch: CUTE_FA_SM90_FWD_OVERLAP=0 turns the intra-warpgroup overlap off: a consumer
 # waits for both GEMMs of its step (S = Q K[j]^T and O += P V[j + 1]) before the softmax of
-# block j, instead of only for S (hopper/flash_fwd.py, ``step``). =1 or unset: the overlap.
-# Read when a launch plan is made.
+# block j, instead of only for S (hopper/flash_fwd.py, ``step``). =1: the overlap. Unset: the
+# overlap, except SM90_FWD_OVERLAP_OFF_DEFAULT below. Read when a launch plan is made.
 OVERLAP_ENV = "CUTE_FA_SM90_FWD_OVERLAP"
+# Where the overlap is off when the switch is unset: head dim -> longest query sequence, for
+# causal calls on the persistent grid with two consumers and no turns (d 64 causal below 4096
+# rows, SM90_FWD_PINGPONG_OFF_DEFAULT). On the H200 (bf16, standard grid, the switch as a peer
+# in one process, docs/performance.md, Log 2026-12-02), three runs: +2 / +2 / +4 % at 512,
+# +2 / +2 / +3 % at 1k, but +4 / 0 / 0 % at 2k and -2 % at 4k; elsewhere a loss (d 64
+# non-causal -8 to 0 %, d 128 -3 to +1 %, d 256 -9 to -4 %). A causal tile of up to 1k rows
+# visits at most 8 key blocks, half of them on the diagonal: the overlap's prologue (the first
+# S issued ahead) and its drain are a large part of so few steps.
+SM90_FWD_OVERLAP_OFF_DEFAULT = {64: 1024}
 # Tuning switch: CUTE_FA_SM90_FWD_TMA_STORE=1: each consumer's O leaves by one TMA store from
 # its shared-memory slice (FA3's epilogue) instead of 16-byte stores by its 128 threads. Dense
 # query calls with dv == d only (a varlen box would cross into the next sequence; the O tile
@@ -265,7 +275,8 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
     CUTE_FA_SM90_FWD_PERSISTENT says (=2: with a dynamic schedule); the consumers' turns as
     CUTE_FA_SM90_FWD_PINGPONG says (never off with seqused_k; unset: off for
     SM90_FWD_PINGPONG_OFF_DEFAULT's causal calls on the persistent grid with 128 rows);
-    CUTE_FA_SM90_FWD_OVERLAP=0; CUTE_FA_SM90_FWD_TMA_STORE=1 and CUTE_FA_SM90_FWD_P_SMEM=1
+    CUTE_FA_SM90_FWD_OVERLAP (unset: off for SM90_FWD_OVERLAP_OFF_DEFAULT's short causal calls
+    of those); CUTE_FA_SM90_FWD_TMA_STORE=1 and CUTE_FA_SM90_FWD_P_SMEM=1
     where they fit (P_SMEM turns the deferred rescale off)."""
     value = _env_choice(KV_STAGES_ENV, tuple(str(s) for s in SM90_FWD_KV_STAGE_CHOICES))
     stages = int(value) if value else SM90_FWD_KV_STAGES
@@ -315,6 +326,12 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
         config.causal and config.num_ctas and config.tile_m == SM90_FWD_TILE_M
     ):  # fmt: skip
         config = config.replace(pingpong=False)
+    overlap_off_below = SM90_FWD_OVERLAP_OFF_DEFAULT.get(config.head_dim, 0)
+    if not _env_choice(OVERLAP_ENV, ("0", "1")) and not config.pingpong and (
+        config.causal and config.num_ctas and config.tile_m == SM90_FWD_TILE_M
+        and seqlen_q is not None and seqlen_q <= overlap_off_below
+    ):  # fmt: skip
+        config = config.replace(overlap=False)
     return config
 
 

@@ -193,6 +193,7 @@ def test_sm90_fwd_compiles_for_sm90a(d: int, dv: int, dtype: str, flags: dict, c
 DEFAULT_PLANS = [
     pytest.param(64, {}, 2048, id="d64-2k"),
     pytest.param(64, {"causal": True}, 1024, id="d64-causal-1k"),
+    pytest.param(64, {"causal": True}, 2048, id="d64-causal-2k"),
     pytest.param(64, {"causal": True}, 8192, id="d64-causal-8k"),
     pytest.param(64, {"local": True, "has_softcap": True}, 4096, id="d64-local-softcap"),
     pytest.param(64, {"causal": True, "varlen_q": True, "varlen_k": True}, None, id="d64-varlen"),
@@ -212,6 +213,9 @@ def test_sm90_fwd_default_plans_compile(monkeypatch, capfd, d, flags, seqlen_q) 
         # No consumer turns for causal calls with two consumers on the persistent grid.
         two_persistent = config.causal and config.num_ctas and config.tile_m == 128
         assert config.pingpong == (not two_persistent), config.name
+        # ... and without the intra-warpgroup overlap up to 1k query rows.
+        short = seqlen_q is not None and seqlen_q <= 1024
+        assert config.overlap == (not (two_persistent and short)), config.name
     if d == 256:
         assert config.tile_n == 64 and config.rescale_threshold == 8
         assert config.num_ctas  # causal 1k-8k: the persistent grid, one Q stage

@@ -254,10 +254,12 @@ def test_sm90_tile_m_switch(monkeypatch):
     assert dispatch.fwd_plan((9, 0), causal64, long_rows)[1].tile_m == 192
     assert dispatch.fwd_plan((9, 0), req(head_dim=128, head_dim_v=128), 8192)[1].tile_m == 128
     plans = cli.precompile_configs("sm90", "sm_90a", [64], ["bf16"], ["causal"])
-    # Plain, long sequences (192 rows), short ones (128 rows on a persistent grid) and 4096-8192
-    # rows (192 rows on a persistent grid).
-    tiles = sorted((t.config.tile_m, t.config.num_ctas) for t, _, _ in plans)
-    assert tiles == [(128, 0), (128, 132), (192, 0), (192, 132)]
+    # Plain, long sequences (192 rows), short ones (128 rows on a persistent grid: up to 1024
+    # rows without the intra-warpgroup overlap, then with it) and 4096-8192 rows (192 rows on a
+    # persistent grid).
+    tiles = sorted((t.config.tile_m, t.config.num_ctas, t.config.overlap) for t, _, _ in plans)
+    assert tiles == [(128, 0, True), (128, 132, False), (128, 132, True), (192, 0, True),
+                     (192, 132, True)]  # fmt: skip
     monkeypatch.setenv(TILE_M_ENV, "192")
     for causal in (False, True):
         _, config = dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64, causal=causal))
