@@ -182,7 +182,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
       EPILOGUE_WG1 + c (128 threads), 16-byte stores of rows < seqlen_q (gcd(dv / 8, 128)
       threads a row; dv 96: 4 threads of 3 vectors); LSE from the quad leaders. Rows that see
       no key: O = 0, LSE = -inf. config.tma_store (CUTE_FA_SM90_FWD_TMA_STORE=1; dense query
-      rows, dv == d; 0.94-1.02 on the H200): a fence.proxy.async after the smem writes, then
+      rows, dv == d; 0.93-1.06 on the H200): a fence.proxy.async after the smem writes, then
       thread 0 issues one TMA store of the (64, dv) box (rows past the tensor's end are
       clipped) and waits until it has read the slice (cp.async.bulk.wait_group.read 0)
       before its warp releases the Q stage.

@@ -200,8 +200,8 @@ OVERLAP_ENV = "CUTE_FA_SM90_FWD_OVERLAP"
 # causal calls on the persistent grid with two consumers and no turns (d 64 causal below 4096
 # rows, SM90_FWD_PINGPONG_OFF_DEFAULT). On the H200 (bf16, standard grid, the switch as a peer
 # in one process, docs/performance.md, Log 2026-12-02), three runs: +2 / +2 / +4 % at 512,
-# +2 / +2 / +3 % at 1k, but +4 / 0 / 0 % at 2k and -2 % at 4k; elsewhere a loss (d 64
-# non-causal -8 to 0 %, d 128 -3 to +1 %, d 256 -9 to -4 %). A causal tile of up to 1k rows
+# +2 / +2 / +3 % at 1k, but +4 / 0 / 0 % at 2k and 0 / -2 % at 4k; elsewhere a loss or noise
+# (d 64 non-causal -8 to 0 %, d 128 -3 to +4 %, d 256 -9 to -4 %). A causal tile of up to 1k rows
 # visits at most 8 key blocks, half of them on the diagonal: the overlap's prologue (the first
 # S issued ahead) and its drain are a large part of so few steps.
 SM90_FWD_OVERLAP_OFF_DEFAULT = {64: 1024}
