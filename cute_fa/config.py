@@ -106,6 +106,9 @@ class FwdConfig:
     # A consumer's softmax of block j runs while its O += P V of block j - 1 is in flight
     # (intra-warpgroup overlap); False: it waits for both GEMMs (CUTE_FA_SM90_FWD_OVERLAP=0).
     overlap: bool = True
+    # S = Q K^T takes Q from registers (RS WGMMA; Q loaded once a tile by ldmatrix) instead of
+    # shared memory (SS); sm90, d <= 128 (CUTE_FA_SM90_FWD_Q_RMEM=1).
+    q_rmem: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -147,6 +150,8 @@ class FwdConfig:
             flags.append("nopingpong")
         if not getattr(self, "overlap", True):
             flags.append("nooverlap")
+        if getattr(self, "q_rmem", False):
+            flags.append("qrmem")
         dv = "" if self.head_dim_v == self.head_dim else f"x{self.head_dim_v}"
         return (
             f"fwd_sm{self.arch}_{self.target}_{self.dtype}_d{self.head_dim}{dv}"

@@ -11,7 +11,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
+from cutlass.cute.nvgpu.warp import LdMatrix8x8x16bOp, StMatrix8x8x16bOp
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from cute_fa.config import FwdConfig
@@ -271,6 +271,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         self.dynamic_tiles = config.dynamic_tiles  # persistent: units from a global counter
         self.tma_store = config.tma_store  # O leaves by one TMA store a consumer
         self.p_smem = config.p_smem  # P reaches O += P V through shared memory (SS WGMMA)
+        self.q_rmem = config.q_rmem  # S = Q K^T with Q from registers (RS WGMMA)
         # Slots of the work-unit ring (dynamic schedule): one more than the Q stages, so the
         # ring never holds the producer back more than the Q ring does.
         self.q_stages = fwd_q_stages(config)
@@ -290,6 +291,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             Float32, (1, 1, 1), (self.wg_m, self.tile_n),
+            warpgroup.OperandSource.RMEM if self.q_rmem else warpgroup.OperandSource.SMEM,
         )  # fmt: skip
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
@@ -816,6 +818,14 @@ class FlashAttentionForwardSm90(AttentionKernel):
         has_q = self.tile_has_q(n_block_min, n_block_max)
         if has_q:
             pipeline_q.consumer_wait(q_state)
+            if cutlass.const_expr(self.q_rmem):  # Q -> registers, the A operand of every S
+                s2r = cute.make_tiled_copy_A(
+                    cute.make_copy_atom(LdMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                        self.dtype),
+                    tiled_mma_qk,
+                )  # fmt: skip
+                thr_s2r = s2r.get_slice(tidx)
+                cute.copy(s2r, thr_s2r.partition_S(sQ_c), thr_s2r.retile(tSrQ))
         if n_blocks > 0:
             self.step(n_block_max - 1, k_state, v_state, softmax, consumer, mma, pipes, score_args,
                       True, True)  # fmt: skip

@@ -217,6 +217,14 @@ TMA_STORE_ENV = "CUTE_FA_SM90_FWD_TMA_STORE"
 # fp32 registers until the P V issue). Where the slices do not fit next to Q and K/V, nothing
 # changes. =0 or unset: P from registers. Read when a launch plan is made.
 P_SMEM_ENV = "CUTE_FA_SM90_FWD_P_SMEM"
+# Tuning switch: CUTE_FA_SM90_FWD_Q_RMEM=1: each consumer loads its 64 x d slice of Q into
+# registers once a tile (ldmatrix; d / 4 registers a thread) and S = Q K^T becomes an RS WGMMA,
+# so each key block reads only K from shared memory for S (at d 128: 64 of the 80 KiB a
+# consumer's two GEMMs read a block). Two consumers (128 rows) and head dims up to
+# SM90_FWD_Q_RMEM_MAX_D only: three consumers' 160 registers spill (d 64: 48 LDL / STL), and
+# d 256 would need 64 more registers next to O's 128. Read when a launch plan is made.
+Q_RMEM_ENV = "CUTE_FA_SM90_FWD_Q_RMEM"
+SM90_FWD_Q_RMEM_MAX_D = 128
 
 # These switches become fields of the compile key (FwdConfig.kv_stages, .defer_rescale,
 # .exp2_poly, .rescale_threshold, .num_ctas, .dynamic_tiles, .pingpong, .overlap, .tma_store,
@@ -252,6 +260,12 @@ def fwd_tma_store_fits(config: FwdConfig) -> bool:
     """Whether O can leave by TMA store: dense query rows (no cu_seqlens_q or seqused_q) and
     dv == d."""
     return not (config.varlen_q or config.seqused_q) and config.head_dim_v == config.head_dim
+
+
+def fwd_q_rmem_fits(config: FwdConfig) -> bool:
+    """Whether a consumer can keep its Q slice in registers: two consumers (128 rows) and
+    head_dim <= SM90_FWD_Q_RMEM_MAX_D."""
+    return config.tile_m == SM90_FWD_TILE_M and config.head_dim <= SM90_FWD_Q_RMEM_MAX_D
 
 
 def fwd_q_stages(config: FwdConfig) -> int:
@@ -303,10 +317,11 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
     ) <= SMEM_CAPACITY.get(config.target, 0)
     if p_smem:
         defer = 0
+    q_rmem = _env_choice(Q_RMEM_ENV, ("0", "1")) == "1" and fwd_q_rmem_fits(config)
     config = config.replace(
         kv_stages=0 if stages == SM90_FWD_KV_STAGES else stages, defer_rescale=defer,
         exp2_poly=int(poly or 0), rescale_threshold=int(threshold), pingpong=pingpong,
-        overlap=overlap, tma_store=tma_store, p_smem=p_smem,
+        overlap=overlap, tma_store=tma_store, p_smem=p_smem, q_rmem=q_rmem,
     )  # fmt: skip
     persistent = config.replace(num_ctas=SM90_SMS)
     limit = (
@@ -468,6 +483,11 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
         return False, "tma_store takes dense query rows (no cu_seqlens_q / seqused_q) and dv == d"
     if config.dynamic_tiles and not config.num_ctas:
         return False, "dynamic_tiles is a schedule of the persistent grid (num_ctas)"
+    if config.q_rmem and not fwd_q_rmem_fits(config):
+        return False, (
+            f"q_rmem keeps Q in registers with two consumers (tile_m {SM90_FWD_TILE_M}) up to "
+            f"head_dim {SM90_FWD_Q_RMEM_MAX_D}"
+        )
     if config.num_ctas and not fwd_persistent_fits(config):
         return False, (
             "a persistent grid (num_ctas) takes dense calls without a window or seqused (their "

@@ -22,6 +22,7 @@ from cute_fa.hopper.support import (
     P_SMEM_ENV,
     PERSISTENT_ENV,
     PINGPONG_ENV,
+    Q_RMEM_ENV,
     RESCALE_THRESHOLD_ENV,
     SM90_FWD_3WG_MAX_TILE_N,
     SM90_FWD_HEAD_DIM_PAIRS,
@@ -75,7 +76,7 @@ def _clear_switches(monkeypatch) -> None:
     """No tuning switch of the sm90 forward set: dispatch makes its default choices."""
     for name in (TILE_N_ENV, TILE_M_ENV, KV_STAGES_ENV, DEFER_RESCALE_ENV, EXP2_POLY_ENV,
                  RESCALE_THRESHOLD_ENV, PERSISTENT_ENV, PINGPONG_ENV, OVERLAP_ENV,
-                 TMA_STORE_ENV, P_SMEM_ENV, FWD_ARCH_ENV):  # fmt: skip
+                 TMA_STORE_ENV, P_SMEM_ENV, Q_RMEM_ENV, FWD_ARCH_ENV):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
 
 
@@ -301,7 +302,8 @@ MALFORMED = [(KV_STAGES_ENV, "4"), (KV_STAGES_ENV, "three"), (DEFER_RESCALE_ENV,
              (DEFER_RESCALE_ENV, "3"), (EXP2_POLY_ENV, "3"), (EXP2_POLY_ENV, "on"),
              (RESCALE_THRESHOLD_ENV, "6"), (RESCALE_THRESHOLD_ENV, "8.0"), (PINGPONG_ENV, "off"),
              (PINGPONG_ENV, "2"), (OVERLAP_ENV, "no"),
-             (PERSISTENT_ENV, "3"), (TMA_STORE_ENV, "yes"), (P_SMEM_ENV, "on")]  # fmt: skip
+             (PERSISTENT_ENV, "3"), (TMA_STORE_ENV, "yes"), (P_SMEM_ENV, "on"),
+             (Q_RMEM_ENV, "2")]  # fmt: skip
 
 
 @pytest.mark.parametrize("name, value", MALFORMED)
@@ -376,6 +378,13 @@ SWITCH_CASES = [
     pytest.param(OVERLAP_ENV, "0", 128, None, {}, id="nooverlap-d128"),
     pytest.param(OVERLAP_ENV, "0", 64, None, {"causal": True}, id="nooverlap-d64-causal"),
     pytest.param(OVERLAP_ENV, "0", 256, None, {"causal": True}, id="nooverlap-d256-causal"),
+    pytest.param(Q_RMEM_ENV, "1", 128, None, {}, id="qrmem-d128"),
+    pytest.param(Q_RMEM_ENV, "1", 128, None, {"causal": True}, id="qrmem-d128-causal"),
+    pytest.param(Q_RMEM_ENV, "1", 64, None, {"causal": True}, id="qrmem-d64-causal"),
+    pytest.param(Q_RMEM_ENV, "1", 96, None, {}, id="qrmem-d96"),
+    pytest.param(Q_RMEM_ENV, "1", 128, None, LOCAL_SOFTCAP, id="qrmem-d128-local-softcap"),
+    pytest.param(Q_RMEM_ENV, "1", 64, SM90_FWD_TILE_M_3WG, {}, id="qrmem-d64-3wg-not-taken"),
+    pytest.param(Q_RMEM_ENV, "1", 256, None, {}, id="qrmem-d256-not-taken"),
 ]
 
 
@@ -455,6 +464,19 @@ def test_sm90_fwd_switch_compiles(monkeypatch, capfd, name, value, d, tile_m, fl
         assert not config.overlap and "nooverlap" in config.name
         assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" not in sass
         assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") >= 3
+    if name == Q_RMEM_ENV:
+        # Q in registers: each consumer loads its Q slice with ldmatrix once a tile (64 x d
+        # 16-bit values: d / 64 * 4 LDSM.x4 a thread), and every S GEMM takes A from registers
+        # (HGMMA R.., gdesc); not with three consumers or at d 256, which keep S SS.
+        fits = config.tile_m == 128 and config.head_dim <= 128
+        ldsm = len(re.findall(r"\bLDSM\.16\.M88\.4\b", sass))
+        rs = re.findall(r"HGMMA\.64x\d+x16\.F32\.\w+ R\d+, R\d+, gdesc", sass)
+        if fits:
+            assert config.q_rmem and "qrmem" in config.name
+            assert ldsm == config.head_dim // 16, ldsm
+            assert len(rs) == sass.count("HGMMA"), (len(rs), sass.count("HGMMA"))
+        else:
+            assert not config.q_rmem and ldsm == 0
     if name == EXP2_POLY_ENV:
         # Each thread's row of an unmasked block (tile_n / 2 scores) has tile_n / 2 / k
         # polynomial exponentials; the kernel has one unmasked loop.

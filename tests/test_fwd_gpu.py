@@ -353,7 +353,7 @@ def test_fwd_persistent_three_consumers_causal(monkeypatch, seqlen_q, seqlen_k):
     assert config.tile_m == 192 and config.num_ctas, config.name
 
 
-@pytest.mark.parametrize("schedule", ["1", "2"], ids=["static", "dynamic"])
+@pytest.mark.parametrize("schedule", ["1", "2", "1q"], ids=["static", "dynamic", "static-qrmem"])
 @pytest.mark.parametrize("softcap", [0.0, 15.0], ids=["nocap", "cap15"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(
@@ -363,13 +363,15 @@ def test_fwd_persistent_grid(monkeypatch, d, dv, seqlen_q, seqlen_k, causal, sof
     """CUTE_FA_SM90_FWD_PERSISTENT=1 (one CTA an SM looping over tiles; causal: over pairs of
     tiles) and =2 (the same units taken from a counter, a dynamic schedule): several work units
     a CTA, against attention_ref, bitwise equal across two runs, and the plan really is
-    persistent (and dynamic with =2)."""
+    persistent (and dynamic with =2); "1q": the static grid with CUTE_FA_SM90_FWD_Q_RMEM=1
+    (Q reloaded into registers for every tile of a CTA; taken where it fits, d <= 128)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the persistent grid is an sm90 forward switch")
     from cute_fa import dispatch
     from cute_fa.cache import fwd_cache
 
-    monkeypatch.setenv("CUTE_FA_SM90_FWD_PERSISTENT", schedule)
+    monkeypatch.setenv("CUTE_FA_SM90_FWD_PERSISTENT", schedule[0])
+    monkeypatch.setenv("CUTE_FA_SM90_FWD_Q_RMEM", "1" if schedule == "1q" else "0")
     monkeypatch.setattr(cute_fa.interface, "_plans", {})  # plans made before read no switch
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     b, h, h_kv = 6, 16, 4
@@ -382,6 +384,7 @@ def test_fwd_persistent_grid(monkeypatch, d, dv, seqlen_q, seqlen_k, causal, sof
         q, k, v, None, None, None, None, causal=causal, local=False, softcap=softcap
     ).request, seqlen_q)  # fmt: skip
     assert config.num_ctas and config.dynamic_tiles == (schedule == "2"), config.name
+    assert config.q_rmem == (schedule == "1q" and d <= 128), config.name
     assert config.replace(num_ctas=sms) in fwd_cache()._memory, "the persistent kernel did not run"
     m_blocks = -(-seqlen_q // config.tile_m)
     units = b * h * (-(-m_blocks // 2) if causal else m_blocks)
@@ -480,10 +483,12 @@ NO_PINGPONG = {"CUTE_FA_SM90_FWD_PINGPONG": "0"}
 NO_OVERLAP = {"CUTE_FA_SM90_FWD_OVERLAP": "0"}
 TMA_STORE = {"CUTE_FA_SM90_FWD_TMA_STORE": "1"}
 P_SMEM = {"CUTE_FA_SM90_FWD_P_SMEM": "1"}
+Q_RMEM = {"CUTE_FA_SM90_FWD_Q_RMEM": "1"}
 PERSISTENT = {"CUTE_FA_SM90_FWD_PERSISTENT": "1"}
 # (d, seqlen_q, seqlen_k, mask, switches): pingpong off; three consumers at d128 (64 / 80 keys);
 # the intra-warpgroup overlap off; O by TMA store (17 rows: a box past the end of the tensor;
-# 1000 x 300 causal: tiles that see no key store zeros); P through shared memory.
+# 1000 x 300 causal: tiles that see no key store zeros); P through shared memory; Q in
+# registers.
 SCHEDULE_SWITCH_CASES = [
     (64, 1000, 777, "causal", NO_PINGPONG),
     (64, 1000, 1000, "full", {**NO_PINGPONG, **ROWS_192}),
@@ -508,6 +513,13 @@ SCHEDULE_SWITCH_CASES = [
     (64, 1000, 1000, "full", {**P_SMEM, **ROWS_192}),
     (256, 777, 1000, "causal", P_SMEM),
     (128, 1000, 1000, "win64_0", P_SMEM),
+    (128, 1000, 777, "full", Q_RMEM),
+    (128, 17, 1000, "full", Q_RMEM),
+    (128, 1000, 1000, "causal", Q_RMEM),
+    (64, 1000, 777, "causal", Q_RMEM),
+    (96, 777, 1000, "full", Q_RMEM),
+    (128, 1000, 1000, "win64_0", Q_RMEM),
+    (128, 1000, 1000, "full", {**Q_RMEM, "CUTE_FA_SM90_FWD_PERSISTENT": "2"}),
 ]
 
 
@@ -518,8 +530,8 @@ SCHEDULE_SWITCH_CASES = [
 def test_fwd_schedule_switches(monkeypatch, d, seqlen_q, seqlen_k, mask, switches):
     """CUTE_FA_SM90_FWD_PINGPONG=0 (no consumer turns), CUTE_FA_SM90_FWD_TILE_M=192 at d128
     with 64 or 80 keys, CUTE_FA_SM90_FWD_OVERLAP=0, CUTE_FA_SM90_FWD_TMA_STORE=1 and
-    CUTE_FA_SM90_FWD_P_SMEM=1: against attention_ref, with the switches in the kernel that
-    ran."""
+    CUTE_FA_SM90_FWD_P_SMEM=1, CUTE_FA_SM90_FWD_Q_RMEM=1: against attention_ref, with the
+    switches in the kernel that ran."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("sm90 forward switches")
     config = run_sm90_switch_case(monkeypatch, switches, d, seqlen_q, seqlen_k, mask, 0.0,
@@ -539,6 +551,8 @@ def test_fwd_schedule_switches(monkeypatch, d, seqlen_q, seqlen_k, mask, switche
         assert config.p_smem and not config.defer_rescale, config.name
     if switches.get("CUTE_FA_SM90_FWD_PERSISTENT") == "2":
         assert config.dynamic_tiles, config.name
+    if "CUTE_FA_SM90_FWD_Q_RMEM" in switches:
+        assert config.q_rmem and "qrmem" in config.name, config.name
 
 
 # (d, seqlen_q, seqlen_k, mask, softcap, dtype, threshold, score spread, other switches).
