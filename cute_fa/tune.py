@@ -91,6 +91,8 @@ def sm90_fwd_variants(head_dim: int) -> list[str]:
     ]
     settings += [f"{sm90.PINGPONG_ENV}=0", f"{sm90.OVERLAP_ENV}=0", f"{sm90.TMA_STORE_ENV}=1",
                  f"{sm90.P_SMEM_ENV}=1"]  # fmt: skip
+    if head_dim <= sm90.SM90_FWD_Q_RMEM_MAX_D:
+        settings.append(f"{sm90.Q_RMEM_ENV}=1")
     if head_dim in sm90.SM90_FWD_PINGPONG_OFF_DEFAULT:  # off by default for some calls
         settings.append(f"{sm90.PINGPONG_ENV}=1")
     if head_dim in sm90.SM90_FWD_OVERLAP_OFF_DEFAULT:  # likewise the overlap

@@ -126,6 +126,10 @@ class FlashAttentionForwardSm90(AttentionKernel):
       conversion P goes to the consumer's slice of sP (stmatrix, fence.proxy.async, named
       barrier P_READY_WG1 + c of its 128 threads) and O += P V is WGMMA SS; the slice is
       rewritten only after wait_group 0 of the step, when the P V GEMM that read it is done.
+      config.q_rmem (CUTE_FA_SM90_FWD_Q_RMEM=1; two consumers, d <= 128; 0.93-1.00 of the
+      default on the H200, off): after its Q wait a consumer loads its Q slice into registers
+      (ldmatrix, tiled as the A operand) and every S = Q K^T is an RS WGMMA; the Q stage is
+      still released after the epilogue (O is staged there).
       config.overlap = False (CUTE_FA_SM90_FWD_OVERLAP=0): wait_group 0 instead of 1 after
       the issue, so the softmax of block n waits for O += P V[n + 1] too (no intra-warpgroup
       overlap). Default for d 64 causal calls of up to 1k rows on the persistent grid without
