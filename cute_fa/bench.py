@@ -479,6 +479,26 @@ def _to_layout(sets: list[tuple], layout: str, requires_grad: bool) -> list[tupl
     ]
 
 
+def _failed(mode: str, case: Case, impl: Impl, e: BaseException, errors: ErrorLog) -> Result:
+    """The result of an implementation that raised: "n/a" when it cannot run the case, "err"
+    (with the error logged) otherwise."""
+    if isinstance(e, (ImplUnavailable, NotImplementedError)):
+        return Result(mode, case, impl.name, None, "n/a", str(e)[:300])
+    return Result(mode, case, impl.name, None, "err", errors.report(impl.name, case, mode, e))
+
+
+def _settle(impl: Impl | None, case: Case, mode: str, errors: ErrorLog) -> None:
+    """Wait for the GPU and free cached blocks; an error there (e.g. a sticky launch error, after
+    which later cells err too) is logged against ``impl``."""
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    except Exception as e:  # noqa: BLE001
+        errors.report(impl.name if impl else "bench", case, mode, e)
+
+
 def time_case(
     case: Case,
     mode: str,
@@ -505,33 +525,44 @@ def time_case(
                 Result(mode, case, impl.name, None, "err", errors.report(impl.name, case, mode, e))
             )
         return results
-    for impl in impls:
-        fns = None
-        try:
-            sets = _to_layout(base_sets, impl.layout, requires_grad)
-            with impl.context():
-                extra = (case.softcap, case.window)
-                if mode == "fwd":
-                    fns = [impl.forward_fn(q, k, v, case.causal, *extra) for q, k, v in sets]
-                else:
-                    fns = [impl.backward_fn(q, k, v, case.causal, *extra) for q, k, v in sets]
-                ms = median_ms(Rotation(fns), args.warmup, args.rep)
-            results.append(Result(mode, case, impl.name, ms))
-        except ImplUnavailable as e:
-            results.append(Result(mode, case, impl.name, None, "n/a", str(e)[:300]))
-        except NotImplementedError as e:
-            results.append(Result(mode, case, impl.name, None, "n/a", str(e)[:300]))
-        except Exception as e:  # noqa: BLE001 - a failing peer is reported, never fatal
-            results.append(
-                Result(mode, case, impl.name, None, "err", errors.report(impl.name, case, mode, e))
-            )
-        finally:
-            del fns
+    # Each implementation's calls are built once; then every round times each of them in turn
+    # (A, B, C, A, B, C, ...), so with --rounds > 1 all of them see the same run of clocks.
+    prepared: list[tuple[Impl, list]] = []
+    outcome: dict[str, Result] = {}
+    round_ms: dict[str, list[float]] = {impl.name: [] for impl in impls}
+    fns = None
+    try:
+        for impl in impls:
             try:
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-            except Exception as e:  # noqa: BLE001 - e.g. a sticky launch error: later cells err
-                errors.report(impl.name, case, mode, e)
+                sets = _to_layout(base_sets, impl.layout, requires_grad)
+                with impl.context():
+                    extra = (case.softcap, case.window)
+                    if mode == "fwd":
+                        fns = [impl.forward_fn(q, k, v, case.causal, *extra) for q, k, v in sets]
+                    else:
+                        fns = [impl.backward_fn(q, k, v, case.causal, *extra) for q, k, v in sets]
+                prepared.append((impl, fns))
+            except Exception as e:  # noqa: BLE001 - a failing peer is reported, never fatal
+                outcome[impl.name] = _failed(mode, case, impl, e, errors)
+        for _ in range(args.rounds):
+            for impl, fns in prepared:
+                if impl.name in outcome:  # failed in an earlier round
+                    continue
+                try:
+                    with impl.context():
+                        round_ms[impl.name].append(median_ms(Rotation(fns), args.warmup, args.rep))
+                except Exception as e:  # noqa: BLE001 - as above
+                    outcome[impl.name] = _failed(mode, case, impl, e, errors)
+                    _settle(impl, case, mode, errors)
+    finally:
+        del prepared, fns
+        _settle(None, case, mode, errors)
+    for impl in impls:
+        if impl.name not in outcome:
+            outcome[impl.name] = Result(
+                mode, case, impl.name, statistics.median(round_ms[impl.name])
+            )
+        results.append(outcome[impl.name])
     del base_sets
     with contextlib.suppress(Exception):
         torch.cuda.empty_cache()
@@ -1141,6 +1172,16 @@ def run_compile_time(args: argparse.Namespace) -> int:
 # CLI
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _int_list(text: str) -> list[int]:
     out = []
     for part in text.replace(",", " ").split():
@@ -1257,6 +1298,15 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         type=float,
         default=100.0,
         help="timed repetitions per case, ms (default %(default)s)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=_positive_int,
+        default=1,
+        help="time every implementation of a case this many times, in turns (A, B, A, B, ...; "
+        "each turn a full --warmup and --rep), and report the median of the turns: peers then "
+        "see the same run of clocks, which on a power-capped GPU move by several percent "
+        "(default %(default)s)",
     )
     p.add_argument("--out", default="bench-out", help="output folder (default %(default)s)")
     p.add_argument(

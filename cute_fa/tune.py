@@ -128,7 +128,7 @@ def run_sm90_fwd(args: argparse.Namespace) -> int:
         argv = ["--d", str(d), "--seqlen", ",".join(map(str, args.seqlen)),
                 "--causal", ",".join(map(str, args.causal)), "--peers", peers,
                 "--warmup", str(args.warmup), "--rep", str(args.rep),
-                "--out", os.path.join(args.out, f"d{d}")]  # fmt: skip
+                "--rounds", str(args.rounds), "--out", os.path.join(args.out, f"d{d}")]  # fmt: skip
         status = bench.main(argv) or status
     return status
 
@@ -346,6 +346,13 @@ def build_parser(prog: str = "python -m cute_fa tune") -> argparse.ArgumentParse
     parser.add_argument("--causal", type=_ints, default=[0, 1], help="'0', '1' or '0,1'")
     parser.add_argument("--warmup", type=float, default=25.0, help="ms of warm-up per case")
     parser.add_argument("--rep", type=float, default=100.0, help="ms of repetitions per case")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="--arch 90: time each variant this many times in turns and report the median "
+        "(the benchmark's --rounds)",
+    )
     return parser
 
 
@@ -353,7 +360,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m cute_fa tune"
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.arch == 90 and args.mode == "bwd":
-        parser.error("--arch 90 tunes the forward; the sm90 backward has no tuning switches yet")
+        parser.error(
+            "--arch 90 tunes the forward; time the sm90 backward's switch as a benchmark peer: "
+            "python -m cute_fa bench --mode bwd --peers "
+            "cute_fa,cute_fa:CUTE_FA_SM90_BWD_Q_STAGES=3,cudnn"
+        )
+    if args.rounds < 1 or (args.rounds > 1 and args.arch != 90):
+        parser.error("--rounds takes a positive count, and more than 1 only with --arch 90")
     import torch
 
     if not torch.cuda.is_available():

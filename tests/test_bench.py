@@ -219,3 +219,64 @@ def test_probe_process_times_its_imports_then_runs_the_cli():
         [sys.executable, "-c", bench._PROBE_BOOTSTRAP, "--help"], capture_output=True, text=True
     )
     assert out.returncode == 0 and "--compile-time" in out.stdout, out.stderr
+
+
+class _FakeImpl(bench.Impl):
+    """An implementation whose calls record their name; ``fail``: raise that on timing."""
+
+    def __init__(self, name, log, fail=None):
+        super().__init__(name)
+        self.log, self.fail = log, fail
+
+    def forward_fn(self, q, k, v, causal, softcap=0.0, window=None):
+        if self.fail is NotImplementedError:
+            raise NotImplementedError(f"{self.name}: not for this case")
+
+        def run():
+            if self.fail is RuntimeError:
+                raise RuntimeError(f"{self.name}: launch failed")
+            self.log.append(self.name)
+
+        return run
+
+
+def test_rounds_time_peers_in_turns_and_report_the_median(monkeypatch):
+    """--rounds N times every implementation of a case N times in turns (A, B, A, B, ...) and
+    reports the median of its turns; a peer that cannot run the case or fails is reported once
+    and never timed again, without stopping the others."""
+    log, timed = [], []
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda i: type("P", (), {"L2_cache_size": 1 << 20})()
+    )
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench, "_make_sets", lambda case, dtype, n, grad: [(None, None, None)])
+    monkeypatch.setattr(bench, "_to_layout", lambda sets, layout, grad: sets)
+    turn_ms = {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 6.0, 4.0])}
+
+    def fake_median_ms(fn, warmup, rep):
+        fn()  # one call: records the implementation (or raises)
+        name = log[-1]
+        timed.append(name)
+        return next(turn_ms[name])
+
+    monkeypatch.setattr(bench, "median_ms", fake_median_ms)
+    impls = [_FakeImpl("a", log), _FakeImpl("b", log), _FakeImpl("c", log, NotImplementedError),
+             _FakeImpl("d", log, RuntimeError)]  # fmt: skip
+    args = type("Args", (), {"rounds": 3, "warmup": 1.0, "rep": 1.0})()
+    case = bench.Case(64, 512, False, 2, 4)
+    results = bench.time_case(case, "fwd", impls, torch.bfloat16, args, bench.ErrorLog())
+    assert timed == ["a", "b"] * 3
+    by_name = {r.impl: r for r in results}
+    assert [r.impl for r in results] == ["a", "b", "c", "d"]
+    assert by_name["a"].ms == 2.0 and by_name["b"].ms == 5.0
+    assert by_name["c"].status == "n/a" and by_name["d"].status == "err"
+    assert "launch failed" in by_name["d"].reason
+
+
+def test_rounds_option():
+    assert bench.build_parser().parse_args([]).rounds == 1
+    assert bench.build_parser().parse_args(["--rounds", "3"]).rounds == 3
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--rounds", "0"])

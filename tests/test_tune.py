@@ -83,6 +83,8 @@ def test_sm90_variants_are_valid_peers_that_change_something(d):
 def test_sm90_tuning_is_forward_only():
     with pytest.raises(SystemExit):
         main(["--arch", "90", "--mode", "bwd"])
+    with pytest.raises(SystemExit):  # the sm80 sweeps time each tile once
+        main(["--rounds", "2"])
     args = build_parser().parse_args(["--arch", "90", "--d", "256", "--out", "x"])
     assert args.arch == 90 and args.out == "x"
 
@@ -94,10 +96,11 @@ def test_sm90_tuning_runs_one_benchmark_per_head_dim(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(bench, "main", lambda argv: runs.append(argv) or 0)
     assert main(["--arch", "90", "--d", "64,256", "--seqlen", "1k,4k", "--causal", "1",
-                 "--out", str(tmp_path)]) == 0  # fmt: skip
+                 "--rounds", "3", "--out", str(tmp_path)]) == 0  # fmt: skip
     assert len(runs) == 2
     for d, argv in zip((64, 256), runs, strict=True):
         args = bench.build_parser().parse_args(argv)
         assert args.d == [d] and args.seqlen == [1024, 4096] and args.causal == [1]
+        assert args.rounds == 3
         assert args.peers == [*sm90_fwd_variants(d), "cudnn"]
         assert args.out == str(tmp_path / f"d{d}")
