@@ -229,8 +229,8 @@ SM90_FWD_Q_RMEM_MAX_D = 128
 
 # These switches become fields of the compile key (FwdConfig.kv_stages, .defer_rescale,
 # .exp2_poly, .rescale_threshold, .num_ctas, .dynamic_tiles, .pingpong, .overlap, .tma_store,
-# .p_smem; see fwd_tuned), so a kernel compiled under one setting is never served under
-# another.
+# .p_smem, .q_rmem; see fwd_tuned), so a kernel compiled under one setting is never served
+# under another.
 
 
 def _env_choice(name: str, choices: tuple[str, ...]) -> str:
@@ -311,7 +311,8 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
     forced = _env_choice(PERSISTENT_ENV, ("0", "1", "2"))
     pingpong_value = _env_choice(PINGPONG_ENV, ("0", "1"))
     pingpong = pingpong_value != "0" or config.seqused_k
-    overlap = _env_choice(OVERLAP_ENV, ("0", "1")) != "0"
+    overlap_value = _env_choice(OVERLAP_ENV, ("0", "1"))
+    overlap = overlap_value != "0"
     tma_store = _env_choice(TMA_STORE_ENV, ("0", "1")) == "1" and fwd_tma_store_fits(config)
     p_smem = _env_choice(P_SMEM_ENV, ("0", "1")) == "1" and fwd_smem_bytes(
         config.replace(p_smem=True), stages
@@ -337,16 +338,17 @@ def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
         config = persistent.replace(dynamic_tiles=True)
     elif (forced == "1" or (not forced and by_default)) and fwd_persistent_fits(config):
         config = persistent
-    # (A persistent grid never takes seqused_k, whose V-tail zeroing needs the turns.)
-    if not pingpong_value and config.head_dim in SM90_FWD_PINGPONG_OFF_DEFAULT and (
-        config.causal and config.num_ctas and config.tile_m == SM90_FWD_TILE_M
-    ):  # fmt: skip
+    # The measured defaults for causal calls on the persistent grid with two consumers (a
+    # persistent grid never takes seqused_k, whose V-tail zeroing needs the turns): no turns,
+    # and for short ones no intra-warpgroup overlap either.
+    two_persistent_causal = config.causal and config.num_ctas and config.tile_m == SM90_FWD_TILE_M
+    if not two_persistent_causal:
+        return config
+    if not pingpong_value and config.head_dim in SM90_FWD_PINGPONG_OFF_DEFAULT:
         config = config.replace(pingpong=False)
     overlap_off_below = SM90_FWD_OVERLAP_OFF_DEFAULT.get(config.head_dim, 0)
-    if not _env_choice(OVERLAP_ENV, ("0", "1")) and not config.pingpong and (
-        config.causal and config.num_ctas and config.tile_m == SM90_FWD_TILE_M
-        and seqlen_q is not None and seqlen_q <= overlap_off_below
-    ):  # fmt: skip
+    short = seqlen_q is not None and seqlen_q <= overlap_off_below
+    if not overlap_value and not config.pingpong and short:
         config = config.replace(overlap=False)
     return config
 
@@ -385,8 +387,8 @@ def fwd_tile_m(
     tile_ms = fwd_tile_ms(head_dim, local, has_softcap)
     fits = SM90_FWD_TILE_M_3WG in tile_ms and tile_n <= SM90_FWD_3WG_MAX_TILE_N[head_dim]
     if override:
-        return SM90_FWD_TILE_M_3WG if int(override) == SM90_FWD_TILE_M_3WG and fits else \
-            SM90_FWD_TILE_M  # fmt: skip
+        three = int(override) == SM90_FWD_TILE_M_3WG and fits
+        return SM90_FWD_TILE_M_3WG if three else SM90_FWD_TILE_M
     long_rows = seqlen_q is not None and seqlen_q >= SM90_FWD_3WG_CAUSAL_MIN_SEQLEN
     if head_dim in SM90_FWD_3WG_DEFAULT and fits and (not causal or long_rows):
         return SM90_FWD_TILE_M_3WG
