@@ -4,16 +4,16 @@ torch API.
     from cute_fa import flash_attn_func, flash_attn_varlen_func
     out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
 
+    with cute_fa.tuning(sm90_fwd={"tile_n": 112}):   # typed tuning override (cute_fa/tuned.py)
+        out, lse = flash_attn_func(q, k, v)
+
 ``python -m cute_fa features`` prints what is implemented on which GPU architecture.
 """
 
-from importlib.metadata import PackageNotFoundError, version
+from .api import flash_attn_func, flash_attn_varlen_func
+from .cache import package_version
+from .tuned import tuning
 
-from .interface import flash_attn_func, flash_attn_varlen_func
+__version__ = package_version()
 
-try:
-    __version__ = version("cute-fa")
-except PackageNotFoundError:
-    __version__ = "0.0.0"
-
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "__version__"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "tuning", "__version__"]

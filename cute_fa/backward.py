@@ -1,5 +1,6 @@
-"""The torch side of the attention backward pass: compile keys, compile caches and the launch
-sequence preprocess -> main kernel -> postprocess (``run_backward``).
+"""The torch side of the attention backward pass: the launch sequence preprocess -> main kernel
+-> postprocess (``run_backward``); the compile keys come from ``cute_fa.planning``, the
+compiled kernels from ``cute_fa.compile``.
 
 Launch sequence (all on torch's current CUDA stream, no host sync unless noted):
   1. preprocess: ``delta = rowsum(dO * O) - dLSE`` (fp32, (b, h, sq)) and ``dQaccum = 0``
@@ -22,11 +23,12 @@ checks are on (not under ``CUTE_FA_SKIP_CHECKS=1`` nor during CUDA-graph capture
 packed queries on the sm80 kernel and no ``max_seqlen_q``, reading cu_seqlens_q (or seqused_q)
 for the postprocess's grid.
 
-Compile keys: ``BwdConfig`` (``cute_fa.config``) for the main kernel, ``BwdPreConfig`` and
-``BwdPostConfig`` (``cute_fa.ampere.flash_bwd_prepost``, next to their kernels and fake
-arguments) for the small ones: neither depends on the mask flags or key tiles, so one
-pre/post compile serves every mask variant of a head dim (the sm80 postprocess depends on the
-main kernel's tile_m, warps and varlen_q, which fix its fragment order). Each has its own
+Compile keys: ``BwdConfig`` (``cute_fa.config``, built by ``planning.bwd_config``) for the main
+kernel, ``BwdPreConfig`` and ``BwdPostConfig`` (``cute_fa.ampere.flash_bwd_prepost``, next to
+their kernels and fake arguments) for the small ones: neither depends on the mask flags or key
+tiles, so one pre/post compile serves every mask variant of a head dim (the sm80 postprocess
+depends on the main kernel's tile_m, warps and varlen_q, which fix its fragment order). Each
+has its own
 ``CompileCache`` (TVM-FFI export to the on-disk store, as the forward).
 
 Note [gradient of the LSE]
@@ -41,217 +43,20 @@ to ``O = P V``. With ``dP = dO V^T``, the score gradient through O is
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from .ampere.support import bwd_can_implement, dq_accum_rows
-from .cache import CompileCache, compile_tvm_ffi, export_tvm_ffi, load_tvm_ffi
-from .config import BWD_TILE_ENV, BwdConfig, SettingError, sm80_bwd_tile, target_for_capability
-from .hopper import support as sm90_support
+from . import settings, tuned
+from .ampere.support import dq_accum_rows
+from .checks import DTYPE_NAMES, check_values, kernel_window, resolve_window
+from .compile import bwd_cache, bwd_post_cache, bwd_pre_cache
+from .config import target_for_capability
+from .device import capability, sm_count, tuned_table
+from .planning import bwd_config, coresident_fits, post_config, pre_config
 
-# Which main kernel runs (Note [backward dispatch]): on sm_90a the sm90 kernel
-# (FlashAttentionBackwardSm90) wherever its can_implement accepts the call, the sm80 kernel
-# for the rest; ``CUTE_FA_BWD_ARCH=80`` or ``=90`` forces one family (NotImplementedError when
-# it cannot run the call). Both use the sm80 preprocess and postprocess.
-BWD_ARCH_ENV = "CUTE_FA_BWD_ARCH"
-# "chain": deterministic calls of the sm80 kernel never take the coresident order, whose key
-# blocks wait for each other (for a GPU shared in ways the SM count does not show).
-BWD_DET_ORDER_ENV = "CUTE_FA_BWD_DET_ORDER"
+__all__ = ["run_backward"]
 
-__all__ = [
-    "bwd_config",
-    "bwd_cache",
-    "bwd_pre_cache",
-    "bwd_post_cache",
-    "compile_bwd",
-    "compile_bwd_pre",
-    "compile_bwd_post",
-    "run_backward",
-]
-
-_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _ALIGN_BYTES = 16
 _STRIDE_MULTIPLE = 8  # elements: 16 bytes of a 16-bit dtype
-
-# --------------------------------------------------------------------------------------------
-# Kernel classes, compile keys, compile functions, caches
-
-
-def bwd_kernel_classes(arch: int) -> tuple[type, type, type]:
-    """(preprocess, main, postprocess) kernel classes of an arch family."""
-    if arch == 80:
-        from .ampere import (
-            FlashAttentionBackwardPostprocessSm80,
-            FlashAttentionBackwardPreprocessSm80,
-            FlashAttentionBackwardSm80,
-        )
-
-        return (
-            FlashAttentionBackwardPreprocessSm80,
-            FlashAttentionBackwardSm80,
-            FlashAttentionBackwardPostprocessSm80,
-        )
-    if arch == 90:
-        pre_cls, _, post_cls = bwd_kernel_classes(80)
-        from .hopper.flash_bwd import FlashAttentionBackwardSm90
-
-        return pre_cls, FlashAttentionBackwardSm90, post_cls
-    raise NotImplementedError(f"cute_fa has no sm{arch} backward kernel yet")
-
-
-def bwd_config(
-    target: str,
-    dtype: str,
-    head_dim: int,
-    head_dim_v: int,
-    *,
-    causal: bool = False,
-    local: bool = False,
-    has_softcap: bool = False,
-    varlen_q: bool = False,
-    varlen_k: bool = False,
-    seqused_q: bool = False,
-    seqused_k: bool = False,
-    deterministic: bool = False,
-    arch: int | None = None,
-) -> BwdConfig:
-    """The main kernel's compile key for a request on ``target``: the sm90 kernel on sm_90a
-    where it implements the request, else the sm80 kernel (Note [backward dispatch];
-    ``CUTE_FA_BWD_ARCH``, or ``arch``, forces a family); NotImplementedError naming the reason
-    when the kernel cannot implement it."""
-    forced = str(arch) if arch is not None else os.environ.get(BWD_ARCH_ENV, "").strip()
-    if forced not in ("", "80", "90"):
-        raise SettingError(f"{BWD_ARCH_ENV}={forced!r}: expected 80 or 90")
-    flags = dict(
-        target=target, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal,
-        local=local, has_softcap=has_softcap, varlen_q=varlen_q, varlen_k=varlen_k,
-        seqused_q=seqused_q, seqused_k=seqused_k, deterministic=deterministic,
-    )  # fmt: skip
-    if forced == "90" or (forced == "" and target.startswith("sm_90")):
-        tile_m, tile_n, num_warps = sm90_support.bwd_tile(head_dim, causal, has_softcap)
-        config = BwdConfig(arch=90, tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, **flags)
-        config = sm90_support.bwd_tuned(config)
-        ok, reason = sm90_support.bwd_can_implement(config)
-        if ok:
-            return config
-        if forced == "90":
-            raise NotImplementedError(
-                f"cute_fa: no backward kernel implements [{config.name}] on {target}: "
-                f"FlashAttentionBackwardSm90: {reason}"
-            )
-    tile_m, tile_n, num_warps = sm80_bwd_tile(head_dim, target)
-    config = BwdConfig(arch=80, tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, **flags)
-    ok, reason = bwd_can_implement(config)
-    if not ok:
-        raise NotImplementedError(
-            f"cute_fa: no backward kernel implements [{config.name}] on {target}: "
-            f"FlashAttentionBackwardSm80: {reason}"
-        )
-    return config
-
-
-# Note [backward dispatch]
-# ~~~~~~~~~~~~~~~~~~~~~~~~
-# On the H200 the sm90 backward measured 0.96-1.18x SDPA CUDNN and 1.34-1.76x SDPA FLASH at d64,
-# d128 and d256, 1.06-1.20x CUDNN at d96 / d192 (docs/performance.md), against 0.99-1.13x FLASH
-# for the sm80 kernel (242-343 TFLOPs at 2k-16k), so an sm_90a device runs it wherever it can
-# (every call the sm80 kernel takes, and (d, dv) = (192, 128), which only the sm90 backward has).
-# deterministic=True runs the sm90 kernel too (its dQ writer warp takes the turns of the
-# semaphores that run_backward allocates with the config's tile_m); on the H200 the sm80
-# kernel's deterministic mode measured 266-291 TFLOPs at d128 8k, where the sm90 kernel's
-# default measured 502-518 and its deterministic mode 0.94x (non-causal) / 0.87x (causal) of
-# that (docs/performance.md, 2026-12-01).
-
-
-def coresident_fits(config: BwdConfig, max_seqlen_k: int, device: torch.device) -> bool:
-    """Whether a deterministic call of the sm80 kernel may take its turns in coresident order
-    (Note [deterministic dQ] in ampere/flash_bwd.py): the key blocks of one (batch, head) wait
-    for each other, so all of them must be resident at once. The kernel runs at least one CTA
-    an SM; half the SMs leaves room for other work on the GPU. ``CUTE_FA_BWD_DET_ORDER=chain``
-    turns it off (a GPU shared in ways the SM count does not show: MPS limits, green
-    contexts)."""
-    if config.arch != 80 or not config.deterministic or config.local:
-        return False
-    order = os.environ.get(BWD_DET_ORDER_ENV, "").strip()
-    if order not in ("", "auto", "chain"):
-        raise SettingError(f"{BWD_DET_ORDER_ENV}={order!r}: expected auto or chain")
-    if order == "chain":
-        return False
-    from .interface import _sm_count
-
-    return -(-max_seqlen_k // config.tile_n) <= _sm_count(device) // 2
-
-
-def pre_config(config: BwdConfig, has_dlse: bool):
-    """Compile key of the preprocess kernel that goes with a main-kernel config (the sm80
-    kernel for every main kernel)."""
-    from .ampere.flash_bwd_prepost import BwdPreConfig
-
-    return BwdPreConfig(
-        arch=80, target=config.target, dtype=config.dtype, head_dim=config.head_dim,
-        head_dim_v=config.head_dim_v, has_dlse=has_dlse,
-    )  # fmt: skip
-
-
-def post_config(config: BwdConfig):
-    """Compile key of the postprocess kernel that goes with a main-kernel config (the sm80
-    kernel for every main kernel; for the sm80 main kernel it reads dQaccum in that kernel's
-    fragment order, Note [dQ accumulator in fragment order] in ``ampere/support.py``)."""
-    from .ampere.flash_bwd_prepost import BwdPostConfig
-
-    fragments = {}
-    if config.arch == 80:
-        fragments = dict(tile_m=config.tile_m, num_warps=config.num_warps, varlen_q=config.varlen_q)
-    return BwdPostConfig(
-        arch=80, target=config.target, dtype=config.dtype, head_dim=config.head_dim, **fragments
-    )
-
-
-def compile_bwd(config: BwdConfig):
-    """Compiled main backward kernel of ``config`` (arguments: the backward protocol)."""
-    from .dsl.fake import bwd_fake_args
-
-    _, main_cls, _ = bwd_kernel_classes(config.arch)
-    return compile_tvm_ffi(main_cls(config), bwd_fake_args(config), config.target)
-
-
-def compile_bwd_pre(config):
-    """Compiled preprocess kernel of a ``BwdPreConfig``."""
-    pre_cls, _, _ = bwd_kernel_classes(config.arch)
-    return compile_tvm_ffi(pre_cls(config), pre_cls.fake_args(config), config.target)
-
-
-def compile_bwd_post(config):
-    """Compiled postprocess kernel of a ``BwdPostConfig``."""
-    _, _, post_cls = bwd_kernel_classes(config.arch)
-    return compile_tvm_ffi(post_cls(config), post_cls.fake_args(config), config.target)
-
-
-_caches: dict[str, CompileCache] = {}
-
-
-def _cache(name: str, compile_fn) -> CompileCache:
-    cache = _caches.get(name)
-    if cache is None:
-        cache = _caches.setdefault(name, CompileCache(compile_fn, export_tvm_ffi, load_tvm_ffi))
-    return cache
-
-
-def bwd_cache() -> CompileCache:
-    """The process-wide cache of main backward kernels."""
-    return _cache("main", compile_bwd)
-
-
-def bwd_pre_cache() -> CompileCache:
-    """The process-wide cache of backward preprocess kernels."""
-    return _cache("pre", compile_bwd_pre)
-
-
-def bwd_post_cache() -> CompileCache:
-    """The process-wide cache of backward postprocess kernels."""
-    return _cache("post", compile_bwd_post)
-
 
 # --------------------------------------------------------------------------------------------
 # The launch sequence
@@ -286,25 +91,26 @@ _launch_kernels: dict[tuple, tuple] = {}
 _MAX_LAUNCH_KERNELS = 256
 
 
-def _kernels(target, dtype, head_dim, head_dim_v, causal, local, has_softcap, varlen_q,
+def _kernels(device, dtype, head_dim, head_dim_v, causal, local, has_softcap, varlen_q,
              varlen_k, seqused_q, seqused_k, deterministic, has_dlse, switches,
              det_fit=None):  # fmt: skip
     """(config, preprocess, main, postprocess) of a backward request, kept per request (the
-    arguments; ``switches``: the values of the backward's tuning variables, CUTE_FA_BWD_ARCH,
-    CUTE_FA_BWD_TILE, CUTE_FA_BWD_DET_ORDER and CUTE_FA_SM90_BWD_Q_STAGES): a training
-    step's backward calls then skip building the compile keys and the three cache lookups
-    (~10-25 us of Python a call). ``det_fit`` (deterministic calls without a window): the
-    longest key sequence and the device, which decide ``det_coresident``."""
-    key = (target, dtype, head_dim, head_dim_v, causal, local, has_softcap, varlen_q, varlen_k,
+    arguments; ``switches``: the backward's process-wide settings, CUTE_FA_BWD_ARCH and
+    CUTE_FA_BWD_DET_ORDER, and the tuning state): a training step's backward calls then skip
+    building the compile keys and the three cache lookups (~10-25 us of Python a call).
+    ``det_fit`` (deterministic calls without a window): the longest key sequence, which with
+    the device's SM count decides ``det_coresident``."""
+    key = (device, dtype, head_dim, head_dim_v, causal, local, has_softcap, varlen_q, varlen_k,
            seqused_q, seqused_k, deterministic, has_dlse, switches, det_fit)  # fmt: skip
     found = _launch_kernels.get(key)
     if found is None:
         config = bwd_config(
-            target, dtype, head_dim, head_dim_v, causal=causal, local=local,
-            has_softcap=has_softcap, varlen_q=varlen_q, varlen_k=varlen_k, seqused_q=seqused_q,
-            seqused_k=seqused_k, deterministic=deterministic,
+            target_for_capability(*capability(device)), dtype, head_dim, head_dim_v,
+            causal=causal, local=local, has_softcap=has_softcap, varlen_q=varlen_q,
+            varlen_k=varlen_k, seqused_q=seqused_q, seqused_k=seqused_k,
+            deterministic=deterministic, table=tuned_table(device),
         )  # fmt: skip
-        if det_fit is not None and coresident_fits(config, *det_fit):
+        if det_fit is not None and coresident_fits(config, det_fit, sm_count(device)):
             config = config.replace(det_coresident=True)
         found = (
             config,
@@ -346,8 +152,6 @@ def run_backward(
     gradients are contiguous, shaped and typed like q, k, v. ``max_seqlen_q`` sizes the sm80
     postprocess's grid (read from cu_seqlens_q when None).
     """
-    from .interface import _capability, _check_values, _kernel_window, resolve_window
-
     if dout.shape != out.shape:
         raise ValueError(f"dout has shape {tuple(dout.shape)}, out {tuple(out.shape)}")
     dtype = q.dtype
@@ -370,7 +174,7 @@ def run_backward(
         dlse = dlse.to(torch.float32).contiguous()
     if not varlen_k:
         max_seqlen_k = k.shape[1]
-    elif max_seqlen_k is None or _check_values(q):
+    elif max_seqlen_k is None or check_values(q):
         longest = _longest(cu_seqlens_k, seqused_k)
         if max_seqlen_k is None:
             max_seqlen_k = longest
@@ -380,13 +184,11 @@ def run_backward(
                 f"({longest})"
             )
 
-    target = target_for_capability(*_capability(q.device))
-    det_fit = (max_seqlen_k, q.device) if deterministic and not local else None
+    det_fit = max_seqlen_k if deterministic and not local else None
     config, pre, main, post = _kernels(
-        target, _DTYPE_NAMES[dtype], head_dim, head_dim_v, causal, local, softcap > 0, varlen_q,
+        q.device, DTYPE_NAMES[dtype], head_dim, head_dim_v, causal, local, softcap > 0, varlen_q,
         varlen_k, seqused_q is not None, seqused_k is not None, deterministic, dlse is not None,
-        (os.environ.get(BWD_ARCH_ENV, ""), os.environ.get(BWD_TILE_ENV, ""),
-         os.environ.get(BWD_DET_ORDER_ENV, ""), os.environ.get(sm90_support.Q_STAGES_ENV, "")),
+        (settings.forced_bwd_arch(), settings.deterministic_chain_order(), tuned.state()),
         det_fit,
     )  # fmt: skip
 
@@ -413,7 +215,7 @@ def run_backward(
     dv_shape = (*v.shape[:-2], nheads, head_dim_v)
     dk = alloc(dk_shape if grouped else k.shape, dtype=dtype, device=device)
     dv = alloc(dv_shape if grouped else v.shape, dtype=dtype, device=device)
-    window_left, window_right = _kernel_window(local, window_left, window_right)
+    window_left, window_right = kernel_window(local, window_left, window_right)
     semaphores = None
     if deterministic:  # one counter per (batch, head, query block); see Note [deterministic dQ]
         blocks = -(-rows // config.tile_m)  # a bound on any sequence's query blocks

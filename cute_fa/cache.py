@@ -1,14 +1,17 @@
 """Compile cache: an in-memory dict, then an on-disk store shared by processes, then a compile.
 
-Keys are compile keys (``FwdConfig``): frozen, hashable, holding everything that changes the
-generated code and nothing else, so a new sequence length or batch finds the same entry.
+Generic: keys are any frozen, hashable values (for cute_fa's kernels, compile keys such as
+``FwdConfig``, holding everything that changes the generated code and nothing else, so a new
+sequence length or batch finds the same entry); what a miss compiles, and how an entry is
+exported to bytes and loaded back, are functions the owner passes in (``cute_fa.compile``
+passes the TVM-FFI export and load below).
 
 On disk (default on; ``CUTE_FA_CACHE=0`` turns it off) entries live in
 ``$CUTE_FA_CACHE_DIR/<fingerprint>/`` (default base ``$XDG_CACHE_HOME/cute-fa``, else
 ``~/.cache/cute-fa``). The fingerprint covers the CuTe DSL and TVM-FFI versions, the DSL's CUDA
 major version, the host machine type and the source of every module that shapes generated code
-(``config``, ``cache``, ``dispatch``, ``dsl/`` and the arch packages), so a change to any of them
-starts a fresh directory instead of loading a stale kernel.
+(``config``, ``cache``, ``planning``, ``compile``, ``dsl/`` and the arch packages), so a change
+to any of them starts a fresh directory instead of loading a stale kernel.
 
 One entry is one file: an 8-byte magic, the SHA-256 of the payload, the payload length, then
 the payload (the compiled function exported as an object file, and the shared library linked
@@ -77,13 +80,14 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ENV_CACHE = "CUTE_FA_CACHE"
-ENV_CACHE_DIR = "CUTE_FA_CACHE_DIR"
-ENV_LINKER = "CUTE_FA_LINKER"
+from . import settings
+
+ENV_CACHE = settings.CACHE
+ENV_CACHE_DIR = settings.CACHE_DIR
+ENV_LINKER = settings.LINKER
 SLOW_COMPILE_S = 1.0
 
 _MAGIC = b"CUTEFA01"
@@ -91,7 +95,7 @@ _HEADER = struct.Struct("<8s32sQ")  # magic, sha256(payload), len(payload)
 
 # Modules whose source shapes generated code (relative to the cute_fa package) and the arch
 # packages mapped into it. Edits elsewhere (interface, bench, CLI) keep the cache valid.
-_KEY_SOURCES = ("config.py", "cache.py", "dispatch.py", "dsl")
+_KEY_SOURCES = ("config.py", "cache.py", "planning.py", "compile.py", "dsl")
 _ARCH_PACKAGES = ("cute_fa.ampere", "cute_fa.hopper", "cute_fa.blackwell")
 
 _compile_count = 0
@@ -114,7 +118,7 @@ _open_steps = threading.local()  # per thread: seconds of finished inner steps, 
 
 
 @contextlib.contextmanager
-def _step(name: str):
+def step(name: str):
     """Adds the seconds of the ``with`` body to ``step_seconds()[name]``, less those of steps
     inside it (each step counts its own time only)."""
     stack = _open_steps.__dict__.setdefault("stack", [])
@@ -166,7 +170,7 @@ def import_tvm_ffi():
     """The ``tvm_ffi`` module; the first import in the process counts as a step."""
     module = sys.modules.get("tvm_ffi")
     if module is None:
-        with _step("import tvm_ffi"):
+        with step("import tvm_ffi"):
             import tvm_ffi as module
     return module
 
@@ -211,16 +215,8 @@ def atomic_write(path: Path, data: bytes) -> None:
 # Cache directory
 
 
-def disk_cache_enabled() -> bool:
-    return os.environ.get(ENV_CACHE, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def cache_base_dir() -> Path:
-    base = os.environ.get(ENV_CACHE_DIR)
-    if base:
-        return Path(base).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "cute-fa"
+disk_cache_enabled = settings.disk_cache_enabled
+cache_base_dir = settings.cache_base_dir
 
 
 def _source_files() -> list[tuple[str, Path]]:
@@ -255,19 +251,35 @@ def _distribution_version(name: str) -> str | None:
 
 
 @functools.lru_cache(maxsize=1)
-def driver_cuda_major() -> int | None:
-    """The CUDA driver's major version (``cuDriverGetVersion`` through ctypes), None without a
-    driver."""
+def driver_cuda_version() -> int | None:
+    """The CUDA driver's version (``cuDriverGetVersion`` through ctypes, e.g. 13000), None
+    without a driver."""
     import ctypes
 
     try:
         libcuda = ctypes.CDLL("libcuda.so.1")
         version = ctypes.c_int(0)
         if libcuda.cuDriverGetVersion(ctypes.byref(version)) == 0:
-            return version.value // 1000
+            return version.value
     except (OSError, AttributeError):
         pass
     return None
+
+
+def driver_cuda_major() -> int | None:
+    """The CUDA driver's major version, None without a driver."""
+    version = driver_cuda_version()
+    return None if version is None else version // 1000
+
+
+def dsl_version() -> str | None:
+    """The installed nvidia-cutlass-dsl version (package metadata; no DSL import)."""
+    return _distribution_version("nvidia-cutlass-dsl")
+
+
+def package_version() -> str:
+    """cute_fa's own installed version ("0.0.0" when not installed)."""
+    return _distribution_version("cute-fa") or "0.0.0"
 
 
 def pick_toolkit_flavor(flavors, driver_major: int | None) -> int | None:
@@ -287,9 +299,9 @@ def dsl_runtime_library() -> str | None:
     ``pick_toolkit_flavor``) but without importing the DSL; None when missing or ambiguous."""
     import importlib.util
 
-    listed = os.environ.get("CUTE_DSL_LIBS", "").strip()
+    listed = settings.dsl_library_dirs()
     if listed:
-        found = [p for p in listed.split(os.pathsep) if os.path.basename(p) == RUNTIME_LIBRARY]
+        found = [p for p in listed if os.path.basename(p) == RUNTIME_LIBRARY]
         return found[0] if found and os.path.isfile(found[0]) else None
     try:
         spec = importlib.util.find_spec("nvidia_cutlass_dsl")
@@ -341,7 +353,7 @@ def fingerprint() -> str:
     global _fingerprint
     if _fingerprint is None:
         versions = _toolchain_versions()
-        with _step("fingerprint"):
+        with step("fingerprint"):
             h = hashlib.sha256()
             for line in versions:
                 h.update(line.encode() + b"\n")
@@ -533,7 +545,7 @@ class CompileCache:
 
     def _load_timed(self, payload: bytes, symbol: str) -> Callable:
         t0 = time.perf_counter()
-        with _step("load"):
+        with step("load"):
             fn = self._load(payload, symbol)
         self.seconds["load"] += time.perf_counter() - t0
         return fn
@@ -576,44 +588,6 @@ class CompileCache:
 # TVM-FFI compile, export (object file + shared library), load (Note [loading without the DSL])
 
 
-def compile_tvm_ffi(kernel: Any, args: tuple, target: str) -> Any:
-    """``cute.compile`` of ``kernel`` with TVM-FFI for ``target``, for ``export_tvm_ffi``.
-
-    The trailing stream argument becomes TVM-FFI's environment stream (torch's current stream
-    at call time), so the compiled function takes no stream argument. No JIT engine is built:
-    the result is exported and loaded from its object file (on a GPU host the DSL would
-    otherwise also generate and link host code for an in-process engine nobody calls).
-    """
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream
-
-    args = (*args[:-1], make_fake_stream(use_tvm_ffi_env_stream=True))
-    # Tracing allocates millions of short-lived objects, few in cycles: with the collector on,
-    # its generation-2 passes over the DSL's and torch's objects cost 50-100 ms a compile.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        with _step("cute.compile"):
-            return cute.compile(
-                kernel, *args, options=f"--gpu-arch {target} --enable-tvm-ffi", no_jit_engine=True
-            )
-    finally:
-        if collecting:
-            gc.enable()
-
-
-def compile_fwd(config) -> Any:
-    """``cute.compile`` of the forward kernel for ``config`` (TVM-FFI, environment stream)."""
-    from .dispatch import fwd_kernel_class
-
-    with _step("import DSL"):  # the first time: the CuTe DSL and the kernel's modules
-        kernel_class = fwd_kernel_class(config.arch)
-        from .dsl.fake import fwd_fake_args
-
-    kernel = kernel_class(config)
-    return compile_tvm_ffi(kernel, fwd_fake_args(config), config.target)
-
-
 # Payload: either a bare object file (ELF, written where no linker was found), or this header,
 # the shared library and then the object file.
 _SHARED_MAGIC = b"CUTEFASO"
@@ -638,11 +612,12 @@ def unpack_tvm_ffi_payload(payload: bytes) -> tuple[bytes | None, bytes]:
 
 
 def _linker_off() -> bool:
-    return os.environ.get(ENV_LINKER, "").strip().lower() in ("0", "false", "no", "off", "none")
+    return settings.linker() is None
 
 
 def _linker() -> str | None:
-    return None if _linker_off() else shutil.which(os.environ.get(ENV_LINKER, "").strip() or "ld")
+    name = settings.linker()
+    return None if name is None else shutil.which(name)
 
 
 _warned: set[str] = set()
@@ -677,7 +652,7 @@ def link_shared_library(obj: bytes) -> bytes | None:
         cmd = [linker, "-shared", "-z", "defs", "-z", "now", "-o", lib_path, obj_path]
         cmd += [runtime, find_libtvm_ffi()]
         try:
-            with _step("link"):
+            with step("link"):
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
             why = "" if proc.returncode == 0 else proc.stderr.strip() or f"exit {proc.returncode}"
         except (OSError, subprocess.SubprocessError) as e:
@@ -698,7 +673,7 @@ def export_tvm_ffi(compiled: Any, symbol: str) -> bytes:
     the shared library linked from it where a linker is available."""
     with tempfile.TemporaryDirectory(prefix="cute-fa-export-") as d:
         path = os.path.join(d, "module.o")
-        with _step("export"):
+        with step("export"):
             compiled.export_to_c(path, function_name=symbol)
         with open(path, "rb") as f:
             obj = f.read()
@@ -755,59 +730,3 @@ def load_tvm_ffi(payload: bytes, symbol: str) -> Callable:
                 f"object files through the CuTe DSL instead",
             )
     return _load_object_file(obj, symbol)
-
-
-# --------------------------------------------------------------------------------------------
-# The forward kernels' cache
-
-
-_fwd_cache: CompileCache | None = None
-
-
-def fwd_cache() -> CompileCache:
-    """The process-wide cache of forward kernels."""
-    global _fwd_cache
-    if _fwd_cache is None:
-        _fwd_cache = CompileCache(compile_fwd, export_tvm_ffi, load_tvm_ffi)
-    return _fwd_cache
-
-
-@dataclass(frozen=True)
-class PrecompileTask:
-    """One kernel for ``python -m cute_fa precompile``: which cache (``kind``: "fwd", or "bwd",
-    "bwd-pre", "bwd-post" for the backward's main, preprocess and postprocess kernels) and its
-    compile key. Picklable, so that worker processes can receive it."""
-
-    kind: str
-    config: Any
-
-    @property
-    def name(self) -> str:
-        return getattr(self.config, "name", repr(self.config))
-
-
-def _task_cache(kind: str) -> CompileCache:
-    if kind == "fwd":
-        return fwd_cache()
-    from . import backward
-
-    caches = {
-        "bwd": backward.bwd_cache,
-        "bwd-pre": backward.bwd_pre_cache,
-        "bwd-post": backward.bwd_post_cache,
-    }
-    if kind not in caches:
-        raise ValueError(f"unknown precompile task kind {kind!r}")
-    return caches[kind]()
-
-
-def precompile_task(task: PrecompileTask) -> tuple[str, float]:
-    """Make sure the kernel of ``task`` is on disk: ("hit" or "compiled", seconds).
-
-    A module-level function, so that ``python -m cute_fa precompile --jobs N`` can send it to
-    worker processes (functions of ``__main__`` cannot be pickled into spawned workers when
-    the program runs as ``python -m``).
-    """
-    t0 = time.perf_counter()
-    status = _task_cache(task.kind).ensure_on_disk(task.config)
-    return status, time.perf_counter() - t0

@@ -1,4 +1,4 @@
-"""Compile keys and the tuned tile table.
+"""Compile keys, the typed tuning each holds, and the sm80 tile tables.
 
 A ``FwdConfig`` IS the compile key of a forward kernel: it holds exactly what changes the
 generated code (architecture family, compile target, dtype, head dims, tile shape, feature flags)
@@ -9,8 +9,6 @@ stay dynamic, so a new sequence length or batch reuses the compiled kernel.
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
 from dataclasses import dataclass
 
 DTYPES = ("bf16", "fp16")
@@ -62,17 +60,183 @@ def capability_for_target(target: str) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class FwdConfig:
-    """Compile key of a forward kernel. Every field changes the generated code."""
+class Tiles:
+    """Tuning of the sm80 kernels (forward and backward): the tile and nothing else."""
+
+    tile_m: int  # query rows a CTA (backward: a step)
+    tile_n: int  # keys a step (backward: a CTA)
+    num_warps: int
+
+    def __post_init__(self) -> None:
+        _check_tile(self.tile_m, self.tile_n)
+        if self.num_warps not in (4, 8):
+            raise ValueError(f"num_warps must be 4 or 8, got {self.num_warps!r}")
+
+    @property
+    def label(self) -> str:
+        return f"{self.tile_m}x{self.tile_n}w{self.num_warps}"
+
+
+# Choices of the sm90 forward's numerics switches (Note [exp2 on the FMA pipe], Note [rescale
+# threshold] in cute_fa/dsl/softmax.py).
+EXP2_POLY_CHOICES = (0, 2, 4, 8, 16)
+RESCALE_THRESHOLD_CHOICES = (0, 4, 8)
+
+
+@dataclass(frozen=True)
+class Sm90FwdTuning:
+    """Tuning of FlashAttentionForwardSm90 (hopper/flash_fwd.py); defaults by problem class in
+    ``hopper/support.py fwd_default_tuning``. Every field changes the generated code."""
+
+    tile_m: int = 128  # query rows a CTA: 64 a consumer warpgroup (128: two, 192: three)
+    tile_n: int = 128  # keys a block (a multiple of 16 up to 256)
+    # The O rescale and the P conversion of a key block wait until just before its P V GEMM is
+    # issued, so the softmax's exponentials run while the previous P V is in flight.
+    defer_rescale: bool = False
+    exp2_poly: int = 0  # every exp2_poly-th exponential of an unmasked block by polynomial
+    rescale_threshold: int = 0  # log2 units a row max must move by to rescale O; 0: any move
+    # 0: one CTA a tile; > 0: a persistent grid (Note [persistent tiles] in
+    # cute_fa/dsl/scheduler.py); planning puts the device's SM count here.
+    num_ctas: int = 0
+    pingpong: bool = True  # consumer warpgroups take turns issuing their GEMMs
+    overlap: bool = True  # a consumer's softmax of block j overlaps its P V of block j - 1
+    tma_store: bool = False  # O leaves by one TMA store a consumer (dense rows, dv == d)
+
+    def __post_init__(self) -> None:
+        _check_tile(self.tile_m, self.tile_n)
+        if self.tile_m not in (128, 192):
+            raise ValueError(f"sm90 forward tile_m must be 128 or 192, got {self.tile_m!r}")
+        if self.exp2_poly not in EXP2_POLY_CHOICES:
+            raise ValueError(
+                f"exp2_poly must be one of {EXP2_POLY_CHOICES}, got {self.exp2_poly!r}"
+            )
+        if self.rescale_threshold not in RESCALE_THRESHOLD_CHOICES:
+            raise ValueError(
+                f"rescale_threshold must be one of {RESCALE_THRESHOLD_CHOICES}, "
+                f"got {self.rescale_threshold!r}"
+            )
+        if self.num_ctas < 0:
+            raise ValueError(f"num_ctas must be >= 0, got {self.num_ctas!r}")
+
+    @property
+    def num_warps(self) -> int:
+        """The producer warpgroup and tile_m / 64 consumer warpgroups."""
+        return 4 * (1 + self.tile_m // 64)
+
+    @property
+    def label(self) -> str:
+        flags = [f"{self.tile_m}x{self.tile_n}w{self.num_warps}"]
+        flags += ["defer"] if self.defer_rescale else []
+        flags += [f"poly{self.exp2_poly}"] if self.exp2_poly else []
+        flags += [f"thr{self.rescale_threshold}"] if self.rescale_threshold else []
+        flags += [f"persistent{self.num_ctas}"] if self.num_ctas else []
+        flags += [] if self.pingpong else ["nopingpong"]
+        flags += [] if self.overlap else ["nooverlap"]
+        flags += ["tmastore"] if self.tma_store else []
+        return "_".join(flags)
+
+
+@dataclass(frozen=True)
+class Sm90BwdTuning:
+    """Tuning of FlashAttentionBackwardSm90 (hopper/flash_bwd.py); defaults in
+    ``hopper/support.py bwd_default_tuning``."""
+
+    tile_m: int = 64  # query rows a step
+    tile_n: int = 128  # keys a CTA
+    q_stages: int = 0  # Q / dO (and LSE / delta) stages; 0: two (one above d 192)
+
+    def __post_init__(self) -> None:
+        _check_tile(self.tile_m, self.tile_n)
+        if self.q_stages not in (0, 1, 2, 3):
+            raise ValueError(f"q_stages must be 0 (default), 1, 2 or 3, got {self.q_stages!r}")
+
+    @property
+    def num_warps(self) -> int:
+        return 12  # one producer and two consumer warpgroups
+
+    @property
+    def label(self) -> str:
+        q = f"_q{self.q_stages}" if self.q_stages else ""
+        return f"{self.tile_m}x{self.tile_n}w{self.num_warps}{q}"
+
+
+def _check_tile(tile_m: int, tile_n: int) -> None:
+    for name, value in (("tile_m", tile_m), ("tile_n", tile_n)):
+        if (
+            not isinstance(value, int)
+            or isinstance(value, bool)
+            or value % 16
+            or not 16 <= value <= 256
+        ):
+            raise ValueError(f"{name} must be a multiple of 16 from 16 to 256, got {value!r}")
+
+
+Tuning = Tiles | Sm90FwdTuning | Sm90BwdTuning
+# The tuning of each kernel family, by the family's name in overrides (``cute_fa.tuning``) and
+# in the per-GPU tuned tables (``cute_fa/tuned.py``).
+TUNING_CLASSES: dict[str, type] = {
+    "sm80_fwd": Tiles,
+    "sm80_bwd": Tiles,
+    "sm90_fwd": Sm90FwdTuning,
+    "sm90_bwd": Sm90BwdTuning,
+}
+
+_FLAGS = ("causal", "local", "varlen_q", "varlen_k", "seqused_q", "seqused_k")
+
+
+@dataclass(frozen=True)
+class _Key:
+    """Fields and naming shared by the forward and backward compile keys."""
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+    def with_tuning(self, **changes):
+        """This key with some fields of its tuning changed."""
+        return dataclasses.replace(self, tuning=dataclasses.replace(self.tuning, **changes))
+
+    @property
+    def tile_m(self) -> int:
+        return self.tuning.tile_m
+
+    @property
+    def tile_n(self) -> int:
+        return self.tuning.tile_n
+
+    @property
+    def num_warps(self) -> int:
+        return self.tuning.num_warps
+
+    def _name(self, kind: str, extra: list[str]) -> str:
+        flags = [f for f in _FLAGS if getattr(self, f)]
+        if self.has_softcap:
+            flags.append("softcap")
+        dv = "" if self.head_dim_v == self.head_dim else f"x{self.head_dim_v}"
+        return "_".join(
+            [f"{kind}_sm{self.arch}", self.target, self.dtype, f"d{self.head_dim}{dv}",
+             self.tuning.label, *flags, *extra]
+        )  # fmt: skip
+
+    def _check(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(
+                f"{type(self).__name__}.dtype must be one of {DTYPES}, got {self.dtype!r}"
+            )
+        if self.causal and self.local:
+            raise ValueError(f"{type(self).__name__}: causal and local are exclusive")
+
+
+@dataclass(frozen=True)
+class FwdConfig(_Key):
+    """Compile key of a forward kernel. Every field changes the generated code; the
+    architecture-specific choices are one typed field, ``tuning``."""
 
     arch: int  # kernel family: 80 (ampere package), 90 (hopper), 100 (blackwell)
     target: str  # compile target, e.g. "sm_90a"; see TARGETS
     dtype: str  # "bf16" | "fp16"
     head_dim: int
     head_dim_v: int
-    tile_m: int
-    tile_n: int
-    num_warps: int
+    tuning: Tuning  # Tiles (sm80), Sm90FwdTuning (sm90)
     causal: bool = False
     local: bool = False  # sliding window; window bounds are runtime values
     has_softcap: bool = False  # the softcap value itself is a runtime value
@@ -80,84 +244,14 @@ class FwdConfig:
     varlen_k: bool = False  # cu_seqlens_k given
     seqused_q: bool = False
     seqused_k: bool = False
-    # Tuning variants of the sm90 kernel (hopper/support.py switches); the defaults are the
-    # kernel's own choice and leave the name unchanged.
-    kv_stages: int = 0  # K/V smem stages; 0: the kernel's default
-    # O rescale and P conversion just before the next P V: 0 off, 1 on, 2 on with the P V wait
-    # in a vote-guarded branch (hopper/flash_fwd.py, ``wait_pv_after_exponentials``).
-    defer_rescale: int = 0
-    exp2_poly: int = 0  # every exp2_poly-th exponential of an unmasked block by polynomial
-    rescale_threshold: int = 0  # log2 units a row max must move by to rescale O; 0: any move
-    # Persistent grid (Note [persistent tiles] in cute_fa/dsl/scheduler.py): CTAs launched, one
-    # an SM of the device; 0: one CTA a tile.
-    num_ctas: int = 0
-    # Persistent grid only: CTAs take their next work unit from a global counter (atomicAdd)
-    # instead of the static round robin (CUTE_FA_SM90_FWD_PERSISTENT=2).
-    dynamic_tiles: bool = False
-    # O leaves by TMA store from shared memory instead of 16-byte stores (sm90; dense calls with
-    # dv == d; CUTE_FA_SM90_FWD_TMA_STORE=1).
-    tma_store: bool = False
-    # P reaches O += P V through shared memory (an SS WGMMA) instead of registers (RS); sm90,
-    # without the deferred rescale (CUTE_FA_SM90_FWD_P_SMEM=1).
-    p_smem: bool = False
-    # Consumer warpgroups take turns issuing their GEMMs (named barriers); False: each issues
-    # as soon as its operands are ready (CUTE_FA_SM90_FWD_PINGPONG=0).
-    pingpong: bool = True
-    # A consumer's softmax of block j runs while its O += P V of block j - 1 is in flight
-    # (intra-warpgroup overlap); False: it waits for both GEMMs (CUTE_FA_SM90_FWD_OVERLAP=0).
-    overlap: bool = True
-    # S = Q K^T takes Q from registers (RS WGMMA; Q loaded once a tile by ldmatrix) instead of
-    # shared memory (SS); sm90, d <= 128 (CUTE_FA_SM90_FWD_Q_RMEM=1).
-    q_rmem: bool = False
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"FwdConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.causal and self.local:
-            raise ValueError("FwdConfig: causal and local are exclusive (causal is a window)")
-
-    def replace(self, **changes) -> FwdConfig:
-        return dataclasses.replace(self, **changes)
+        self._check()
 
     @property
     def name(self) -> str:
         """Short human-readable name, used in messages and cache file names."""
-        flags = [
-            f
-            for f in ("causal", "local", "varlen_q", "varlen_k", "seqused_q", "seqused_k")
-            if getattr(self, f)
-        ]
-        if self.has_softcap:
-            flags.append("softcap")
-        if getattr(self, "kv_stages", 0):  # (BwdConfig shares this name and has neither field)
-            flags.append(f"kv{self.kv_stages}")
-        defer = getattr(self, "defer_rescale", 0)
-        if defer:
-            flags.append("defer" if defer == 1 else f"defer{int(defer)}")
-        if getattr(self, "exp2_poly", 0):
-            flags.append(f"poly{self.exp2_poly}")
-        if getattr(self, "rescale_threshold", 0):
-            flags.append(f"thr{self.rescale_threshold}")
-        if getattr(self, "num_ctas", 0):
-            flags.append(f"persistent{self.num_ctas}")
-        if getattr(self, "dynamic_tiles", False):
-            flags.append("dynamic")
-        if getattr(self, "tma_store", False):
-            flags.append("tmastore")
-        if getattr(self, "p_smem", False):
-            flags.append("psmem")
-        if not getattr(self, "pingpong", True):
-            flags.append("nopingpong")
-        if not getattr(self, "overlap", True):
-            flags.append("nooverlap")
-        if getattr(self, "q_rmem", False):
-            flags.append("qrmem")
-        dv = "" if self.head_dim_v == self.head_dim else f"x{self.head_dim_v}"
-        return (
-            f"fwd_sm{self.arch}_{self.target}_{self.dtype}_d{self.head_dim}{dv}"
-            f"_{self.tile_m}x{self.tile_n}w{self.num_warps}"
-            + ("_" + "_".join(flags) if flags else "")
-        )
+        return self._name("fwd", [])
 
 
 # Tuned forward tiles of the sm80 (FA2-design) kernel: head_dim -> (tile_m, tile_n, num_warps).
@@ -195,22 +289,22 @@ SM80_FWD_TILES_SMALL_SMEM = {
 SM80_FWD_TILES_CAUSAL = {256: (64, 64, 4)}
 
 
-def sm80_fwd_tile(head_dim: int, target: str, causal: bool = False) -> tuple[int, int, int]:
-    """(tile_m, tile_n, num_warps) of the sm80 forward kernel for a head dim and target."""
+def sm80_fwd_tile(head_dim: int, target: str, causal: bool = False) -> Tiles:
+    """The sm80 forward kernel's tile for a head dim and target."""
     big_smem = SMEM_CAPACITY.get(target, 0) >= 160 * 1024
     if causal and big_smem and head_dim in SM80_FWD_TILES_CAUSAL:
-        return SM80_FWD_TILES_CAUSAL[head_dim]
+        return Tiles(*SM80_FWD_TILES_CAUSAL[head_dim])
     table = SM80_FWD_TILES if big_smem else SM80_FWD_TILES_SMALL_SMEM
     if head_dim not in table:
         raise NotImplementedError(
             f"head_dim={head_dim} is not supported by the sm80 forward kernel "
             f"(supported: {sorted(table)})"
         )
-    return table[head_dim]
+    return Tiles(*table[head_dim])
 
 
 @dataclass(frozen=True)
-class BwdConfig:
+class BwdConfig(_Key):
     """Compile key of a backward kernel. Every field changes the generated code."""
 
     arch: int
@@ -218,9 +312,7 @@ class BwdConfig:
     dtype: str
     head_dim: int
     head_dim_v: int
-    tile_m: int  # query rows per inner step
-    tile_n: int  # key rows per CTA (dK, dV of these rows live in registers)
-    num_warps: int
+    tuning: Tuning  # Tiles (sm80: tile_m query rows a step, tile_n keys a CTA), Sm90BwdTuning
     causal: bool = False
     local: bool = False
     has_softcap: bool = False
@@ -233,26 +325,17 @@ class BwdConfig:
     # checked that they fit on the GPU), so the turns may follow the order in which they reach
     # a query block (Note [deterministic dQ] in ampere/flash_bwd.py).
     det_coresident: bool = False
-    # sm90 kernel: Q / dO stages (CUTE_FA_SM90_BWD_Q_STAGES, hopper/support.py); 0: its default.
-    q_stages: int = 0
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"BwdConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.causal and self.local:
-            raise ValueError("BwdConfig: causal and local are exclusive (causal is a window)")
+        self._check()
         if self.det_coresident and (not self.deterministic or self.local):
             raise ValueError("BwdConfig: det_coresident needs deterministic and no window")
 
-    def replace(self, **changes) -> BwdConfig:
-        return dataclasses.replace(self, **changes)
-
     @property
     def name(self) -> str:
-        det = "_deterministic" if self.deterministic else ""
-        det += "_coresident" if self.det_coresident else ""
-        det += f"_q{self.q_stages}" if self.q_stages else ""
-        return "bwd" + FwdConfig.name.fget(self)[3:] + det  # same naming as the forward
+        extra = ["deterministic"] if self.deterministic else []
+        extra += ["coresident"] if self.det_coresident else []
+        return self._name("bwd", extra)
 
 
 # Backward tiles of the sm80 kernel: head_dim -> (tile_m, tile_n, num_warps). One CTA keeps
@@ -280,33 +363,16 @@ SM80_BWD_TILES_SMALL_SMEM = {96: (64, 64, 8), 128: (64, 64, 8)}
 SM80_BWD_TILES_LARGE_SMEM = {64: (128, 128, 8)}
 
 
-class SettingError(ValueError):
-    """A malformed environment setting (raised as is: never a reason to fall back)."""
-
-
-# Tuning override: CUTE_FA_BWD_TILE="<tile_m>x<tile_n>w<num_warps>" (e.g. 128x128w8) replaces
-# the table's tile for every head dim, so a benchmark can compare tiles; the kernel's
-# can_implement still decides (NotImplementedError with its reason when the tile cannot work).
-BWD_TILE_ENV = "CUTE_FA_BWD_TILE"
-
-
-def sm80_bwd_tile(head_dim: int, target: str) -> tuple[int, int, int]:
-    """(tile_m, tile_n, num_warps) of the sm80 backward kernel."""
+def sm80_bwd_tile(head_dim: int, target: str) -> Tiles:
+    """The sm80 backward kernel's tile."""
     if head_dim not in SM80_BWD_TILES:
         raise NotImplementedError(
             f"head_dim={head_dim} is not supported by the sm80 backward kernel "
             f"(supported: {sorted(SM80_BWD_TILES)})"
         )
-    override = os.environ.get(BWD_TILE_ENV, "").strip()
-    if override:
-        match = re.fullmatch(r"(\d+)x(\d+)w(\d+)", override)
-        if match is None:
-            raise SettingError(f"{BWD_TILE_ENV}={override!r}: expected e.g. 64x128w8")
-        tile_m, tile_n, num_warps = (int(g) for g in match.groups())
-        return tile_m, tile_n, num_warps
     big_smem = SMEM_CAPACITY.get(target, 0) >= 160 * 1024
     if big_smem and head_dim in SM80_BWD_TILES_LARGE_SMEM:
-        return SM80_BWD_TILES_LARGE_SMEM[head_dim]
+        return Tiles(*SM80_BWD_TILES_LARGE_SMEM[head_dim])
     if not big_smem and head_dim in SM80_BWD_TILES_SMALL_SMEM:
-        return SM80_BWD_TILES_SMALL_SMEM[head_dim]
-    return SM80_BWD_TILES[head_dim]
+        return Tiles(*SM80_BWD_TILES_SMALL_SMEM[head_dim])
+    return Tiles(*SM80_BWD_TILES[head_dim])

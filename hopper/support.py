@@ -6,9 +6,7 @@ Dispatch and the feature matrix ask these functions; the kernel classes use them
 
 from __future__ import annotations
 
-import os
-
-from cute_fa.config import SMEM_CAPACITY, BwdConfig, FwdConfig, SettingError
+from cute_fa.config import SMEM_CAPACITY, BwdConfig, FwdConfig, Sm90BwdTuning, Sm90FwdTuning
 
 # FlashAttentionForwardSm90 runs tile_m query rows a CTA: one producer warpgroup and tile_m / 64
 # consumer warpgroups of 64 query rows each (the M of a WGMMA). tile_m is 128 (two consumers)
@@ -78,19 +76,15 @@ SM90_FWD_3WG_CAUSAL_MIN_SEQLEN = 4096
 # Tuning override: CUTE_FA_SM90_FWD_TILE_N=<keys> (a multiple of 16, at most 256) replaces the
 # key block of every head dim, so a benchmark can compare tiles; the shared-memory check of
 # fwd_can_implement still applies. Read when a launch plan is made.
-TILE_N_ENV = "CUTE_FA_SM90_FWD_TILE_N"
 # Tuning switch: CUTE_FA_SM90_FWD_TILE_M=192 runs three consumer warpgroups (192 query rows a
 # CTA) for the head dims of SM90_FWD_3WG_MAX_TILE_N (d 64); the other head dims keep 128 rows.
 # =128 forces two consumers. Unset: SM90_FWD_3WG_DEFAULT decides. Read when a launch plan is
 # made.
-TILE_M_ENV = "CUTE_FA_SM90_FWD_TILE_M"
 
 
 # Tuning switch: CUTE_FA_SM90_FWD_KV_STAGES=2|3, the stages of the K and V rings. 3 applies where
 # Q and three K/V stages fit in shared memory (fwd_kv_stages; d 64 to 128 at 128 keys: 225 KiB at
 # d 128), else the ring keeps 2. Unset: 2 (SM90_FWD_KV_STAGES). Read when a launch plan is made.
-KV_STAGES_ENV = "CUTE_FA_SM90_FWD_KV_STAGES"
-SM90_FWD_KV_STAGE_CHOICES = (2, 3)
 # Tuning switch: CUTE_FA_SM90_FWD_DEFER_RESCALE=1 moves the rescale of O and the conversion of P
 # to 16 bits of key block j from the end of its step to just before O += P_j V_j is issued (the
 # start of the next step, or the last P V). Between wgmma wait_group 1 and 0 nothing then writes
@@ -100,7 +94,6 @@ SM90_FWD_KV_STAGE_CHOICES = (2, 3)
 # exponentials before it under the CUDA 13 build's ptxas too (=1 holds only under CUDA 12's).
 # =0: the order of the other head dims. Unset: SM90_FWD_DEFER_RESCALE_DEFAULT (mode 1). Read
 # when a launch plan is made.
-DEFER_RESCALE_ENV = "CUTE_FA_SM90_FWD_DEFER_RESCALE"
 # Head dims that defer the rescale when the switch is unset. On the H200 (bf16, standard grid,
 # the switch as a peer in one process, docs/performance.md, Log 2026-12-01): d 64 +0 to +3 %
 # non-causal and +1 to +7 % causal (2k and 4k +6-7 %; a second run +1-3 %, inside that run's
@@ -115,8 +108,6 @@ SM90_FWD_DEFER_RESCALE_DEFAULT = (64,)
 # longer than the other consumer's GEMMs (512 clocks). A polynomial exponential is 8 FMA / ALU
 # instructions in place of one MUFU.EX2. =0 or unset: MUFU for all. Read when a launch plan is
 # made.
-EXP2_POLY_ENV = "CUTE_FA_SM90_FWD_EXP2_POLY"
-SM90_FWD_EXP2_POLY_CHOICES = (2, 4, 8, 16)
 # Tuning switch: CUTE_FA_SM90_FWD_RESCALE_THRESHOLD=<t> (4 or 8, log2 units): a row's running
 # max moves only when a block's max exceeds it by more than t, and a warp skips the O rescale
 # (d / 2 multiplies a thread and block) unless one of its rows moved (Note [rescale threshold]
@@ -124,8 +115,6 @@ SM90_FWD_EXP2_POLY_CHOICES = (2, 4, 8, 16)
 # block against ~220 other softmax instructions; at d 128 64 against ~350. =0: the max follows
 # every move and O is multiplied every block. Unset: SM90_FWD_RESCALE_THRESHOLD_DEFAULT of the
 # head dim (8 at d 256, else 0). Read when a launch plan is made.
-RESCALE_THRESHOLD_ENV = "CUTE_FA_SM90_FWD_RESCALE_THRESHOLD"
-SM90_FWD_RESCALE_THRESHOLD_CHOICES = (4, 8)
 # The threshold by head dim when the switch is unset. On the H200 (bf16, standard grid, the
 # threshold as a peer in the same run, docs/performance.md, Log 2026-12-01): d 256 at 64 keys
 # +2 to +9 % (at 80 keys +0 to +9 %), d 128 -1 to +2 % (not taken), d 64 not measured (its
@@ -166,7 +155,6 @@ SM90_FWD_RESCALE_THRESHOLD_DEFAULT = {256: 8}
 # (atomicAdd; Note [persistent tiles]), so SMs that run ahead take more units (measured 0.93-1.02
 # of the default on the H200: not a default).
 # Read when a launch plan is made.
-PERSISTENT_ENV = "CUTE_FA_SM90_FWD_PERSISTENT"
 SM90_FWD_PERSISTENT_MAX_SEQLEN = 2048
 SM90_FWD_PERSISTENT_MAX_SEQLEN_CAUSAL = 8192
 SM90_FWD_PERSISTENT_ONE_Q_STAGE_CAUSAL = (1024, 8192)
@@ -182,7 +170,6 @@ SM90_FWD_PERSISTENT_Q_STAGES = 2
 # operands are ready, and the warp schedulers interleave the consumers as they come. =1: the
 # turns (FA3's pingpong). Unset: SM90_FWD_PINGPONG_OFF_DEFAULT below. Never off with seqused_k,
 # whose V-tail zeroing the turns order (``zero_v_tail``). Read when a launch plan is made.
-PINGPONG_ENV = "CUTE_FA_SM90_FWD_PINGPONG"
 # Where the turns are off when the switch is unset: d 64 causal calls on the persistent grid with
 # two consumers (128 rows: below 4096 query rows). On the H200 (bf16, standard grid, the switch
 # as a peer in one process, docs/performance.md, Log 2026-12-02), three runs: +2 / +3 / +3 % at
@@ -195,7 +182,6 @@ SM90_FWD_PINGPONG_OFF_DEFAULT = (64,)
 # waits for both GEMMs of its step (S = Q K[j]^T and O += P V[j + 1]) before the softmax of
 # block j, instead of only for S (hopper/flash_fwd.py, ``step``). =1: the overlap. Unset: the
 # overlap, except SM90_FWD_OVERLAP_OFF_DEFAULT below. Read when a launch plan is made.
-OVERLAP_ENV = "CUTE_FA_SM90_FWD_OVERLAP"
 # Where the overlap is off when the switch is unset: head dim -> longest query sequence, for
 # causal calls on the persistent grid with two consumers and no turns (d 64 causal below 4096
 # rows, SM90_FWD_PINGPONG_OFF_DEFAULT). On the H200 (bf16, standard grid, the switch as a peer
@@ -210,13 +196,11 @@ SM90_FWD_OVERLAP_OFF_DEFAULT = {64: 1024}
 # query calls with dv == d only (a varlen box would cross into the next sequence; the O tile
 # is staged in the Q slice's layout); elsewhere the switch changes nothing. =0 or unset: the
 # 16-byte stores. Read when a launch plan is made.
-TMA_STORE_ENV = "CUTE_FA_SM90_FWD_TMA_STORE"
 # Tuning switch: CUTE_FA_SM90_FWD_P_SMEM=1: each consumer writes its 16-bit P to a shared-memory
 # slice (stmatrix; + tile_m * tile_n * 2 bytes) and O += P V reads it there (an SS WGMMA)
 # instead of from registers (RS, FA3's choice). The deferred rescale is then off (it keeps P in
 # fp32 registers until the P V issue). Where the slices do not fit next to Q and K/V, nothing
 # changes. =0 or unset: P from registers. Read when a launch plan is made.
-P_SMEM_ENV = "CUTE_FA_SM90_FWD_P_SMEM"
 # Tuning switch: CUTE_FA_SM90_FWD_Q_RMEM=1: each consumer loads its 64 x d slice of Q into
 # registers once a tile (ldmatrix; d / 4 registers a thread) and S = Q K^T becomes an RS WGMMA,
 # so each key block reads only K from shared memory for S (at d 128: 64 of the 80 KiB a
@@ -224,27 +208,14 @@ P_SMEM_ENV = "CUTE_FA_SM90_FWD_P_SMEM"
 # SM90_FWD_Q_RMEM_MAX_D only: three consumers' 160 registers spill (d 64: 48 LDL / STL), and
 # d 256 would need 64 more registers next to O's 128. Measured on the H200 (d 128, two runs):
 # 0.93-1.00 of Q from shared memory, so off. Read when a launch plan is made.
-Q_RMEM_ENV = "CUTE_FA_SM90_FWD_Q_RMEM"
-SM90_FWD_Q_RMEM_MAX_D = 128
 
-# These switches become fields of the compile key (FwdConfig.kv_stages, .defer_rescale,
-# .exp2_poly, .rescale_threshold, .num_ctas, .dynamic_tiles, .pingpong, .overlap, .tma_store,
-# .p_smem, .q_rmem; see fwd_tuned), so a kernel compiled under one setting is never served
-# under another.
-
-
-def _env_choice(name: str, choices: tuple[str, ...]) -> str:
-    """The value of a tuning switch ("" when unset); SettingError when it is not in ``choices``."""
-    value = os.environ.get(name, "").strip()
-    if value and value not in choices:
-        raise SettingError(f"{name}={value!r}: expected one of {', '.join(choices)}")
-    return value
+# Each choice above is a field of Sm90FwdTuning (cute_fa/config.py), part of the compile key,
+# so a kernel compiled under one setting is never served under another.
 
 
 def fwd_kv_stages(config: FwdConfig) -> int:
-    """K/V stages of the sm90 forward for ``config``: ``config.kv_stages`` when set, else
-    SM90_FWD_KV_STAGES."""
-    return config.kv_stages or SM90_FWD_KV_STAGES
+    """K/V stages of the sm90 forward."""
+    return SM90_FWD_KV_STAGES
 
 
 def fwd_persistent_fits(config: FwdConfig) -> bool:
@@ -263,93 +234,73 @@ def fwd_tma_store_fits(config: FwdConfig) -> bool:
     return not (config.varlen_q or config.seqused_q) and config.head_dim_v == config.head_dim
 
 
-def fwd_q_rmem_fits(config: FwdConfig) -> bool:
-    """Whether a consumer can keep its Q slice in registers: two consumers (128 rows) and
-    head_dim <= SM90_FWD_Q_RMEM_MAX_D."""
-    return config.tile_m == SM90_FWD_TILE_M and config.head_dim <= SM90_FWD_Q_RMEM_MAX_D
-
-
 def fwd_q_stages(config: FwdConfig) -> int:
     """Q stages of the sm90 forward: 1, or SM90_FWD_PERSISTENT_Q_STAGES for a persistent grid
     where they fit in shared memory."""
-    if not config.num_ctas:
+    if not config.tuning.num_ctas:
         return 1
     smem = fwd_smem_bytes(config, fwd_kv_stages(config), SM90_FWD_PERSISTENT_Q_STAGES)
     return SM90_FWD_PERSISTENT_Q_STAGES if smem <= SMEM_CAPACITY.get(config.target, 0) else 1
 
 
-def fwd_tuned(config: FwdConfig, seqlen_q: int | None = None) -> FwdConfig:
-    """``config`` with the tuning choices applied (dispatch calls this): the K/V stages of
-    CUTE_FA_SM90_FWD_KV_STAGES where Q and that many stages fit in shared memory,
-    CUTE_FA_SM90_FWD_DEFER_RESCALE (unset: SM90_FWD_DEFER_RESCALE_DEFAULT),
-    CUTE_FA_SM90_FWD_EXP2_POLY, CUTE_FA_SM90_FWD_RESCALE_THRESHOLD (unset:
-    SM90_FWD_RESCALE_THRESHOLD_DEFAULT), and a persistent grid (SM90_SMS CTAs; the interface
-    sets the device's count) where it fits and ``seqlen_q`` (the call's longest query
-    sequence) is at most SM90_FWD_PERSISTENT_MAX_SEQLEN(_CAUSAL) with two Q stages, or within
-    SM90_FWD_PERSISTENT_ONE_Q_STAGE_CAUSAL for causal calls with one; or as
-    CUTE_FA_SM90_FWD_PERSISTENT says (=2: with a dynamic schedule); the consumers' turns as
-    CUTE_FA_SM90_FWD_PINGPONG says (never off with seqused_k; unset: off for
-    SM90_FWD_PINGPONG_OFF_DEFAULT's causal calls on the persistent grid with 128 rows);
-    CUTE_FA_SM90_FWD_OVERLAP (unset: off for SM90_FWD_OVERLAP_OFF_DEFAULT's short causal calls
-    of those); CUTE_FA_SM90_FWD_TMA_STORE=1 and CUTE_FA_SM90_FWD_P_SMEM=1
-    where they fit (P_SMEM turns the deferred rescale off)."""
-    value = _env_choice(KV_STAGES_ENV, tuple(str(s) for s in SM90_FWD_KV_STAGE_CHOICES))
-    stages = int(value) if value else SM90_FWD_KV_STAGES
-    if fwd_smem_bytes(config, stages) > SMEM_CAPACITY.get(config.target, 0):
-        stages = SM90_FWD_KV_STAGES
-    defer_value = _env_choice(DEFER_RESCALE_ENV, ("0", "1", "2"))
-    if defer_value:
-        defer = int(defer_value)
-    else:
-        defer = 1 if config.head_dim in SM90_FWD_DEFER_RESCALE_DEFAULT else 0
-    poly = _env_choice(EXP2_POLY_ENV, ("0",) + tuple(str(k) for k in SM90_FWD_EXP2_POLY_CHOICES))
-    threshold = _env_choice(
-        RESCALE_THRESHOLD_ENV, ("0",) + tuple(str(t) for t in SM90_FWD_RESCALE_THRESHOLD_CHOICES)
+def fwd_config(
+    base: FwdConfig, seqlen_q: int | None = None, asked: dict | None = None
+) -> FwdConfig:
+    """The sm90 forward's compile key for the problem of ``base`` (whose tuning is ignored):
+    the built-in defaults of its problem class (the tables above; ``seqlen_q``, the call's
+    longest query sequence when known, picks tile_m and the persistent grid), then the fields
+    ``asked`` (a tuned table's entry, then overrides: ``cute_fa/tuned.py``) over them.
+
+    What a call cannot run is not taken even when asked: pingpong stays on with seqused_k (the
+    turns order its V-tail zeroing), ``tma_store`` needs dense query rows and dv == d, a
+    persistent grid dense calls without a window or seqused (``num_ctas`` > 0 asks for one;
+    planning puts the device's SM count there). The measured defaults for causal calls on the
+    persistent grid with two consumers (no turns at d 64; no overlap for short ones) apply
+    only where the fields are not asked."""
+    asked = dict(asked or {})
+    d = base.head_dim
+    tile_n = asked.get("tile_n", SM90_FWD_TILE_N.get(d, SM90_FWD_TILE[1]))
+    tile_m = asked.get("tile_m")
+    if tile_m is None:
+        tile_m = fwd_tile_m(d, tile_n, base.causal, base.local, base.has_softcap, seqlen_q)
+    fields = dict(
+        tile_m=tile_m,
+        tile_n=tile_n,
+        defer_rescale=asked.get("defer_rescale", d in SM90_FWD_DEFER_RESCALE_DEFAULT),
+        exp2_poly=asked.get("exp2_poly", 0),
+        rescale_threshold=asked.get(
+            "rescale_threshold", SM90_FWD_RESCALE_THRESHOLD_DEFAULT.get(d, 0)
+        ),
+        pingpong=asked.get("pingpong", True) or base.seqused_k,
+        overlap=asked.get("overlap", True),
+        tma_store=asked.get("tma_store", False) and fwd_tma_store_fits(base),
     )
-    if not threshold:
-        threshold = SM90_FWD_RESCALE_THRESHOLD_DEFAULT.get(config.head_dim, 0)
-    forced = _env_choice(PERSISTENT_ENV, ("0", "1", "2"))
-    pingpong_value = _env_choice(PINGPONG_ENV, ("0", "1"))
-    pingpong = pingpong_value != "0" or config.seqused_k
-    overlap_value = _env_choice(OVERLAP_ENV, ("0", "1"))
-    overlap = overlap_value != "0"
-    tma_store = _env_choice(TMA_STORE_ENV, ("0", "1")) == "1" and fwd_tma_store_fits(config)
-    p_smem = _env_choice(P_SMEM_ENV, ("0", "1")) == "1" and fwd_smem_bytes(
-        config.replace(p_smem=True), stages
-    ) <= SMEM_CAPACITY.get(config.target, 0)
-    if p_smem:
-        defer = 0
-    q_rmem = _env_choice(Q_RMEM_ENV, ("0", "1")) == "1" and fwd_q_rmem_fits(config)
-    config = config.replace(
-        kv_stages=0 if stages == SM90_FWD_KV_STAGES else stages, defer_rescale=defer,
-        exp2_poly=int(poly or 0), rescale_threshold=int(threshold), pingpong=pingpong,
-        overlap=overlap, tma_store=tma_store, p_smem=p_smem, q_rmem=q_rmem,
-    )  # fmt: skip
-    persistent = config.replace(num_ctas=SM90_SMS)
-    limit = (
-        SM90_FWD_PERSISTENT_MAX_SEQLEN_CAUSAL if config.causal else SM90_FWD_PERSISTENT_MAX_SEQLEN
-    )
-    if fwd_q_stages(persistent) == SM90_FWD_PERSISTENT_Q_STAGES:
+    config = base.replace(tuning=Sm90FwdTuning(**fields))
+    persistent = config.with_tuning(num_ctas=SM90_SMS)
+    if "num_ctas" in asked:
+        by_default = bool(asked["num_ctas"])
+    elif fwd_q_stages(persistent) == SM90_FWD_PERSISTENT_Q_STAGES:
+        limit = (
+            SM90_FWD_PERSISTENT_MAX_SEQLEN_CAUSAL if base.causal
+            else SM90_FWD_PERSISTENT_MAX_SEQLEN
+        )  # fmt: skip
         by_default = seqlen_q is not None and seqlen_q <= limit
     else:  # one Q stage (d 192, d 256): causal calls of a middle length only
         low, high = SM90_FWD_PERSISTENT_ONE_Q_STAGE_CAUSAL
-        by_default = config.causal and seqlen_q is not None and low <= seqlen_q <= high
-    if forced == "2" and fwd_persistent_fits(config):
-        config = persistent.replace(dynamic_tiles=True)
-    elif (forced == "1" or (not forced and by_default)) and fwd_persistent_fits(config):
+        by_default = base.causal and seqlen_q is not None and low <= seqlen_q <= high
+    if by_default and fwd_persistent_fits(config):
         config = persistent
     # The measured defaults for causal calls on the persistent grid with two consumers (a
     # persistent grid never takes seqused_k, whose V-tail zeroing needs the turns): no turns,
     # and for short ones no intra-warpgroup overlap either.
-    two_persistent_causal = config.causal and config.num_ctas and config.tile_m == SM90_FWD_TILE_M
-    if not two_persistent_causal:
+    tuning = config.tuning
+    if not (base.causal and tuning.num_ctas and tuning.tile_m == SM90_FWD_TILE_M):
         return config
-    if not pingpong_value and config.head_dim in SM90_FWD_PINGPONG_OFF_DEFAULT:
-        config = config.replace(pingpong=False)
-    overlap_off_below = SM90_FWD_OVERLAP_OFF_DEFAULT.get(config.head_dim, 0)
-    short = seqlen_q is not None and seqlen_q <= overlap_off_below
-    if not overlap_value and not config.pingpong and short:
-        config = config.replace(overlap=False)
+    if "pingpong" not in asked and d in SM90_FWD_PINGPONG_OFF_DEFAULT:
+        config = config.with_tuning(pingpong=False)
+    short = seqlen_q is not None and seqlen_q <= SM90_FWD_OVERLAP_OFF_DEFAULT.get(d, 0)
+    if "overlap" not in asked and not config.tuning.pingpong and short:
+        config = config.with_tuning(overlap=False)
     return config
 
 
@@ -378,54 +329,23 @@ def fwd_tile_m(
     has_softcap: bool = False,
     seqlen_q: int | None = None,
 ) -> int:
-    """Query rows a CTA: 192 by default for the head dims of SM90_FWD_3WG_DEFAULT without a
+    """Query rows a CTA by default: 192 for the head dims of SM90_FWD_3WG_DEFAULT without a
     causal mask, or causal with ``seqlen_q`` (the call's longest query sequence) of at least
-    SM90_FWD_3WG_CAUSAL_MIN_SEQLEN (and keys tile_n that three consumers hold), else 128;
-    CUTE_FA_SM90_FWD_TILE_M=128|192 asks for one where three consumers fit the head dim,
-    features (``fwd_tile_ms``) and tile_n (SM90_FWD_3WG_MAX_TILE_N)."""
-    override = _env_choice(TILE_M_ENV, (str(SM90_FWD_TILE_M), str(SM90_FWD_TILE_M_3WG)))
+    SM90_FWD_3WG_CAUSAL_MIN_SEQLEN (and keys tile_n that three consumers hold), else 128."""
     tile_ms = fwd_tile_ms(head_dim, local, has_softcap)
     fits = SM90_FWD_TILE_M_3WG in tile_ms and tile_n <= SM90_FWD_3WG_MAX_TILE_N[head_dim]
-    if override:
-        three = int(override) == SM90_FWD_TILE_M_3WG and fits
-        return SM90_FWD_TILE_M_3WG if three else SM90_FWD_TILE_M
     long_rows = seqlen_q is not None and seqlen_q >= SM90_FWD_3WG_CAUSAL_MIN_SEQLEN
     if head_dim in SM90_FWD_3WG_DEFAULT and fits and (not causal or long_rows):
         return SM90_FWD_TILE_M_3WG
     return SM90_FWD_TILE_M
 
 
-def fwd_tile(
-    head_dim: int,
-    causal: bool,
-    tile_m: int | None = None,
-    local: bool = False,
-    has_softcap: bool = False,
-    seqlen_q: int | None = None,
-) -> tuple[int, int, int]:
-    """(tile_m, tile_n, num_warps) of the sm90 forward for a head dim (dispatch asks this).
-
-    ``tile_m`` None: the tile dispatch picks (``fwd_tile_m`` of the head dim and features);
-    128 or 192: the tile of that many query rows (``fwd_can_implement`` asks for the config's).
-    """
-    tile_n = SM90_FWD_TILE_N.get(head_dim, SM90_FWD_TILE[1])
-    override = os.environ.get(TILE_N_ENV, "").strip()
-    if override:
-        if not override.isdigit() or int(override) % 16 or not 16 <= int(override) <= 256:
-            raise SettingError(f"{TILE_N_ENV}={override!r}: expected a multiple of 16 up to 256")
-        tile_n = int(override)
-    if tile_m is None:
-        tile_m = fwd_tile_m(head_dim, tile_n, causal, local, has_softcap, seqlen_q)
-    return tile_m, tile_n, fwd_num_warps(tile_m)
-
-
 def fwd_smem_bytes(
     config: FwdConfig, kv_stages: int = SM90_FWD_KV_STAGES, q_stages: int = 1
 ) -> int:
-    """Shared memory of the Q stages, the K and V rings and (config.p_smem) the P slices
-    (16-bit elements), barriers and alignment included."""
-    p_tiles = config.tile_m * config.tile_n if getattr(config, "p_smem", False) else 0
-    return (q_stages * config.tile_m * config.head_dim + p_tiles
+    """Shared memory of the Q stages and the K and V rings (16-bit elements), barriers and
+    alignment included."""
+    return (q_stages * config.tile_m * config.head_dim
             + kv_stages * config.tile_n * (config.head_dim + config.head_dim_v)) * 2 \
         + SM90_FWD_SMEM_SLACK  # fmt: skip
 
@@ -451,47 +371,36 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
             f"head_dim_v {config.head_dim_v} with head_dim {config.head_dim} is not supported "
             f"by the sm90 forward (pairs {SM90_FWD_HEAD_DIM_PAIRS})"
         )
+    if not isinstance(config.tuning, Sm90FwdTuning):
+        return False, f"tuning {type(config.tuning).__name__} is not an Sm90FwdTuning"
+    tuning = config.tuning
     tile_ms = fwd_tile_ms(config.head_dim, config.local, config.has_softcap)
-    if config.tile_m == SM90_FWD_TILE_M_3WG and config.tile_m not in tile_ms:
+    if tuning.tile_m not in tile_ms:
         return False, (
-            f"tile_m {config.tile_m} (three consumer warpgroups of {SM90_FWD_REGS[3][1]} "
+            f"tile_m {tuning.tile_m} (three consumer warpgroups of {SM90_FWD_REGS[3][1]} "
             f"registers a thread) runs only head_dim {tuple(SM90_FWD_3WG_MAX_TILE_N)} without "
             f"{' or '.join(SM90_FWD_3WG_FLAGS_OFF)} (more spills)"
         )
-    tile_m = config.tile_m if config.tile_m in tile_ms else SM90_FWD_TILE_M
-    tile = fwd_tile(config.head_dim, config.causal, tile_m)
-    if (config.tile_m, config.tile_n, config.num_warps) != tile:
+    if (
+        tuning.tile_m == SM90_FWD_TILE_M_3WG
+        and tuning.tile_n > SM90_FWD_3WG_MAX_TILE_N[config.head_dim]
+    ):
         return False, (
-            f"tile {config.tile_m}x{config.tile_n}w{config.num_warps} is not an sm90 forward "
-            f"tile of head_dim {config.head_dim} (tile_m in {tile_ms}: "
-            f"{tile[0]}x{tile[1]}w{tile[2]})"
-        )
-    if tile_m == SM90_FWD_TILE_M_3WG and config.tile_n > SM90_FWD_3WG_MAX_TILE_N[config.head_dim]:
-        return False, (
-            f"tile_n {config.tile_n} with tile_m {tile_m}: three consumer warpgroups hold S, P and "
-            f"O in {SM90_FWD_REGS[3][1]} registers a thread, which fits at most "
+            f"tile_n {tuning.tile_n} with tile_m {tuning.tile_m}: three consumer warpgroups hold "
+            f"S, P and O in {SM90_FWD_REGS[3][1]} registers a thread, which fits at most "
             f"{SM90_FWD_3WG_MAX_TILE_N[config.head_dim]} keys at head_dim {config.head_dim}"
         )
     smem = fwd_smem_bytes(config, fwd_kv_stages(config), fwd_q_stages(config))
     if smem > SMEM_CAPACITY.get(config.target, 0):
         return False, f"tiles need {smem} B of shared memory, more than {config.target} has"
-    if not config.pingpong and config.seqused_k:
+    if not tuning.pingpong and config.seqused_k:
         return False, (
-            "pingpong off (CUTE_FA_SM90_FWD_PINGPONG=0) with seqused_k: the consumers' turns "
+            "pingpong off with seqused_k: the consumers' turns "
             "order the zeroing of the V rows past seqused_k before any P V GEMM reads them"
         )
-    if config.p_smem and config.defer_rescale:
-        return False, "p_smem keeps P in shared memory; the deferred rescale keeps it in registers"
-    if config.tma_store and not fwd_tma_store_fits(config):
+    if tuning.tma_store and not fwd_tma_store_fits(config):
         return False, "tma_store takes dense query rows (no cu_seqlens_q / seqused_q) and dv == d"
-    if config.dynamic_tiles and not config.num_ctas:
-        return False, "dynamic_tiles is a schedule of the persistent grid (num_ctas)"
-    if config.q_rmem and not fwd_q_rmem_fits(config):
-        return False, (
-            f"q_rmem keeps Q in registers with two consumers (tile_m {SM90_FWD_TILE_M}) up to "
-            f"head_dim {SM90_FWD_Q_RMEM_MAX_D}"
-        )
-    if config.num_ctas and not fwd_persistent_fits(config):
+    if tuning.num_ctas and not fwd_persistent_fits(config):
         return False, (
             "a persistent grid (num_ctas) takes dense calls without a window or seqused (their "
             "tiles cost different amounts; Note [persistent tiles])"
@@ -547,36 +456,33 @@ def bwd_split_d(head_dim: int) -> bool:
 # backward where they fit in shared memory (3: d 64 at 64 rows, d 96, d 128 (226.5 KiB of 227);
 # not d 64 at 128 rows, d 192 or d 256), else the default. Unset: SM90_BWD_Q_STAGES (1 at
 # d 256). Read when a launch plan is made; a field of the compile key (BwdConfig.q_stages).
-Q_STAGES_ENV = "CUTE_FA_SM90_BWD_Q_STAGES"
-SM90_BWD_Q_STAGE_CHOICES = (2, 3)
 
 
 def bwd_q_stages(config: BwdConfig) -> int:
-    """Q / dO (and LSE / delta) stages of the sm90 backward: ``config.q_stages`` when set, else
+    """Q / dO (and LSE / delta) stages of the sm90 backward: ``tuning.q_stages`` when set, else
     two (one above SM90_BWD_TWO_Q_STAGES_MAX_D)."""
-    if config.q_stages:
-        return config.q_stages
+    if config.tuning.q_stages:
+        return config.tuning.q_stages
     return SM90_BWD_Q_STAGES if config.head_dim <= SM90_BWD_TWO_Q_STAGES_MAX_D else 1
 
 
-def bwd_tuned(config: BwdConfig) -> BwdConfig:
-    """``config`` with CUTE_FA_SM90_BWD_Q_STAGES applied where that many stages fit in shared
-    memory (dispatch calls this)."""
-    value = _env_choice(Q_STAGES_ENV, tuple(str(s) for s in SM90_BWD_Q_STAGE_CHOICES))
-    if not value or int(value) == bwd_q_stages(config):
-        return config
-    tuned = config.replace(q_stages=int(value))
-    return tuned if bwd_smem_bytes(tuned) <= SMEM_CAPACITY.get(config.target, 0) else config
-
-
-def bwd_tile(head_dim: int, causal: bool, has_softcap: bool = False) -> tuple[int, int, int]:
-    """(tile_m, tile_n, num_warps) of the sm90 backward: 64 query rows a step (d 64: 128
-    without softcap); 128 keys a CTA, 64 with split d."""
+def bwd_default_tuning(head_dim: int, has_softcap: bool = False) -> Sm90BwdTuning:
+    """The sm90 backward's tuning by default: 64 query rows a step (d 64: 128 without
+    softcap); 128 keys a CTA, 64 with split d; the stages of ``bwd_q_stages``."""
     tile_n = SM90_BWD_SPLIT_D_TILE_N if bwd_split_d(head_dim) else SM90_BWD_TILE_N
     tile_m = SM90_BWD_TILE_M
     if not has_softcap:
         tile_m = SM90_BWD_TILE_M_BY_D.get(head_dim, SM90_BWD_TILE_M)
-    return tile_m, tile_n, SM90_BWD_WARPS
+    return Sm90BwdTuning(tile_m=tile_m, tile_n=tile_n)
+
+
+def bwd_config(base: BwdConfig, asked: dict | None = None) -> BwdConfig:
+    """The sm90 backward's compile key for the problem of ``base`` (its tuning ignored): the
+    default tuning with the fields ``asked`` over it (``cute_fa/tuned.py``)."""
+    default = bwd_default_tuning(base.head_dim, base.has_softcap)
+    fields = {f: getattr(default, f) for f in ("tile_m", "tile_n", "q_stages")}
+    fields.update(asked or {})
+    return base.replace(tuning=Sm90BwdTuning(**fields))
 
 
 def bwd_smem_bytes(config: BwdConfig) -> int:
@@ -604,12 +510,16 @@ def bwd_can_implement(config: BwdConfig) -> tuple[bool, str]:
             f"head_dim_v {config.head_dim_v} with head_dim {config.head_dim} is not supported "
             f"by the sm90 backward (pairs {SM90_BWD_HEAD_DIM_PAIRS})"
         )
-    tile = bwd_tile(config.head_dim, config.causal, config.has_softcap)
-    if (config.tile_m, config.tile_n, config.num_warps) != tile:
+    if not isinstance(config.tuning, Sm90BwdTuning):
+        return False, f"tuning {type(config.tuning).__name__} is not an Sm90BwdTuning"
+    split_tile_n = SM90_BWD_SPLIT_D_TILE_N if bwd_split_d(config.head_dim) else SM90_BWD_TILE_N
+    if config.tile_n != split_tile_n:
         return False, (
-            f"tile {config.tile_m}x{config.tile_n}w{config.num_warps} is not the sm90 backward "
-            f"tile {tile[0]}x{tile[1]}w{tile[2]}"
+            f"tile_n {config.tile_n}: the sm90 backward at head_dim {config.head_dim} runs "
+            f"{split_tile_n} keys a CTA (two consumers of {split_tile_n // 2} keys)"
         )
+    if config.tile_m not in (64, 128):
+        return False, f"tile_m {config.tile_m}: the sm90 backward steps 64 or 128 query rows"
     smem = bwd_smem_bytes(config)
     if smem > SMEM_CAPACITY.get(config.target, 0):
         return False, f"tiles need {smem} B of shared memory, more than {config.target} has"

@@ -1,6 +1,6 @@
 """Forward/backward attention timing: cute_fa beside torch's SDPA backends and FlexAttention.
 
-Run it as ``python -m cute_fa bench`` (or ``python cute_fa/bench.py``). Modes:
+Run it as ``python -m cute_fa bench``. Modes:
 
 * default: the standard grid (bf16, 16k tokens so batch = tokens / seqlen, hidden 2048 so
   heads = hidden / d, d in {64, 128, 256}, seqlen in {512 .. 16k}, causal in {0, 1}); every
@@ -48,11 +48,13 @@ IMPL_LABELS = {
     "flex": "FlexAttention",
 }
 DEFAULT_PEERS = ("cute_fa", "flash", "cudnn", "flex")
-# A tuning variant of cute_fa (or cute_fa_det) in the same run: "cute_fa:NAME=VALUE[:NAME=VALUE]"
-# with NAME one of tuning_switches(), e.g. cute_fa:CUTE_FA_SM90_FWD_RESCALE_THRESHOLD=8. Each
-# case then times the variant right after the plain implementation, on the same inputs, so the
-# two see the same clocks (an A/B across processes differs by up to +-10 % on the H200 from
-# run to run); the table adds "variant/cute_fa" columns.
+# A tuning variant of cute_fa (or cute_fa_det) in the same run: "cute_fa:SETTING[:SETTING]" with
+# SETTING a typed tuning field, family.field=value (cute_fa/tuned.py; e.g.
+# cute_fa:sm90_fwd.rescale_threshold=8), or one of the process-wide settings that pick a kernel
+# family (CUTE_FA_FWD_ARCH=80, CUTE_FA_BWD_ARCH=80, CUTE_FA_BWD_DET_ORDER=chain). Each case then
+# times the variant right after the plain implementation, on the same inputs, so the two see
+# the same clocks (an A/B across processes differs by up to +-10 % on the H200 from run to
+# run); the table adds "variant/cute_fa" columns.
 VARIANT_SEP = ":"
 GRID_D = (64, 128, 256)
 GRID_SEQLEN = (512, 1024, 2048, 4096, 8192, 16384)
@@ -65,26 +67,18 @@ DEVICE = "cuda"
 # FLOPs
 
 
-def tuning_switches() -> tuple[str, ...]:
-    """The environment variables that steer dispatch and the kernels' tuning (the ``*_ENV``
-    constants of the modules that read them); a variant peer may set these and no others."""
-    from . import backward, config, dispatch
-    from .hopper import support as sm90_support
+def family_settings() -> tuple[str, ...]:
+    """The process-wide settings a variant peer may set (they choose a kernel family)."""
+    from cute_fa import settings
 
-    names = {
-        value
-        for module in (backward, config, dispatch, sm90_support)
-        for key, value in vars(module).items()
-        if key.endswith("_ENV") and isinstance(value, str) and value.startswith("CUTE_FA_")
-    }
-    return tuple(sorted(names))
+    return (settings.FWD_ARCH, settings.BWD_ARCH, settings.BWD_DET_ORDER)
 
 
 @contextlib.contextmanager
-def env_settings(settings: dict[str, str]):
-    """Environment variables set to ``settings`` inside the block, restored (or removed) after."""
-    saved = {k: os.environ.get(k) for k in settings}
-    os.environ.update(settings)
+def env_settings(values: dict[str, str]):
+    """Environment variables set to ``values`` inside the block, restored (or removed) after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
         yield
     finally:
@@ -95,9 +89,48 @@ def env_settings(settings: dict[str, str]):
                 os.environ[k] = v
 
 
+def check_variant(settings_: tuple[tuple[str, str], ...]) -> None:
+    """ValueError unless every setting of a variant is a tuning field (family.field=value) or
+    one of ``family_settings()``."""
+    from cute_fa import tuned
+
+    for name, value in settings_:
+        if "." in name:
+            tuned.parse_assignment(f"{name}={value}")
+        elif name not in family_settings():
+            raise ValueError(
+                f"variant setting {name}={value}: expected family.field=value (a tuning field, "
+                f"e.g. sm90_fwd.tile_n=80) or one of {', '.join(family_settings())}"
+            )
+
+
+@contextlib.contextmanager
+def variant_context(settings_: tuple[tuple[str, str], ...]):
+    """The tuning overrides and family settings of a variant, for the block; forward launch
+    plans made under a family setting are dropped on entry and exit (the plan table is keyed
+    by the tuning state, not by these settings)."""
+    from cute_fa import ops, tuned
+
+    overrides: dict[str, dict] = {}
+    env = {}
+    for name, value in settings_:
+        if "." in name:
+            family, field_, parsed = tuned.parse_assignment(f"{name}={value}")
+            overrides.setdefault(family, {})[field_] = parsed
+        else:
+            env[name] = value
+    with contextlib.ExitStack() as stack:
+        if env:
+            ops.clear_plans()
+            stack.callback(ops.clear_plans)
+            stack.enter_context(env_settings(env))
+        stack.enter_context(tuned.tuning(**overrides))
+        yield
+
+
 def split_impl(name: str) -> tuple[str, tuple[tuple[str, str], ...]]:
     """(base implementation, settings) of a peer name: ("cute_fa", ()) for "cute_fa",
-    ("cute_fa", (("CUTE_FA_X", "8"),)) for "cute_fa:CUTE_FA_X=8"."""
+    ("cute_fa", (("sm90_fwd.tile_n", "80"),)) for "cute_fa:sm90_fwd.tile_n=80"."""
     base, *parts = name.split(VARIANT_SEP)
     settings = tuple(tuple(p.split("=", 1)) for p in parts)
     return base, settings  # type: ignore[return-value]
@@ -243,15 +276,12 @@ class Impl:
 
     @contextlib.contextmanager
     def context(self):
-        """Entered once around all timed calls of this implementation. A variant sets its
-        switches and keeps its own launch plans (interface.separate_launch_tables) for the
-        duration, so that neither its plans nor the plain implementation's leak across."""
+        """Entered once around all timed calls of this implementation. A variant's tuning
+        overrides (``cute_fa.tuning``) hold for the duration; launch plans are kept per tuning
+        state, so neither its plans nor the plain implementation's leak across."""
         settings = split_impl(self.name)[1]
         if settings:
-            from . import interface
-
-            tables = self.state.setdefault("tables", {})
-            with env_settings(dict(settings)), interface.separate_launch_tables(tables):
+            with variant_context(settings):
                 yield
         elif self.name in ("flash", "cudnn"):
             from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -752,7 +782,8 @@ def _torch_dtype(name: str):
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
-def run_grid(args: argparse.Namespace) -> int:
+def run_grid(args: argparse.Namespace, results_out: list | None = None) -> int:
+    """The grid of ``args``; its ``Result`` rows are also appended to ``results_out``."""
     dtype = _torch_dtype(args.dtype)
     impls = [Impl(n, layout="bhsd" if n == "flex" else "bshd") for n in args.peers]
     modes = ["fwd", "bwd"] if args.mode == "both" else [args.mode]
@@ -794,6 +825,8 @@ def run_grid(args: argparse.Namespace) -> int:
     for mode in modes:
         print(format_table(results, mode, list(args.peers)))
         print()
+    if results_out is not None:
+        results_out.extend(results)
     return 0
 
 
@@ -927,7 +960,7 @@ import torch
 t1 = time.perf_counter()
 import cute_fa
 t2 = time.perf_counter()
-from cute_fa import bench
+from cute_fa.tools import bench
 bench.IMPORT_SECONDS.update(torch=t1 - t0, cute_fa=t2 - t1)
 sys.exit(bench.main(sys.argv[1:]))
 """
@@ -974,11 +1007,11 @@ def _probe_first_call(args: argparse.Namespace) -> int:
     if args.probe_staged:
         with gc_pauses.counting():
             t1 = time.perf_counter()
-            from cute_fa import interface
+            from cute_fa import ops
 
             # The call's own plan: dispatch (its tile, grid and tuning choices for this shape)
             # and the compile cache's lookup.
-            interface._make_plan(q, k, v, None, None, None, None, None, causal, None, None, 0.0)
+            ops._make_plan(q, k, v, None, None, None, None, None, causal, None, None, 0.0)
             report["plan_load_s"] = time.perf_counter() - t1
             report["first_call_s"] = _timed_call(call)
     else:
@@ -1206,20 +1239,18 @@ def _name_list(text: str) -> list[str]:
     bad = [n for n in names if split_impl(n)[0] not in IMPLS]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown implementation(s) {bad}; choose from {IMPLS}")
-    switches = None
     for n in names:
         base, settings = split_impl(n)
         if not settings:
             continue
         if base not in ("cute_fa", "cute_fa_det"):
             raise argparse.ArgumentTypeError(f"{n}: only cute_fa and cute_fa_det take settings")
-        switches = switches or tuning_switches()
-        for setting in settings:
-            if len(setting) != 2 or setting[0] not in switches:
-                raise argparse.ArgumentTypeError(
-                    f"{n}: expected {VARIANT_SEP}NAME=VALUE settings with NAME one of "
-                    f"{', '.join(switches)}"
-                )
+        if any(len(setting) != 2 for setting in settings):
+            raise argparse.ArgumentTypeError(f"{n}: expected {VARIANT_SEP}NAME=VALUE settings")
+        try:
+            check_variant(settings)
+        except (ValueError, TypeError) as e:
+            raise argparse.ArgumentTypeError(f"{n}: {e}") from None
     if len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"implementations named twice in {text!r}")
     return names
@@ -1282,7 +1313,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         default=list(DEFAULT_PEERS),
         help=f"implementations to time (default {','.join(DEFAULT_PEERS)}; also cute_fa_det: "
         "cute_fa with deterministic=True; and tuning variants timed beside cute_fa in the same "
-        "run, e.g. cute_fa:CUTE_FA_SM90_FWD_RESCALE_THRESHOLD=8, several settings joined by ':')",
+        "run, e.g. cute_fa:sm90_fwd.rescale_threshold=8 (a typed tuning field) or "
+        "cute_fa:CUTE_FA_FWD_ARCH=80, several settings joined by ':')",
     )
     p.add_argument(
         "--tokens", type=int, default=16384, help="batch = tokens / seqlen (default %(default)s)"
@@ -1338,7 +1370,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None, prog: str | None = None, results_out: list | None = None
+) -> int:
+    """The command; a grid run also appends its ``Result`` rows to ``results_out``."""
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     args.d_given, args.seqlen_given, args.causal_given = (
@@ -1371,7 +1406,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         return run_ceilings(args)
     if args.overhead:
         return run_overhead(args)
-    return run_grid(args)
+    return run_grid(args, results_out)
 
 
 if __name__ == "__main__":

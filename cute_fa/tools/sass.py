@@ -108,8 +108,8 @@ def compile_cubin(config) -> bytes:
     """Cubin of the forward kernel of ``config``, cross-compiled for ``config.target``."""
     import cutlass.cute as cute
 
-    from .dispatch import fwd_kernel_class
-    from .dsl.fake import fwd_fake_args
+    from cute_fa.dsl.fake import fwd_fake_args
+    from cute_fa.planning import fwd_kernel_class
 
     kernel = fwd_kernel_class(config.arch)(config)
     with tempfile.TemporaryDirectory(prefix="cute-fa-cubin-") as d:

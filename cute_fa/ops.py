@@ -1,0 +1,305 @@
+"""The ``cute_fa::fwd`` and ``cute_fa::bwd`` custom ops: forward launch plans and launches.
+
+``torch.ops.cute_fa.fwd`` (a ``torch.library`` op with a fake implementation, so
+``torch.compile(fullgraph=True)`` traces it without graph breaks): checks (``cute_fa.checks``)
+-> planning by the device's compute capability and tuned table (``cute_fa.planning``) ->
+compile cache (``cute_fa.compile``) -> launch on torch's current CUDA stream. ``cute_fa::bwd``
+runs ``cute_fa.backward.run_backward``. Autograd and the public functions are in
+``cute_fa.api``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from . import planning, tuned
+from .backward import run_backward
+from .checks import (
+    ALIGN_BYTES,
+    Shapes,
+    check_alignment,
+    check_metadata,
+    check_values,
+    check_values_and_max_seqlen_q,
+    device_of,
+    kernel_window,
+    resolve_window,
+)
+from .compile import fwd_cache
+from .device import capability, sm_count, tuned_table
+
+
+def _compiled_kernel(config):
+    """The launchable kernel of a compile key (the compile cache: memory, disk, compile)."""
+    return fwd_cache().get(config)
+
+
+class _Plan(NamedTuple):
+    """Everything a call with a given input signature needs that is not a pointer or a value:
+    built once per signature by the full checks, then reused (Note [launch plans])."""
+
+    kernel: object  # the compiled kernel (a tvm_ffi.Function)
+    device: torch.device
+    out_shape: tuple
+    lse_shape: tuple
+    varlen_q: bool
+    varlen_k: bool
+    seqlen_q: int
+    seqused_q: bool
+    has_int_metadata: bool  # cu_seqlens / seqused present: their values are checked per call
+    no_work: bool  # out is empty or there are no keys: no launch
+    window_left: int
+    window_right: int
+    shapes: Shapes
+    # Allocation templates (Note [allocation templates]): one element each, expanded (stride 0)
+    # to the shapes of out and lse.
+    out_like: torch.Tensor
+    lse_like: torch.Tensor
+
+
+# Note [launch plans]
+# ~~~~~~~~~~~~~~~~~~~
+# The metadata checks, the device check, dispatch and the compile-cache lookup depend only on
+# the input signature: shapes, strides, dtypes and devices of the tensors, plus the mask flags
+# and the tuning state (``cute_fa.tuning`` overrides and tuned-table writes, ``tuned.state()``).
+# ``_plans`` maps that signature to a ``_Plan`` made by the full, ordered checks on its first
+# call; later calls with the same signature pay for the key, the pointer-alignment check, the
+# value checks of varlen metadata (when present), two allocations and the launch. A plan is
+# stored only once every check, the device check included, has passed. The table is bounded:
+# it is cleared when it outgrows ``_MAX_PLANS`` (workloads with ever new shapes just re-check).
+_plans: dict[tuple, _Plan] = {}
+_MAX_PLANS = 4096
+
+
+def clear_plans() -> None:
+    """Drop every forward launch plan (a tool that changes a process-wide setting between
+    calls of one signature; the next call of each signature checks and plans again)."""
+    _plans.clear()
+
+
+def _tensor_key(t):
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _make_plan(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    seqused_q,
+    seqused_k,
+    max_seqlen_q,
+    causal,
+    window_left,
+    window_right,
+    softcap,
+) -> tuple[_Plan, int]:
+    """The full, ordered checks (module docstring); returns the plan and max_seqlen_q."""
+    causal, local, window_left, window_right = resolve_window(causal, (window_left, window_right))
+    shapes = check_metadata(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+        causal=causal, local=local, softcap=softcap,
+    )  # fmt: skip
+    check_alignment(q, k, v)
+    max_seqlen_q = check_values_and_max_seqlen_q(
+        shapes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, check_values(q)
+    )
+    device = device_of(
+        (q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"),
+        (cu_seqlens_k, "cu_seqlens_k"), (seqused_q, "seqused_q"), (seqused_k, "seqused_k"),
+    )  # fmt: skip
+    if shapes.varlen_q:
+        lse_shape = (shapes.nheads, shapes.seqlen_q)
+    else:
+        lse_shape = (shapes.batch, shapes.nheads, shapes.seqlen_q)
+    out_shape = (*q.shape[:-1], shapes.head_dim_v)
+    no_work = math.prod(out_shape) == 0 or k.numel() == 0
+    # Dispatch (NotImplementedError) even when there is nothing to launch; compile only when
+    # there is.
+    # The tile may depend on the query length (dense: seqlen_q; varlen: this first call's
+    # max_seqlen_q, which the plan then keeps for every call of its signature).
+    seqlen_hint = max_seqlen_q if shapes.varlen_q else shapes.seqlen_q
+    _, config = planning.fwd_plan(
+        capability(device), shapes.request, seqlen_hint, tuned_table(device)
+    )
+    if getattr(config.tuning, "num_ctas", 0) and not no_work:  # persistent: one CTA an SM
+        config = config.with_tuning(num_ctas=sm_count(device))
+    kernel = None if no_work else _compiled_kernel(config)
+    wl, wr = kernel_window(local, window_left, window_right)
+    plan = _Plan(
+        kernel=kernel,
+        device=device,
+        out_shape=out_shape,
+        lse_shape=lse_shape,
+        varlen_q=shapes.varlen_q,
+        varlen_k=shapes.varlen_k,
+        seqlen_q=shapes.seqlen_q,
+        seqused_q=seqused_q is not None,
+        has_int_metadata=any(
+            t is not None for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+        ),
+        no_work=no_work,
+        window_left=wl,
+        window_right=wr,
+        shapes=shapes,
+        out_like=torch.empty(1, dtype=q.dtype, device=device).expand(out_shape),
+        lse_like=torch.empty(1, dtype=torch.float32, device=device).expand(lse_shape),
+    )
+    return plan, max_seqlen_q
+
+
+# Note [allocation templates]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``torch.empty(shape, dtype=..., device=...)`` parses three arguments on every call;
+# ``torch.empty_like(t)`` takes all of them from ``t`` and costs about half as much host time.
+# A plan keeps one-element tensors expanded to the shapes of out and lse: not dense (stride 0),
+# so ``empty_like`` gives them contiguous strides, the layout the fake implementation promises.
+
+
+def fwd_impl(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+    softmax_scale, causal, window_left, window_right, softcap,
+):  # fmt: skip
+    if cu_seqlens_q is None and cu_seqlens_k is None and seqused_q is None and seqused_k is None:
+        # The common batched call: a shorter key (device indices; a CPU tensor gives -1).
+        key = (
+            q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
+            v.dtype, q.get_device(), k.get_device(), v.get_device(),
+            causal, window_left, window_right, softcap > 0, tuned.state(),
+        )  # fmt: skip
+    else:
+        key = (
+            _tensor_key(q), _tensor_key(k), _tensor_key(v), _tensor_key(cu_seqlens_q),
+            _tensor_key(cu_seqlens_k), _tensor_key(seqused_q), _tensor_key(seqused_k),
+            causal, window_left, window_right, softcap > 0, tuned.state(),
+        )  # fmt: skip
+    plan = _plans.get(key)
+    if plan is None:
+        plan, max_seqlen_q = _make_plan(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+            causal, window_left, window_right, softcap,
+        )  # fmt: skip
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    else:
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % ALIGN_BYTES:
+            check_alignment(q, k, v)
+        if plan.has_int_metadata:
+            max_seqlen_q = check_values_and_max_seqlen_q(
+                plan.shapes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                check_values(q),
+            )  # fmt: skip
+    if not plan.varlen_q:
+        max_seqlen_q = plan.seqlen_q
+
+    if plan.seqused_q or plan.no_work:
+        # Rows past seqused_q belong to no sequence, and without keys no row sees one: 0, -inf.
+        device = plan.device
+        out = torch.zeros(plan.out_shape, dtype=q.dtype, device=device)
+        lse = torch.full(plan.lse_shape, float("-inf"), dtype=torch.float32, device=device)
+        if plan.no_work:
+            return out, lse
+    else:
+        out = torch.empty_like(plan.out_like)
+        lse = torch.empty_like(plan.lse_like)
+    # The kernels take 4-D q/k/v/out and 3-D lse: packed varlen tensors get a batch dim of 1.
+    if plan.varlen_q:
+        q4, out4, lse3 = q.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0)
+    else:
+        q4, out4, lse3 = q, out, lse
+    k4, v4 = (k.unsqueeze(0), v.unsqueeze(0)) if plan.varlen_k else (k, v)
+    plan.kernel(
+        q4, k4, v4, out4, lse3, softmax_scale, softcap, plan.window_left, plan.window_right,
+        max_seqlen_q, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+    )  # fmt: skip
+    return out, lse
+
+
+def fwd_fake(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+    softmax_scale, causal, window_left, window_right, softcap,
+):  # fmt: skip
+    causal, local, _, _ = resolve_window(causal, (window_left, window_right))
+    shapes = check_metadata(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+        causal=causal, local=local, softcap=softcap,
+    )  # fmt: skip
+    out = q.new_empty((*q.shape[:-1], shapes.head_dim_v))
+    if shapes.varlen_q:
+        lse = q.new_empty((shapes.nheads, shapes.seqlen_q), dtype=torch.float32)
+    else:
+        lse = q.new_empty((shapes.batch, shapes.nheads, shapes.seqlen_q), dtype=torch.float32)
+    return out, lse
+
+
+_lib = torch.library.Library("cute_fa", "DEF")
+_lib.define(
+    "fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
+    "Tensor? seqused_q, Tensor? seqused_k, int? max_seqlen_q, float softmax_scale, "
+    "bool causal, int? window_left, int? window_right, float softcap) -> (Tensor, Tensor)"
+)
+# CPU too, so that CPU tensors reach the checks and get a clear error instead of a dispatcher
+# message.
+_lib.impl("fwd", fwd_impl, "CUDA")
+_lib.impl("fwd", fwd_impl, "CPU")
+torch.library.register_fake("cute_fa::fwd", fwd_fake, lib=_lib)
+fwd_op = torch.ops.cute_fa.fwd.default
+
+
+def bwd_impl(
+    dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+    max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+    deterministic,
+):  # fmt: skip
+    device_of(
+        (dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"), (dlse, "dlse"),
+    )  # fmt: skip
+    return run_backward(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+        max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+        deterministic, dlse=dlse,
+    )  # fmt: skip
+
+
+def bwd_fake(
+    dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+    max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+    deterministic,
+):  # fmt: skip
+    if dout.shape != out.shape:
+        raise ValueError(f"dout has shape {tuple(dout.shape)}, out {tuple(out.shape)}")
+    if dlse is not None and dlse.shape != lse.shape:
+        raise ValueError(f"dlse has shape {tuple(dlse.shape)}, lse {tuple(lse.shape)}")
+    # The real implementation returns contiguous gradients shaped and typed like q, k, v.
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+_lib.define(
+    "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
+    "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? seqused_q, Tensor? seqused_k, "
+    "int? max_seqlen_q, int? max_seqlen_k, float softmax_scale, bool causal, int? window_left, "
+    "int? window_right, float softcap, bool deterministic) -> (Tensor, Tensor, Tensor)"
+)
+_lib.impl("bwd", bwd_impl, "CUDA")
+_lib.impl("bwd", bwd_impl, "CPU")
+torch.library.register_fake("cute_fa::bwd", bwd_fake, lib=_lib)
+bwd_op = torch.ops.cute_fa.bwd.default
+
+
+def eager_cuda(t) -> bool:
+    """A plain CUDA tensor outside any tracing or dispatch/function mode: the op's CUDA
+    implementation may be called directly (Note [eager fast path])."""
+    return (
+        type(t) is torch.Tensor
+        and t.is_cuda
+        and not torch.compiler.is_compiling()
+        and not torch._C._len_torch_dispatch_stack()
+        and not torch._C._is_torch_function_mode_enabled()
+    )
