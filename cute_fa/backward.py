@@ -110,7 +110,9 @@ def _kernels(device, dtype, head_dim, head_dim_v, causal, local, has_softcap, va
             varlen_k=varlen_k, seqused_q=seqused_q, seqused_k=seqused_k,
             deterministic=deterministic, table=tuned_table(device),
         )  # fmt: skip
-        if det_fit is not None and coresident_fits(config, det_fit, sm_count(device)):
+        # (the SM count is read only where it matters: the sm80 kernel's deterministic mode)
+        fit = det_fit is not None and config.arch == 80
+        if fit and coresident_fits(config, det_fit, sm_count(device)):
             config = config.replace(det_coresident=True)
         found = (
             config,

@@ -59,6 +59,10 @@ def capability_for_target(target: str) -> tuple[int, int]:
     raise ValueError(f"unknown target {target!r}; known: {', '.join(sorted(TARGETS.values()))}")
 
 
+class TuningError(ValueError):
+    """A tuning field out of range (raised as is: never a reason to fall back)."""
+
+
 @dataclass(frozen=True)
 class Tiles:
     """Tuning of the sm80 kernels (forward and backward): the tile and nothing else."""
@@ -70,7 +74,7 @@ class Tiles:
     def __post_init__(self) -> None:
         _check_tile(self.tile_m, self.tile_n)
         if self.num_warps not in (4, 8):
-            raise ValueError(f"num_warps must be 4 or 8, got {self.num_warps!r}")
+            raise TuningError(f"num_warps must be 4 or 8, got {self.num_warps!r}")
 
     @property
     def label(self) -> str:
@@ -105,18 +109,18 @@ class Sm90FwdTuning:
     def __post_init__(self) -> None:
         _check_tile(self.tile_m, self.tile_n)
         if self.tile_m not in (128, 192):
-            raise ValueError(f"sm90 forward tile_m must be 128 or 192, got {self.tile_m!r}")
+            raise TuningError(f"sm90 forward tile_m must be 128 or 192, got {self.tile_m!r}")
         if self.exp2_poly not in EXP2_POLY_CHOICES:
-            raise ValueError(
+            raise TuningError(
                 f"exp2_poly must be one of {EXP2_POLY_CHOICES}, got {self.exp2_poly!r}"
             )
         if self.rescale_threshold not in RESCALE_THRESHOLD_CHOICES:
-            raise ValueError(
+            raise TuningError(
                 f"rescale_threshold must be one of {RESCALE_THRESHOLD_CHOICES}, "
                 f"got {self.rescale_threshold!r}"
             )
         if self.num_ctas < 0:
-            raise ValueError(f"num_ctas must be >= 0, got {self.num_ctas!r}")
+            raise TuningError(f"num_ctas must be >= 0, got {self.num_ctas!r}")
 
     @property
     def num_warps(self) -> int:
@@ -148,7 +152,7 @@ class Sm90BwdTuning:
     def __post_init__(self) -> None:
         _check_tile(self.tile_m, self.tile_n)
         if self.q_stages not in (0, 1, 2, 3):
-            raise ValueError(f"q_stages must be 0 (default), 1, 2 or 3, got {self.q_stages!r}")
+            raise TuningError(f"q_stages must be 0 (default), 1, 2 or 3, got {self.q_stages!r}")
 
     @property
     def num_warps(self) -> int:
@@ -168,7 +172,7 @@ def _check_tile(tile_m: int, tile_n: int) -> None:
             or value % 16
             or not 16 <= value <= 256
         ):
-            raise ValueError(f"{name} must be a multiple of 16 from 16 to 256, got {value!r}")
+            raise TuningError(f"{name} must be a multiple of 16 from 16 to 256, got {value!r}")
 
 
 Tuning = Tiles | Sm90FwdTuning | Sm90BwdTuning

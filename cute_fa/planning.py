@@ -35,6 +35,7 @@ from .config import (
     BwdConfig,
     FwdConfig,
     Tiles,
+    TuningError,
     sm80_bwd_tile,
     sm80_fwd_tile,
     target_for_capability,
@@ -186,7 +187,7 @@ def fwd_config_for_target(
     GPU's tuned table (None: built-in defaults and overrides only)."""
     try:
         config = _CONFIG_BUILDERS[cls.arch](target, request, seqlen_q, table)
-    except SettingError:
+    except (SettingError, TuningError):
         raise
     except (NotImplementedError, ValueError) as e:
         return None, str(e)

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from .interface import resolve_window
+from .checks import resolve_window
 
 __all__ = ["attention_ref", "attention_varlen_ref", "check_close", "visible_mask"]
 

@@ -7,14 +7,14 @@ CPU tests run the custom op on meta tensors (its fake implementation: shapes onl
 from __future__ import annotations
 
 import inspect
-import os
 
 import pytest
 import torch
 
 import cute_fa
-from cute_fa import flash_attn_func, flash_attn_varlen_func
-from cute_fa.interface import WINDOW_INF, _kernel_window, resolve_window
+from cute_fa import flash_attn_func, flash_attn_varlen_func, ops, settings
+from cute_fa.checks import WINDOW_INF, resolve_window
+from cute_fa.checks import kernel_window as _kernel_window
 
 # flash_attn.cute's signatures (Dao-AILab/flash-attention, flash_attn/cute/interface.py), in
 # order: the positional order matters for a drop-in.
@@ -209,19 +209,18 @@ class FakeKernel:
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """CPU tensors pass the device check, the device is an sm90, the kernel is a FakeKernel."""
-    from cute_fa import interface
-
     kernel = FakeKernel()
 
     def compiled_kernel(config):
         kernel.configs.append(config)
         return kernel
 
-    monkeypatch.setattr(interface, "_plans", {})
-    monkeypatch.setattr(interface, "_device_of", lambda *named: named[0][0].device)
-    monkeypatch.setattr(interface, "_capability", lambda device: (9, 0))
-    monkeypatch.setattr(interface, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(interface, "_compiled_kernel", compiled_kernel)
+    monkeypatch.setattr(ops, "_plans", {})
+    monkeypatch.setattr(ops, "device_of", lambda *named: named[0][0].device)
+    monkeypatch.setattr(ops, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(ops, "sm_count", lambda device: 132)
+    monkeypatch.setattr(ops, "tuned_table", lambda device: None)
+    monkeypatch.setattr(ops, "_compiled_kernel", compiled_kernel)
     return kernel
 
 
@@ -233,23 +232,42 @@ def cpu_qkv(b=2, sq=16, sk=24, h=4, hk=2, d=64):
     )
 
 
-def test_bench_variants_keep_their_own_plans(fake_gpu, monkeypatch):
-    """A tuning variant of the benchmark sets its switch only while it runs and keeps its own
-    launch plans, so the plain implementation never gets the variant's kernel or vice versa."""
-    from cute_fa import bench, interface
+def test_bench_variants_keep_their_own_plans(fake_gpu):
+    """A tuning variant of the benchmark holds its override only while it runs and gets its own
+    launch plans (plans are keyed by the tuning state), so the plain implementation never gets
+    the variant's kernel or vice versa."""
+    from cute_fa import tuned
+    from cute_fa.tools import bench
 
-    switch = "CUTE_FA_SM90_FWD_RESCALE_THRESHOLD"
-    monkeypatch.delenv(switch, raising=False)
     q, k, v = cpu_qkv(d=128)
-    plain, variant = bench.Impl("cute_fa"), bench.Impl(f"cute_fa:{switch}=4")
+    plain = bench.Impl("cute_fa")
+    variant = bench.Impl("cute_fa:sm90_fwd.rescale_threshold=4")
     for impl in (plain, variant, plain, variant):
         with impl.context():
             impl.forward_fn(q, k, v, causal=False)()
-        assert switch not in os.environ
-    assert [c.rescale_threshold for c in fake_gpu.configs] == [0, 4]  # one plan each
-    assert len(fake_gpu.launches) == 4 and len(interface._plans) == 1
-    (variant_plan,) = variant.state["tables"]["fwd"].values()
-    assert variant_plan is not next(iter(interface._plans.values()))
+        assert tuned.override_fields("sm90_fwd") == {}
+    assert [c.tuning.rescale_threshold for c in fake_gpu.configs] == [0, 4]  # one plan each
+    assert len(fake_gpu.launches) == 4 and len(ops._plans) == 2
+
+
+def test_tuning_override_reaches_the_compile_key(fake_gpu):
+    """``cute_fa.tuning`` sets fields of the call's tuning; outside the block the default
+    returns; an unknown field is a TypeError, a value out of range a ValueError."""
+    import cute_fa
+
+    q, k, v = cpu_qkv(d=128)
+    with cute_fa.tuning(sm90_fwd={"tile_n": 80, "pingpong": False}):
+        flash_attn_func(q, k, v)
+    flash_attn_func(q, k, v)
+    first, second = fake_gpu.configs
+    assert (first.tile_n, first.tuning.pingpong) == (80, False)
+    assert (second.tile_n, second.tuning.pingpong) == (128, True)
+    with pytest.raises(TypeError, match="no field tile_x"):
+        with cute_fa.tuning(sm90_fwd={"tile_x": 1}):
+            pass
+    with pytest.raises(ValueError, match="exp2_poly"):
+        with cute_fa.tuning(sm90_fwd={"exp2_poly": 3}):
+            flash_attn_func(q, k, v)
 
 
 def test_launch_follows_the_kernel_protocol(fake_gpu):
@@ -260,7 +278,7 @@ def test_launch_follows_the_kernel_protocol(fake_gpu):
     assert launch["shapes"] == [(2, 16, 4, 64), (2, 24, 2, 64), (2, 24, 2, 64), (2, 16, 4, 64),
                                 (2, 4, 16)]  # fmt: skip
     assert launch["scalars"] == (pytest.approx(64**-0.5), 3.0, 0, 0, 16)
-    assert launch["metadata"] == (None, None, None, None, None)  # varlen, seqused, counter
+    assert launch["metadata"] == (None, None, None, None)  # cu_seqlens q / k, seqused q / k
     (config,) = fake_gpu.configs
     # As many arguments as the protocol's fake arguments, less the stream (TVM-FFI's own).
     from cute_fa.dsl.fake import fwd_fake_args
@@ -290,15 +308,13 @@ def test_varlen_launch(fake_gpu):
 
 
 def test_plans_are_reused_and_values_still_checked(fake_gpu):
-    from cute_fa import interface
-
     q, k, v = cpu_qkv()
     for _ in range(3):
         flash_attn_func(q, k, v, causal=True)
-    assert len(fake_gpu.configs) == 1 and len(interface._plans) == 1
+    assert len(fake_gpu.configs) == 1 and len(ops._plans) == 1
     assert len(fake_gpu.launches) == 3
     flash_attn_func(*cpu_qkv(sq=33), causal=True)  # a new signature: a new plan, same request
-    assert len(interface._plans) == 2 and fake_gpu.configs[0] == fake_gpu.configs[1]
+    assert len(ops._plans) == 2 and fake_gpu.configs[0] == fake_gpu.configs[1]
 
     cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
     qp, kp = torch.randn(8, 4, 64).bfloat16(), torch.randn(8, 2, 64).bfloat16()
@@ -335,13 +351,11 @@ def test_nothing_to_launch(fake_gpu):
 
 
 def test_unsupported_device_fails_before_any_work(fake_gpu, monkeypatch):
-    from cute_fa import interface
-
-    monkeypatch.setattr(interface, "_capability", lambda device: (7, 5))
+    monkeypatch.setattr(ops, "capability", lambda device: (7, 5))
     for sk in (24, 0):
         with pytest.raises(NotImplementedError, match="compute capability 8.0"):
             flash_attn_func(*cpu_qkv(sk=sk))
-    assert fake_gpu.launches == [] and interface._plans == {}
+    assert fake_gpu.launches == [] and ops._plans == {}
 
 
 # --------------------------------------------------------------------------------------------
@@ -388,7 +402,7 @@ def test_gpu_seqused_q_rows_are_zero():
 
 def test_backward_kernels_are_looked_up_once_per_request(monkeypatch):
     """run_backward keeps (config, kernels) per request; CUTE_FA_BWD_ARCH still takes effect."""
-    from cute_fa import backward, interface
+    from cute_fa import backward
     from cute_fa.config import BwdConfig
 
     built = []
@@ -401,8 +415,9 @@ def test_backward_kernels_are_looked_up_once_per_request(monkeypatch):
     for name in ("bwd_cache", "bwd_pre_cache", "bwd_post_cache"):
         monkeypatch.setattr(backward, name, lambda: Cache())
     monkeypatch.setattr(backward, "_launch_kernels", {})
-    monkeypatch.setattr(interface, "_capability", lambda device: (9, 0))
-    monkeypatch.delenv(backward.BWD_ARCH_ENV, raising=False)
+    monkeypatch.setattr(backward, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(backward, "tuned_table", lambda device: None)
+    monkeypatch.delenv(settings.BWD_ARCH, raising=False)
     q, k, v = cpu_qkv()
     out, lse = torch.zeros_like(q), torch.zeros(2, 4, 16)
     args = (q, k, v, out, lse, None, None, None, None, None, None, 0.125, True, None, None, 0.0)
@@ -414,22 +429,5 @@ def test_backward_kernels_are_looked_up_once_per_request(monkeypatch):
     assert [c.arch for c in run()] == [90]
     assert len(run()) == 1 and len(built) == 3  # the second call looked nothing up
     assert [c.deterministic for c in run(deterministic=True)] == [False, True]
-    monkeypatch.setenv(backward.BWD_ARCH_ENV, "80")
+    monkeypatch.setenv(settings.BWD_ARCH, "80")
     assert [c.arch for c in run()] == [90, 90, 80]
-
-
-def test_dynamic_persistent_grid_gets_a_zeroed_counter(fake_gpu, monkeypatch):
-    """CUTE_FA_SM90_FWD_PERSISTENT=2: the plan's config has a dynamic schedule and every launch
-    gets a fresh int32 counter holding 0 (the kernel counts its work units from it)."""
-    monkeypatch.setenv("CUTE_FA_SM90_FWD_PERSISTENT", "2")
-    q, k, v = cpu_qkv(d=128)
-    for _ in range(2):
-        flash_attn_func(q, k, v)
-    (config,) = fake_gpu.configs
-    assert config.num_ctas == 132 and config.dynamic_tiles and "dynamic" in config.name
-    counters = [launch["metadata"][4] for launch in fake_gpu.launches]
-    assert all(c.dtype == torch.int32 and c.shape == (1,) and int(c) == 0 for c in counters)
-    assert counters[0] is not counters[1]
-    monkeypatch.setenv("CUTE_FA_SM90_FWD_PERSISTENT", "1")
-    flash_attn_func(q, k, v, causal=True)
-    assert fake_gpu.launches[-1]["metadata"][4] is None and not fake_gpu.configs[-1].dynamic_tiles

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from cute_fa import bench
+from cute_fa.tools import bench
 
 
 def test_flops_helper():
@@ -132,29 +133,35 @@ def test_table_and_csv(tmp_path):
 
 
 def test_tuning_variants_parse_and_get_columns():
-    switch = "CUTE_FA_SM90_FWD_RESCALE_THRESHOLD"
-    assert switch in bench.tuning_switches() and "CUTE_FA_FWD_ARCH" in bench.tuning_switches()
-    name = f"cute_fa:{switch}=8:CUTE_FA_SM90_FWD_TILE_N=64"
-    assert bench.split_impl(name) == ("cute_fa", ((switch, "8"), ("CUTE_FA_SM90_FWD_TILE_N", "64")))
+    setting = "sm90_fwd.rescale_threshold"
+    assert "CUTE_FA_FWD_ARCH" in bench.family_settings()
+    name = f"cute_fa:{setting}=8:sm90_fwd.tile_n=64"
+    assert bench.split_impl(name) == ("cute_fa", ((setting, "8"), ("sm90_fwd.tile_n", "64")))
     assert bench.split_impl("cudnn") == ("cudnn", ())
-    assert bench.impl_label(name) == "cute_fa SM90_FWD_RESCALE_THRESHOLD=8 SM90_FWD_TILE_N=64"
+    assert bench.impl_label(name) == "cute_fa sm90_fwd.rescale_threshold=8 sm90_fwd.tile_n=64"
     assert bench._name_list(f"cute_fa,{name},cudnn") == ["cute_fa", name, "cudnn"]
-    for bad in ("cudnn:CUTE_FA_FWD_ARCH=80", "cute_fa:CUTE_FA_NO_SUCH=1", f"cute_fa:{switch}",
-                "cute_fa,cute_fa", "nope:CUTE_FA_FWD_ARCH=80"):  # fmt: skip
-        with pytest.raises(Exception) as info:
+    assert bench._name_list("cute_fa:CUTE_FA_FWD_ARCH=80") == ["cute_fa:CUTE_FA_FWD_ARCH=80"]
+    for bad, why in (("cudnn:CUTE_FA_FWD_ARCH=80", "only cute_fa"),
+                     ("cute_fa:CUTE_FA_NO_SUCH=1", "family.field=value"),
+                     ("cute_fa:sm90_fwd.no_such=1", "no field no_such"),
+                     ("cute_fa:sm99_fwd.tile_n=1", "unknown tuning family"),
+                     ("cute_fa:sm90_fwd.tile_n=big", "an int, true or false"),
+                     (f"cute_fa:{setting}", "NAME=VALUE"),
+                     ("cute_fa,cute_fa", "named twice"),
+                     ("nope:CUTE_FA_FWD_ARCH=80", "unknown implementation")):  # fmt: skip
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
             bench._name_list(bad)
-        assert "cute_fa" in str(info.value) or "nope" in str(info.value)
 
     case = bench.Case(128, 4096, True, 4, 16)
     ms = bench.attention_flops(4, 16, 4096, 4096, 128, True) / 500e12 * 1e3
     results = [
         bench.Result("fwd", case, "cute_fa", ms),
-        bench.Result("fwd", case, f"cute_fa:{switch}=8", ms / 1.1),
+        bench.Result("fwd", case, f"cute_fa:{setting}=8", ms / 1.1),
         bench.Result("fwd", case, "cudnn", ms),
     ]
     table = bench.format_table(results, "fwd", [r.impl for r in results])
     header, _, last = table.splitlines()[1:]
-    assert "SM90_FWD_RESCALE_THRESHOLD=8/cute_fa" in header
+    assert "sm90_fwd.rescale_threshold=8/cute_fa" in header
     assert last.split()[5:] == ["500.0", "550.0", "500.0", "1.00", "1.10"]
 
 

@@ -251,7 +251,7 @@ def test_bwd_negative_softmax_scale(causal):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_bwd_zero_softmax_scale(causal):
-    """softmax_scale=0 runs with a scale of 1e-30 (interface.SCALE_FOR_ZERO): dq and dk within
+    """softmax_scale=0 runs with a scale of 1e-30 (checks.SCALE_FOR_ZERO): dq and dk within
     the tolerance of the reference's exact zeros, dv that of uniform weights."""
     run_bwd_and_check(2, 150, 230, NHEADS, 3, 64, causal=causal, softmax_scale=0.0)
 

@@ -38,7 +38,8 @@ def _main_kernel(config):
     if config not in _MAIN:
         from cute_fa.hopper.flash_bwd import FlashAttentionBackwardSm90
 
-        from cute_fa.cache import compile_tvm_ffi, export_tvm_ffi, load_tvm_ffi
+        from cute_fa.cache import export_tvm_ffi, load_tvm_ffi
+        from cute_fa.compile import compile_tvm_ffi
         from cute_fa.dsl.fake import bwd_fake_args
 
         compiled = compile_tvm_ffi(
@@ -54,8 +55,9 @@ def sm90_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=
     ``deterministic``: dQ added in key-block order through zeroed semaphores."""
     from cute_fa.hopper.support import bwd_tile
 
-    from cute_fa.backward import bwd_post_cache, bwd_pre_cache, post_config, pre_config
+    from cute_fa.compile import bwd_post_cache, bwd_pre_cache
     from cute_fa.config import BwdConfig
+    from cute_fa.planning import post_config, pre_config
 
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
     b, sq, h, d = q.shape
@@ -139,7 +141,7 @@ def test_sm90_bwd_deterministic(d, causal, seqlen_q, seqlen_k):
 def test_sm90_bwd_deterministic_more_ctas_than_fit(causal):
     """More CTAs than the GPU holds at once (2 x 8 heads x 32 key blocks at d 128, one CTA an SM):
     CTAs wait only for CTAs of lower key block, which started earlier, so this must finish; the
-    bytes are the same on every run and through flash_attn_func's own dispatch."""
+    bytes are the same on every run and through flash_attn_func's own planning."""
     d = 128
     q, k, v, out, lse, dout = forward_inputs(d, torch.bfloat16, causal, 8, 8, 4096, 4096)
     grads = sm90_backward(dout, q, k, v, out, lse, d**-0.5, causal, deterministic=True)
@@ -160,7 +162,7 @@ def test_sm90_bwd_three_q_stages(monkeypatch, causal, deterministic, seqlen_q, s
     public API against the reference, with the three-stage kernel the one that ran."""
     from cute_fa.hopper.support import Q_STAGES_ENV
 
-    from cute_fa.backward import bwd_cache
+    from cute_fa.compile import bwd_cache
 
     monkeypatch.setenv(Q_STAGES_ENV, "3")
     q, k, v = (

@@ -205,11 +205,11 @@ def test_no_garbage_collection_during_a_compile(tmp_path):
 
 def test_step_seconds_count_each_step_once(monkeypatch):
     monkeypatch.setattr(cache, "_steps", {})
-    with cache._step("outer"):
+    with cache.step("outer"):
         time.sleep(0.02)
-        with cache._step("inner"):
+        with cache.step("inner"):
             time.sleep(0.03)
-    with cache._step("inner"):
+    with cache.step("inner"):
         time.sleep(0.01)
     steps = cache.step_seconds()
     assert 0.02 <= steps["outer"] < 0.03 + 0.02  # its own time, not the inner step's
@@ -253,16 +253,16 @@ def test_no_recompile_for_new_shapes(tmp_path):
     """Calls that differ only in batch, sequence lengths or head counts share one compile."""
     import torch
 
-    from cute_fa import dispatch, interface
+    from cute_fa import checks, planning
 
     backend = FakeBackend()
     c = backend.cache(tmp_path, disk=True)
     for b, sq, sk, h, hk in [(1, 1, 1, 2, 1), (4, 1000, 77, 8, 2), (2, 4096, 8192, 16, 16)]:
         q = torch.empty(b, sq, h, 128, dtype=torch.bfloat16, device="meta")
         k = torch.empty(b, sk, hk, 128, dtype=torch.bfloat16, device="meta")
-        s = interface._check_metadata(q, k, k, None, None, None, None, causal=True)
-        request = dispatch.FwdRequest("bf16", s.head_dim, s.head_dim_v, causal=True)
-        c.get(dispatch.fwd_plan((8, 0), request)[1])
+        s = checks.check_metadata(q, k, k, None, None, None, None, causal=True)
+        request = planning.FwdRequest("bf16", s.head_dim, s.head_dim_v, causal=True)
+        c.get(planning.fwd_plan((8, 0), request)[1])
     assert c.compiles == 1 and len(entries(tmp_path)) == 1
 
 

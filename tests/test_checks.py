@@ -1,6 +1,6 @@
 """Every input check of flash_attn_func / flash_attn_varlen_func, on CPU tensors.
 
-Checks run in a fixed order (cute_fa/interface.py): metadata, alignment, sequence values, and
+Checks run in a fixed order (cute_fa/checks.py): metadata, alignment, sequence values, and
 the device last, so a CPU tensor with a shape or dtype error reports that error, and a CPU
 tensor with none reports that cute_fa needs a CUDA device.
 """
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from cute_fa import flash_attn_func, flash_attn_varlen_func, interface
+from cute_fa import api, checks, flash_attn_func, flash_attn_varlen_func
 from cute_fa.reference import attention_ref
 
 NEEDS_CUDA = "runs on CUDA GPUs"
@@ -255,7 +255,7 @@ def test_max_seqlen_q():
 
 def test_value_checks_can_be_skipped(monkeypatch):
     q, k, v, cu_q, cu_k = packed()
-    monkeypatch.setattr(interface, "SKIP_VALUE_CHECKS", True)
+    monkeypatch.setattr(checks, "SKIP_VALUE_CHECKS", True)
     short = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
     with pytest.raises(ValueError, match=NEEDS_CUDA):
         flash_attn_varlen_func(q, k, v, cu_seqlens_q=short, cu_seqlens_k=cu_k)
@@ -295,7 +295,7 @@ def test_negative_scale_runs_on_negated_q(monkeypatch, varlen):
         out, lse = attention_ref(q, k, v, softmax_scale=scale, causal=causal)
         return (out[0], lse[0]) if varlen else (out, lse)
 
-    monkeypatch.setattr(interface, "_forward", fake_forward)
+    monkeypatch.setattr(api, "_forward", fake_forward)
     q, k, v = (t.requires_grad_() for t in qkv(b=1, sq=9, sk=13, h=2, hk=2))
     scale = -0.3
     if varlen:
@@ -325,10 +325,10 @@ def test_zero_scale_reaches_the_kernels_as_a_tiny_one(monkeypatch):
         seen.append((q, args[5]))
         return attention_ref(q, k, v, softmax_scale=args[5], causal=args[6])
 
-    monkeypatch.setattr(interface, "_forward", fake_forward)
+    monkeypatch.setattr(api, "_forward", fake_forward)
     q, k, v = qkv(b=1, sq=9, sk=13, h=2, hk=2)
     out, _ = flash_attn_func(q, k, v, softmax_scale=0.0, causal=True)
-    assert seen[0][0] is q and seen[0][1] == interface.SCALE_FOR_ZERO
+    assert seen[0][0] is q and seen[0][1] == checks.SCALE_FOR_ZERO
     ref, _ = attention_ref(q, k, v, softmax_scale=0.0, causal=True)
     assert torch.equal(out, ref)
 
@@ -405,7 +405,7 @@ def test_mixed_devices():
 
 
 # --------------------------------------------------------------------------------------------
-# learnable_sink (Note [learnable sink] in cute_fa/interface.py)
+# learnable_sink (Note [learnable sink] in cute_fa/api.py)
 
 
 def test_learnable_sink_checks():
@@ -424,7 +424,7 @@ def test_learnable_sink_composition_matches_the_reference(packed):
     """The sink applied to (out, lse) of attention without it gives attention_ref's (out, lse)
     with it, and autograd through the composition gives its gradients of q, k, v and the
     sink (on the CPU, attention_ref standing in for the kernels)."""
-    from cute_fa.interface import _apply_learnable_sink
+    from cute_fa.api import _apply_learnable_sink
 
     g = torch.Generator().manual_seed(0)
     b, sq, sk, h, h_kv, d = 2, 7, 9, 4, 2, 16
@@ -460,7 +460,7 @@ def test_learnable_sink_composition_matches_the_reference(packed):
 
 def test_learnable_sink_rows_that_see_nothing():
     """A row that sees no key: out 0 and lse = sink (-inf lse and -inf sink: 0 and -inf)."""
-    from cute_fa.interface import _apply_learnable_sink
+    from cute_fa.api import _apply_learnable_sink
 
     out = torch.zeros(1, 2, 2, 4)
     lse = torch.full((1, 2, 2), -math.inf)

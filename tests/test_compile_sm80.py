@@ -15,9 +15,9 @@ must not spill.
 from __future__ import annotations
 
 import pytest
+from cute_fa.sass import compile_and_inspect
 
 from cute_fa.config import FwdConfig, sm80_fwd_tile
-from cute_fa.sass import compile_and_inspect
 
 pytestmark = pytest.mark.compile
 

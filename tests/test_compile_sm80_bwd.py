@@ -26,9 +26,9 @@ from cute_fa.ampere import (
 )
 from cute_fa.hopper import support as sm90_support
 from cute_fa.hopper.support import SM90_BWD_HEAD_DIMS
+from cute_fa.sass import inspect_cubin
 
 from cute_fa.config import BwdConfig, sm80_bwd_tile
-from cute_fa.sass import inspect_cubin
 
 pytestmark = pytest.mark.compile
 

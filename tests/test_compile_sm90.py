@@ -14,6 +14,14 @@ from __future__ import annotations
 import re
 
 import pytest
+from cute_fa.dispatch import (
+    FWD_ARCH_ENV,
+    SM90_FWD,
+    FwdRequest,
+    fwd_kernel_class,
+    fwd_kernel_classes,
+    fwd_plan,
+)
 from cute_fa.hopper.support import (
     DEFER_RESCALE_ENV,
     EXP2_POLY_ENV,
@@ -39,17 +47,9 @@ from cute_fa.hopper.support import (
     fwd_tile,
     fwd_tuned,
 )
+from cute_fa.sass import compile_and_inspect
 
 from cute_fa.config import SMEM_CAPACITY, FwdConfig, SettingError
-from cute_fa.dispatch import (
-    FWD_ARCH_ENV,
-    SM90_FWD,
-    FwdRequest,
-    fwd_kernel_class,
-    fwd_kernel_classes,
-    fwd_plan,
-)
-from cute_fa.sass import compile_and_inspect
 
 
 def _config(**changes) -> FwdConfig:

@@ -79,9 +79,9 @@ def test_sm90_bwd_kernel_rejects_at_construction() -> None:
 def _compile(config: BwdConfig) -> dict:
     import cutlass.cute as cute
     from cute_fa.hopper.flash_bwd import FlashAttentionBackwardSm90
+    from cute_fa.sass import inspect_cubin
 
     from cute_fa.dsl.fake import bwd_fake_args
-    from cute_fa.sass import inspect_cubin
 
     with tempfile.TemporaryDirectory(prefix="cute-fa-cubin-") as d:
         compiled = cute.compile(

@@ -6,8 +6,7 @@ import pytest
 import torch
 from cute_fa.ampere import FlashAttentionForwardSm80
 
-from cute_fa import __main__ as cli
-from cute_fa import dispatch, interface
+from cute_fa import checks, planning, settings
 from cute_fa.config import (
     SM80_FWD_TILES,
     SM80_FWD_TILES_SMALL_SMEM,
@@ -15,7 +14,8 @@ from cute_fa.config import (
     FwdConfig,
     sm80_fwd_tile,
 )
-from cute_fa.dispatch import FwdRequest
+from cute_fa.planning import FwdRequest
+from cute_fa.tools import cli
 
 
 def req(**kw) -> FwdRequest:
@@ -25,13 +25,13 @@ def req(**kw) -> FwdRequest:
 @pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)])
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_every_arch_from_sm80_uses_the_sm80_kernel_for_its_own_target(capability, d, monkeypatch):
-    monkeypatch.setenv(dispatch.FWD_ARCH_ENV, "80")  # on sm90 the sm90 family comes first
-    cls, config = dispatch.fwd_plan(capability, req(head_dim=d, head_dim_v=d, causal=True))
+    monkeypatch.setenv(settings.FWD_ARCH, "80")  # on sm90 the sm90 family comes first
+    cls, config = planning.fwd_plan(capability, req(head_dim=d, head_dim_v=d, causal=True))
     assert cls.load() is FlashAttentionForwardSm80
     assert config.arch == 80 and config.target == TARGETS[capability]
-    assert (config.tile_m, config.tile_n, config.num_warps) == sm80_fwd_tile(d, config.target, True)
+    assert config.tuning == sm80_fwd_tile(d, config.target, True)
     assert config.causal and not config.local
-    _, plain = dispatch.fwd_plan(capability, req(head_dim=d, head_dim_v=d))
+    _, plain = planning.fwd_plan(capability, req(head_dim=d, head_dim_v=d))
     small = capability in ((8, 6), (8, 9), (12, 0))
     table = SM80_FWD_TILES_SMALL_SMEM if small else SM80_FWD_TILES
     assert (plain.tile_m, plain.tile_n, plain.num_warps) == table[d]
@@ -40,34 +40,34 @@ def test_every_arch_from_sm80_uses_the_sm80_kernel_for_its_own_target(capability
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_takes_what_it_implements_and_sm80_the_rest(d, causal, monkeypatch):
-    monkeypatch.delenv(dispatch.FWD_ARCH_ENV, raising=False)
+    monkeypatch.delenv(settings.FWD_ARCH, raising=False)
     request = req(head_dim=d, head_dim_v=d, causal=causal)
-    cls, config = dispatch.fwd_plan((9, 0), request)
-    sm90_config, why = dispatch.fwd_config_for_target(dispatch.SM90_FWD, "sm_90a", request)
+    cls, config = planning.fwd_plan((9, 0), request)
+    sm90_config, why = planning.fwd_config_for_target(planning.SM90_FWD, "sm_90a", request)
     if sm90_config is not None:
-        assert cls is dispatch.SM90_FWD and config == sm90_config and config.arch == 90
+        assert cls is planning.SM90_FWD and config == sm90_config and config.arch == 90
     else:
-        assert why and cls is dispatch.SM80_FWD and config.arch == 80
-    assert dispatch.fwd_plan((8, 0), request)[0] is dispatch.SM80_FWD
+        assert why and cls is planning.SM80_FWD and config.arch == 80
+    assert planning.fwd_plan((8, 0), request)[0] is planning.SM80_FWD
 
 
 def test_fwd_arch_env_restricts_the_family(monkeypatch):
-    monkeypatch.setenv(dispatch.FWD_ARCH_ENV, "90")
-    assert dispatch.fwd_plan((9, 0), req())[0] is dispatch.SM90_FWD
+    monkeypatch.setenv(settings.FWD_ARCH, "90")
+    assert planning.fwd_plan((9, 0), req())[0] is planning.SM90_FWD
     with pytest.raises(NotImplementedError, match="CUTE_FA_FWD_ARCH=90 leaves no family"):
-        dispatch.fwd_plan((8, 0), req())
+        planning.fwd_plan((8, 0), req())
     with pytest.raises(NotImplementedError, match="FlashAttentionForwardSm90"):
-        dispatch.fwd_plan((9, 0), req(head_dim=80, head_dim_v=80))
-    monkeypatch.setenv(dispatch.FWD_ARCH_ENV, "80")
-    assert dispatch.fwd_plan((9, 0), req())[0] is dispatch.SM80_FWD
-    monkeypatch.setenv(dispatch.FWD_ARCH_ENV, "70")
+        planning.fwd_plan((9, 0), req(head_dim=80, head_dim_v=80))
+    monkeypatch.setenv(settings.FWD_ARCH, "80")
+    assert planning.fwd_plan((9, 0), req())[0] is planning.SM80_FWD
+    monkeypatch.setenv(settings.FWD_ARCH, "70")
     with pytest.raises(ValueError, match="CUTE_FA_FWD_ARCH"):
-        dispatch.fwd_plan((9, 0), req())
+        planning.fwd_plan((9, 0), req())
 
 
 def test_config_carries_the_call_flags():
     request = req(local=True, has_softcap=True, varlen_q=True, varlen_k=True, seqused_k=True)
-    _, config = dispatch.fwd_plan((9, 0), request)
+    _, config = planning.fwd_plan((9, 0), request)
     assert (config.local, config.has_softcap, config.varlen_q, config.varlen_k) == (True,) * 4
     assert config.seqused_k and not config.seqused_q and not config.causal
 
@@ -75,25 +75,25 @@ def test_config_carries_the_call_flags():
 @pytest.mark.parametrize("capability", [(7, 5), (7, 0), (6, 1)])
 def test_old_gpus_are_rejected(capability):
     with pytest.raises(NotImplementedError, match="compute capability 8.0"):
-        dispatch.fwd_plan(capability, req())
+        planning.fwd_plan(capability, req())
 
 
 def test_unknown_capability_is_rejected():
     with pytest.raises(NotImplementedError, match="compute capability 11.5"):
-        dispatch.fwd_plan((11, 5), req())
+        planning.fwd_plan((11, 5), req())
 
 
 def test_unsupported_feature_names_feature_and_arch():
     with pytest.raises(NotImplementedError, match=r"head_dim=80.*on sm_90a \(compute capability"):
-        dispatch.fwd_plan((9, 0), req(head_dim=80, head_dim_v=80))
+        planning.fwd_plan((9, 0), req(head_dim=80, head_dim_v=80))
     with pytest.raises(NotImplementedError, match=r"head_dim_v=128.*sm_80.*head_dim_v != head_dim"):
-        dispatch.fwd_plan((8, 0), req(head_dim=192, head_dim_v=128))
+        planning.fwd_plan((8, 0), req(head_dim=192, head_dim_v=128))
 
 
 def test_implementable_somewhere():
-    dispatch.check_fwd_implementable_somewhere(req())
+    planning.check_fwd_implementable_somewhere(req())
     with pytest.raises(NotImplementedError, match="on any GPU"):
-        dispatch.check_fwd_implementable_somewhere(req(head_dim=72, head_dim_v=72))
+        planning.check_fwd_implementable_somewhere(req(head_dim=72, head_dim_v=72))
 
 
 def test_new_shapes_give_the_same_compile_key():
@@ -102,9 +102,9 @@ def test_new_shapes_give_the_same_compile_key():
     def config_for(b, sq, sk, h, hk):
         q = torch.empty(b, sq, h, 128, dtype=torch.bfloat16, device="meta")
         k = torch.empty(b, sk, hk, 128, dtype=torch.bfloat16, device="meta")
-        shapes = interface._check_metadata(q, k, k, None, None, None, None, causal=True)
+        shapes = checks.check_metadata(q, k, k, None, None, None, None, causal=True)
         request = req(head_dim=shapes.head_dim, head_dim_v=shapes.head_dim_v, causal=True)
-        return dispatch.fwd_plan((9, 0), request)[1]
+        return planning.fwd_plan((9, 0), request)[1]
 
     configs = {
         config_for(*s) for s in [(1, 1, 1, 1, 1), (2, 1000, 17, 8, 2), (7, 4096, 4096, 32, 4)]
@@ -117,11 +117,12 @@ def test_new_shapes_give_the_same_compile_key():
 
 
 def test_feature_matrix_is_generated_from_can_implement(monkeypatch):
-    from cute_fa.backward import BWD_ARCH_ENV
+    from cute_fa.settings import BWD_ARCH as BWD_ARCH_ENV
+    from cute_fa.tools import features
 
-    monkeypatch.delenv(dispatch.FWD_ARCH_ENV, raising=False)
+    monkeypatch.delenv(settings.FWD_ARCH, raising=False)
     monkeypatch.delenv(BWD_ARCH_ENV, raising=False)
-    columns, table, notes = dispatch.feature_matrix()
+    columns, table, notes = features.feature_matrix()
     assert columns == [TARGETS[c] for c in sorted(TARGETS) if c >= (8, 0)]
     rows = dict(table)
     expect = ["sm90" if c == "sm_90a" else "sm80" for c in columns]
@@ -162,7 +163,7 @@ def test_precompile_plan():
 
 
 def test_precompile_command_fills_the_cache(monkeypatch, tmp_path, capsys):
-    from cute_fa import cache
+    from cute_fa import cache, compile
 
     compiled = []
 
@@ -173,7 +174,7 @@ def test_precompile_command_fills_the_cache(monkeypatch, tmp_path, capsys):
     fake = cache.CompileCache(
         fake_compile, lambda c, sym: c, lambda b, sym: b, directory=tmp_path, disk=True
     )
-    monkeypatch.setattr(cache, "_fwd_cache", fake)
+    monkeypatch.setattr(compile, "_fwd_cache", fake)
     argv = ["precompile", "--target", "sm_80", "--head-dims", "64,80", "--dtypes", "bf16"]
     argv += ["--mode", "fwd"]
     assert cli.main(argv) == 0
@@ -185,7 +186,7 @@ def test_precompile_command_fills_the_cache(monkeypatch, tmp_path, capsys):
 
 
 def test_bench_is_dispatched_lazily(monkeypatch):
-    import cute_fa.bench
+    import cute_fa.tools.bench
 
     seen = {}
 
@@ -193,99 +194,99 @@ def test_bench_is_dispatched_lazily(monkeypatch):
         seen["argv"] = argv
         return 0
 
-    monkeypatch.setattr(cute_fa.bench, "main", fake_main)
+    monkeypatch.setattr(cute_fa.tools.bench, "main", fake_main)
     assert cli.main(["bench", "--d", "64"]) == 0
     assert seen["argv"] == ["--d", "64"]
 
 
-def test_bwd_tile_override(monkeypatch):
-    from cute_fa.backward import bwd_config
-    from cute_fa.config import BWD_TILE_ENV, SM80_BWD_TILES, SM80_BWD_TILES_LARGE_SMEM
+def test_bwd_tile_override():
+    import cute_fa
+    from cute_fa.config import SM80_BWD_TILES, SM80_BWD_TILES_LARGE_SMEM, Tiles
+    from cute_fa.planning import bwd_config
 
     # The override is the sm80 kernel's tile; on sm_90a d64 runs the sm90 kernel.
-    monkeypatch.setenv(BWD_TILE_ENV, "64x64w8")
-    assert bwd_config("sm_90a", "bf16", 64, 64).arch == 90
-    config = bwd_config("sm_80", "bf16", 64, 64)
-    assert (config.tile_m, config.tile_n, config.num_warps) == (64, 64, 8)
-    monkeypatch.setenv(BWD_TILE_ENV, "64x100w8")
-    with pytest.raises(NotImplementedError, match="64x100 does not fit 8 warps"):
-        bwd_config("sm_80", "bf16", 64, 64)
-    monkeypatch.setenv(BWD_TILE_ENV, "big")
-    with pytest.raises(ValueError, match="CUTE_FA_BWD_TILE"):
-        bwd_config("sm_80", "bf16", 64, 64)
-    monkeypatch.delenv(BWD_TILE_ENV)
+    with cute_fa.tuning(sm80_bwd=Tiles(64, 64, 8)):
+        assert bwd_config("sm_90a", "bf16", 64, 64).arch == 90
+        config = bwd_config("sm_80", "bf16", 64, 64)
+        assert config.tuning == Tiles(64, 64, 8)
+    with cute_fa.tuning(sm80_bwd={"tile_n": 112}):
+        with pytest.raises(NotImplementedError, match="64x112 does not fit 8 warps"):
+            bwd_config("sm_80", "bf16", 128, 128)
+    with pytest.raises(ValueError, match="tile_n must be a multiple of 16"):
+        Tiles(64, 100, 8)
     config = bwd_config("sm_80", "bf16", 64, 64)
     assert (config.tile_m, config.tile_n, config.num_warps) == SM80_BWD_TILES_LARGE_SMEM[64]
     config = bwd_config("sm_86", "bf16", 64, 64)
     assert (config.tile_m, config.tile_n, config.num_warps) == SM80_BWD_TILES[64]
 
 
-def test_sm90_tile_override(monkeypatch):
-    from cute_fa.hopper.support import SM90_FWD_TILE_N, TILE_N_ENV
+def test_sm90_tile_override():
+    from cute_fa.hopper.support import SM90_FWD_TILE_N
 
-    monkeypatch.setenv(TILE_N_ENV, "192")
-    _, config = dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64))
-    # 192 keys do not fit three consumers: the default falls back to two.
-    assert config.arch == 90 and (config.tile_m, config.tile_n) == (128, 192)
-    _, config = dispatch.fwd_plan((9, 0), req(head_dim=256, head_dim_v=256))
-    assert config.arch == 80  # 192 keys of d256 do not fit: the sm80 kernel serves it
-    monkeypatch.setenv(TILE_N_ENV, "100")
-    with pytest.raises(ValueError, match=TILE_N_ENV):
-        dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64))
-    monkeypatch.delenv(TILE_N_ENV)
-    _, config = dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64))
+    import cute_fa
+
+    with cute_fa.tuning(sm90_fwd={"tile_n": 192}):
+        # 192 keys do not fit three consumers: the default picks two.
+        _, config = planning.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64))
+        assert config.arch == 90 and (config.tile_m, config.tile_n) == (128, 192)
+        _, config = planning.fwd_plan((9, 0), req(head_dim=256, head_dim_v=256))
+        assert config.arch == 80  # 192 keys of d256 do not fit: the sm80 kernel serves it
+    with pytest.raises(ValueError, match="tile_n must be a multiple of 16"):
+        with cute_fa.tuning(sm90_fwd={"tile_n": 100}):
+            planning.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64))
+    _, config = planning.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64))
     assert config.tile_n == SM90_FWD_TILE_N[64]
 
 
-def test_sm90_tile_m_switch(monkeypatch):
-    from cute_fa.hopper.support import TILE_M_ENV
+def test_sm90_tile_m_choice():
+    import cute_fa
 
-    monkeypatch.delenv("CUTE_FA_SM90_FWD_TILE_N", raising=False)
-    monkeypatch.delenv(TILE_M_ENV, raising=False)
-    _, config = dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64))
+    _, config = planning.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64))
     assert (config.tile_m, config.num_warps) == (192, 16)  # the d64 default: three consumers
-    _, config = dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64, causal=True))
+    _, config = planning.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64, causal=True))
     assert (config.tile_m, config.num_warps) == (128, 12)  # causal: two
     # Causal with long query sequences: three (the plan passes the call's query length).
     causal64 = req(head_dim=64, head_dim_v=64, causal=True)
     from cute_fa.hopper.support import SM90_FWD_3WG_CAUSAL_MIN_SEQLEN as long_rows
 
-    assert dispatch.fwd_plan((9, 0), causal64, long_rows - 1)[1].tile_m == 128
-    assert dispatch.fwd_plan((9, 0), causal64, long_rows)[1].tile_m == 192
-    assert dispatch.fwd_plan((9, 0), req(head_dim=128, head_dim_v=128), 8192)[1].tile_m == 128
+    assert planning.fwd_plan((9, 0), causal64, long_rows - 1)[1].tile_m == 128
+    assert planning.fwd_plan((9, 0), causal64, long_rows)[1].tile_m == 192
+    assert planning.fwd_plan((9, 0), req(head_dim=128, head_dim_v=128), 8192)[1].tile_m == 128
     plans = cli.precompile_configs("sm90", "sm_90a", [64], ["bf16"], ["causal"])
     # Plain, long sequences (192 rows), short ones (128 rows on a persistent grid: up to 1024
     # rows without the intra-warpgroup overlap, then with it) and 4096-8192 rows (192 rows on a
     # persistent grid).
-    tiles = sorted((t.config.tile_m, t.config.num_ctas, t.config.overlap) for t, _, _ in plans)
+    tiles = sorted(
+        (t.config.tile_m, t.config.tuning.num_ctas, t.config.tuning.overlap) for t, _, _ in plans
+    )
     assert tiles == [(128, 0, True), (128, 132, False), (128, 132, True), (192, 0, True),
                      (192, 132, True)]  # fmt: skip
-    monkeypatch.setenv(TILE_M_ENV, "192")
-    for causal in (False, True):
-        _, config = dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64, causal=causal))
-        assert (config.arch, config.tile_m, config.tile_n, config.num_warps) == (90, 192, 128, 16)
-    # Three consumers only where they fit 160 registers: d64 without a window or softcap.
-    for request in (req(head_dim=64, head_dim_v=64, local=True),
-                    req(head_dim=64, head_dim_v=64, has_softcap=True),
-                    req(head_dim=128, head_dim_v=128)):  # fmt: skip
-        _, config = dispatch.fwd_plan((9, 0), request)
-        assert (config.arch, config.tile_m, config.num_warps) == (90, 128, 12)
-    # d128 holds three consumers at 80 keys or fewer (a tuning choice with the key switch).
-    monkeypatch.setenv("CUTE_FA_SM90_FWD_TILE_N", "80")
-    _, config = dispatch.fwd_plan((9, 0), req(head_dim=128, head_dim_v=128), 8192)
-    assert (config.arch, config.tile_m, config.tile_n, config.num_warps) == (90, 192, 80, 16)
-    monkeypatch.delenv("CUTE_FA_SM90_FWD_TILE_N")
-    monkeypatch.setenv(TILE_M_ENV, "128")
-    _, config = dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64))
-    assert config.tile_m == 128
-    for bad in ("256", "64", "big"):
-        monkeypatch.setenv(TILE_M_ENV, bad)
-        with pytest.raises(ValueError, match=TILE_M_ENV):
-            dispatch.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64))
+    with cute_fa.tuning(sm90_fwd={"tile_m": 192}):
+        for causal in (False, True):
+            _, config = planning.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64, causal=causal))
+            assert (config.arch, config.tile_m, config.tile_n, config.num_warps) == (
+                90, 192, 128, 16)  # fmt: skip
+        # Three consumers only where they fit 160 registers: d64 without a window or softcap;
+        # elsewhere the sm90 kernel declines the override and the sm80 kernel serves the call.
+        for request in (req(head_dim=64, head_dim_v=64, local=True),
+                        req(head_dim=64, head_dim_v=64, has_softcap=True),
+                        req(head_dim=128, head_dim_v=128)):  # fmt: skip
+            assert planning.fwd_plan((9, 0), request)[1].arch == 80
+    # d128 holds three consumers at 80 keys or fewer (a tuning choice with tile_n).
+    with cute_fa.tuning(sm90_fwd={"tile_m": 192, "tile_n": 80}):
+        _, config = planning.fwd_plan((9, 0), req(head_dim=128, head_dim_v=128), 8192)
+        assert (config.arch, config.tile_m, config.tile_n, config.num_warps) == (90, 192, 80, 16)
+    with cute_fa.tuning(sm90_fwd={"tile_m": 128}):
+        assert planning.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64))[1].tile_m == 128
+    for bad in (256, 64):
+        with pytest.raises(ValueError, match="tile_m must be 128 or 192"):
+            with cute_fa.tuning(sm90_fwd={"tile_m": bad}):
+                planning.fwd_plan((9, 0), req(head_dim=64, head_dim_v=64))
 
 
 def test_bwd_arch_override(monkeypatch):
-    from cute_fa.backward import BWD_ARCH_ENV, bwd_config, post_config, pre_config
+    from cute_fa.planning import bwd_config, post_config, pre_config
+    from cute_fa.settings import BWD_ARCH as BWD_ARCH_ENV
 
     monkeypatch.setenv(BWD_ARCH_ENV, "90")
     config = bwd_config("sm_90a", "bf16", 128, 128, causal=True)
@@ -304,23 +305,23 @@ def test_bwd_arch_override(monkeypatch):
 
 def test_sm90_persistent_grid_choice(monkeypatch):
     """A persistent grid by default where Q gets two stages (d <= 128) up to
-    SM90_FWD_PERSISTENT_MAX_SEQLEN query rows (causal: ..._CAUSAL; pairs of tiles);
-    CUTE_FA_SM90_FWD_PERSISTENT forces it either way where it fits; never for windows, varlen
-    or seqused."""
+    SM90_FWD_PERSISTENT_MAX_SEQLEN query rows (causal: ..._CAUSAL; pairs of tiles); the
+    ``num_ctas`` tuning field forces it either way where it fits; never for windows, varlen or
+    seqused."""
     from cute_fa.hopper.support import (
-        PERSISTENT_ENV,
         SM90_FWD_PERSISTENT_MAX_SEQLEN,
         SM90_FWD_PERSISTENT_MAX_SEQLEN_CAUSAL,
         SM90_SMS,
     )
 
-    monkeypatch.delenv(PERSISTENT_ENV, raising=False)
-    monkeypatch.delenv(dispatch.FWD_ARCH_ENV, raising=False)
+    import cute_fa
+
+    monkeypatch.delenv(settings.FWD_ARCH, raising=False)
     short, long = SM90_FWD_PERSISTENT_MAX_SEQLEN, SM90_FWD_PERSISTENT_MAX_SEQLEN + 1
     d256 = dict(head_dim=256, head_dim_v=256)
 
     def num_ctas(seqlen_q, **kw):
-        return dispatch.fwd_plan((9, 0), req(**kw), seqlen_q)[1].num_ctas
+        return planning.fwd_plan((9, 0), req(**kw), seqlen_q)[1].tuning.num_ctas
 
     assert num_ctas(short) == SM90_SMS
     assert num_ctas(short, head_dim=64, head_dim_v=64, has_softcap=True) == SM90_SMS
@@ -335,25 +336,16 @@ def test_sm90_persistent_grid_choice(monkeypatch):
     d64 = dict(head_dim=64, head_dim_v=64, causal=True)
     assert [num_ctas(n, **d64) for n in (2048, 4096, 8192, 8193)] == [
         SM90_SMS, SM90_SMS, SM90_SMS, 0]  # fmt: skip
-    assert dispatch.fwd_plan((9, 0), req(**d64), 4096)[1].tile_m == 192
+    assert planning.fwd_plan((9, 0), req(**d64), 4096)[1].tile_m == 192
     for kw in (dict(local=True), dict(varlen_q=True), dict(seqused_k=True)):
         assert num_ctas(short, **kw) == 0, kw
-    monkeypatch.setenv(PERSISTENT_ENV, "1")
-    assert num_ctas(long) == SM90_SMS and num_ctas(short, **d256) == SM90_SMS
-    assert num_ctas(short, local=True) == 0
-    # Forced, three consumers take the persistent causal grid too (hopper/support.py).
-    assert num_ctas(1 << 20, head_dim=64, head_dim_v=64, causal=True) == SM90_SMS
-    monkeypatch.setenv(PERSISTENT_ENV, "0")
-    assert num_ctas(short) == 0
-    monkeypatch.setenv(PERSISTENT_ENV, "2")  # a dynamic schedule, where a persistent grid fits
-    _, dynamic = dispatch.fwd_plan((9, 0), req(), long)
-    assert dynamic.num_ctas == SM90_SMS and dynamic.dynamic_tiles and "dynamic" in dynamic.name
-    assert num_ctas(short, local=True) == 0
-    monkeypatch.setenv(PERSISTENT_ENV, "3")
-    with pytest.raises(ValueError, match=PERSISTENT_ENV):
-        num_ctas(short)
+    with cute_fa.tuning(sm90_fwd={"num_ctas": 1}):
+        assert num_ctas(long) == SM90_SMS and num_ctas(short, **d256) == SM90_SMS
+        assert num_ctas(short, local=True) == 0
+        # Forced, three consumers take the persistent causal grid too (hopper/support.py).
+        assert num_ctas(1 << 20, head_dim=64, head_dim_v=64, causal=True) == SM90_SMS
+    with cute_fa.tuning(sm90_fwd={"num_ctas": 0}):
+        assert num_ctas(short) == 0
     # The persistent config is its own compile key and an sm90 kernel implements it.
-    monkeypatch.delenv(PERSISTENT_ENV)
-    cls, config = dispatch.fwd_plan((9, 0), req(), short)
+    cls, config = planning.fwd_plan((9, 0), req(), short)
     assert "persistent" in config.name and cls.can_implement(config)[0]
-    assert not cls.can_implement(config.replace(local=True))[0]

@@ -368,12 +368,12 @@ def test_fwd_persistent_grid(monkeypatch, d, dv, seqlen_q, seqlen_k, causal, sof
     d <= 128)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the persistent grid is an sm90 forward switch")
-    from cute_fa import dispatch
-    from cute_fa.cache import fwd_cache
+    from cute_fa import planning
+    from cute_fa.compile import fwd_cache
 
     monkeypatch.setenv("CUTE_FA_SM90_FWD_PERSISTENT", schedule[0])
     monkeypatch.setenv("CUTE_FA_SM90_FWD_Q_RMEM", "1" if schedule == "1q" else "0")
-    monkeypatch.setattr(cute_fa.interface, "_plans", {})  # plans made before read no switch
+    monkeypatch.setattr(cute_fa.ops, "_plans", {})  # plans made before read no switch
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     b, h, h_kv = 6, 16, 4
     q, k, v = _qkv(b, seqlen_q, seqlen_k, h, h_kv, d, torch.bfloat16, softcap)
@@ -381,7 +381,7 @@ def test_fwd_persistent_grid(monkeypatch, d, dv, seqlen_q, seqlen_k, causal, sof
     poison_free_memory(_reserve_for((b, seqlen_q, h, dv), torch.bfloat16, (b, h, seqlen_q)))
     kw = dict(causal=causal, softcap=softcap, return_lse=True)
     out, lse = cute_fa.flash_attn_func(q, k, v, **kw)
-    _, config = dispatch.fwd_plan((9, 0), cute_fa.interface._check_metadata(
+    _, config = planning.fwd_plan((9, 0), cute_fa.checks.check_metadata(
         q, k, v, None, None, None, None, causal=causal, local=False, softcap=softcap
     ).request, seqlen_q)  # fmt: skip
     assert config.num_ctas and config.dynamic_tiles == (schedule == "2"), config.name
@@ -421,18 +421,18 @@ def run_sm90_switch_case(monkeypatch, switches, d, seqlen_q, seqlen_k, mask, sof
     """One forward call with sm90 tuning switches set (``switches``: name -> value), checked
     against attention_ref; returns the config dispatch plans for the call. Launch plans are
     reset so that the switches are read; ``spread`` multiplies q (wider scores)."""
-    from cute_fa import dispatch
+    from cute_fa import planning
 
     for name, value in switches.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(cute_fa.interface, "_plans", {})  # plans made before read no switch
+    monkeypatch.setattr(cute_fa.ops, "_plans", {})  # plans made before read no switch
     causal, window = SWITCH_MASKS[mask]
     q, k, v = _qkv(2, seqlen_q, seqlen_k, NHEADS, h_kv, d, dtype, softcap)
     q = (q.float() * spread).to(dtype)
     poison_free_memory(_reserve_for((2, seqlen_q, NHEADS, d), dtype, (2, NHEADS, seqlen_q)))
     kw = dict(causal=causal, window_size=window, softcap=softcap, return_lse=True)
     out, lse = cute_fa.flash_attn_func(q, k, v, **kw)
-    _, config = dispatch.fwd_plan((9, 0), cute_fa.interface._check_metadata(
+    _, config = planning.fwd_plan((9, 0), cute_fa.checks.check_metadata(
         q, k, v, None, None, None, None, causal=causal, local=window != (None, None),
         softcap=softcap,
     ).request, seqlen_q)  # fmt: skip
@@ -450,7 +450,7 @@ def test_fwd_exp2_poly(monkeypatch, d, seqlen_q, seqlen_k, mask, softcap, dtype,
     with the switch really in the kernel that ran."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the polynomial exponentials are an sm90 forward switch")
-    from cute_fa.cache import fwd_cache
+    from cute_fa.compile import fwd_cache
 
     switches = {"CUTE_FA_SM90_FWD_EXP2_POLY": str(every)}
     config = run_sm90_switch_case(monkeypatch, switches, d, seqlen_q, seqlen_k, mask, softcap,

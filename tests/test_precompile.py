@@ -9,8 +9,8 @@ import sys
 
 from precompile_workers import StubConfig, dies_on_b
 
-from cute_fa import __main__ as cli
 from cute_fa import cache
+from cute_fa.tools import cli
 
 
 def test_a_dying_worker_fails_only_its_config(capsys):
@@ -52,8 +52,7 @@ def test_precompile_auto_lists_what_dispatch_runs():
     """--arch auto (the default) on sm_90a: the forward configs are those dispatch plans for an
     sm90 device (short and long query sequences included), the backward's those the backward
     builds; --arch sm80 forces the sm80 family for both."""
-    from cute_fa.backward import bwd_config, post_config, pre_config
-    from cute_fa.dispatch import FwdRequest, fwd_plan
+    from cute_fa.planning import FwdRequest, bwd_config, fwd_plan, post_config, pre_config
 
     variants = ["plain", "causal", "local+softcap", "varlen+causal"]
     plans = cli.precompile_configs("auto", "sm_90a", [64, 128], ["bf16"], variants, "both")

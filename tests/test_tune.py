@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from cute_fa.hopper.support import SM90_FWD_HEAD_DIMS
 
-from cute_fa import bench
 from cute_fa.config import SM80_BWD_TILES, SM80_BWD_TILES_SMALL_SMEM, SM80_FWD_TILES
-from cute_fa.tune import (
+from cute_fa.tools import bench
+from cute_fa.tools.tune import (
     BWD_CANDIDATES,
     CANDIDATES,
     build_parser,
@@ -56,28 +56,37 @@ def test_backward_mode_on_the_command_line():
 
 @pytest.mark.parametrize("d", SM90_FWD_HEAD_DIMS)
 def test_sm90_variants_are_valid_peers_that_change_something(d):
+    from cute_fa.tools.tune import variant_fields
+
     peers = sm90_fwd_variants(d)
     assert peers[0] == "cute_fa" and peers[1] == "cute_fa:CUTE_FA_FWD_ARCH=90"  # the null one
     assert bench._name_list(",".join([*peers, "cudnn"])) == [*peers, "cudnn"]
-    # Each switch is set against the default of this head dim: the deferred rescale is on by
+    # Each field is set against the default of this head dim: the deferred rescale is on by
     # default at d64 only, the rescale threshold at d256 only.
-    assert ("cute_fa:CUTE_FA_SM90_FWD_DEFER_RESCALE=0" in peers) == (d == 64)
-    assert "cute_fa:CUTE_FA_SM90_FWD_DEFER_RESCALE=2" in peers  # the vote-guarded wait
-    assert ("cute_fa:CUTE_FA_SM90_FWD_RESCALE_THRESHOLD=0" in peers) == (d == 256)
-    # Three K/V stages only where Q and three stages fit in shared memory.
-    assert ("cute_fa:CUTE_FA_SM90_FWD_KV_STAGES=3" in peers) == (d <= 128)
-    assert "cute_fa:CUTE_FA_SM90_FWD_PINGPONG=0" in peers
-    assert "cute_fa:CUTE_FA_SM90_FWD_OVERLAP=0" in peers
-    assert "cute_fa:CUTE_FA_SM90_FWD_TMA_STORE=1" in peers
-    assert "cute_fa:CUTE_FA_SM90_FWD_P_SMEM=1" in peers
-    assert "cute_fa:CUTE_FA_SM90_FWD_PERSISTENT=2" in peers  # the dynamic schedule
-    assert ("cute_fa:CUTE_FA_SM90_FWD_PINGPONG=1" in peers) == (d == 64)  # off for some d64
+    assert ("cute_fa:sm90_fwd.defer_rescale=false" in peers) == (d == 64)
+    assert ("cute_fa:sm90_fwd.rescale_threshold=0" in peers) == (d == 256)
+    for peer in ("pingpong=false", "overlap=false", "tma_store=true", "num_ctas=0", "num_ctas=1"):
+        assert f"cute_fa:sm90_fwd.{peer}" in peers
+    assert ("cute_fa:sm90_fwd.pingpong=true" in peers) == (d == 64)  # off for some d64
     # Three consumers: d64 at its default keys, d128 at the 64 or 80 keys they hold.
-    three = [p for p in peers if "CUTE_FA_SM90_FWD_TILE_M=192" in p]
+    three = [p for p in peers if "sm90_fwd.tile_m=192" in p]
     if d == 128:
-        assert three == [f"cute_fa:CUTE_FA_SM90_FWD_TILE_M=192:CUTE_FA_SM90_FWD_TILE_N={n}"
-                         for n in (64, 80)]  # fmt: skip
+        assert three == [f"cute_fa:sm90_fwd.tile_m=192:sm90_fwd.tile_n={n}" for n in (64, 80)]
     assert bool(three) == (d in (64, 128))
+    # Every typed variant's fields build a valid tuning; the null variant has none.
+    assert variant_fields(peers[1]) is None
+    for peer in peers[2:]:
+        assert variant_fields(peer)
+
+
+def test_winner_needs_the_margin():
+    from cute_fa.tools.tune import WRITE_MARGIN, pick_winner
+
+    scores = {"cute_fa": (100.0, {}), "a": (100.0 * WRITE_MARGIN - 0.1, {"tile_n": 80})}
+    assert pick_winner(scores, "cute_fa") is None
+    scores["b"] = (100.0 * WRITE_MARGIN + 0.1, {"pingpong": False})
+    assert pick_winner(scores, "cute_fa") == {"pingpong": False}
+    assert pick_winner({"a": (1.0, {})}, "cute_fa") is None  # the default failed: keep it
 
 
 def test_sm90_tuning_is_forward_only():
@@ -94,7 +103,7 @@ def test_sm90_tuning_runs_one_benchmark_per_head_dim(monkeypatch, tmp_path):
 
     runs = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(bench, "main", lambda argv: runs.append(argv) or 0)
+    monkeypatch.setattr(bench, "main", lambda argv, results_out=None: runs.append(argv) or 0)
     assert main(["--arch", "90", "--d", "64,256", "--seqlen", "1k,4k", "--causal", "1",
                  "--rounds", "3", "--out", str(tmp_path)]) == 0  # fmt: skip
     assert len(runs) == 2
