@@ -71,7 +71,6 @@ class FlashAttentionForwardSm80(AttentionKernel):
         mCuSeqlensK: cute.Tensor | None,
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
-        mTileCounter: cute.Tensor | None,  # None: this kernel runs one CTA a tile
         stream: cuda.CUstream,
     ):
         # Shared memory: 8-row swizzled atoms, 64 (or 32) columns wide, so ldmatrix and the

@@ -11,14 +11,13 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cute.nvgpu.warp import LdMatrix8x8x16bOp, StMatrix8x8x16bOp
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from cute_fa.config import FwdConfig
 from cute_fa.dsl.copy import acc_to_smem, row_store_copy, store_rows, transposed
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask, block_range
-from cute_fa.dsl.scheduler import next_tile, next_tile_dynamic, tile_coords, unit_count
+from cute_fa.dsl.scheduler import next_tile, tile_coords, unit_count
 from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import OnlineSoftmax, mn_view_wgmma, score_scales, softcap_scores
 
@@ -36,7 +35,7 @@ from .support import (
     fwd_num_consumers,
     fwd_q_stages,
 )
-from .sync import thread_pipeline, tma_pipeline
+from .sync import tma_pipeline
 
 WARPGROUP = 128  # threads
 
@@ -51,9 +50,6 @@ class Barrier(enum.IntEnum):
     SCHEDULER_WG1 = 4  # 256 threads: consumer 0 may issue its GEMMs (pingpong)
     SCHEDULER_WG2 = 5  # 256 threads: consumer 1 may issue its GEMMs
     SCHEDULER_WG3 = 6  # 256 threads: consumer 2 may issue its GEMMs
-    P_READY_WG1 = 7  # 128 threads, config.p_smem: consumer 0 wrote its P to sP
-    P_READY_WG2 = 8  # consumer 1 the same
-    P_READY_WG3 = 9  # consumer 2 the same
 
 
 class FlashAttentionForwardSm90(AttentionKernel):
@@ -96,14 +92,6 @@ class FlashAttentionForwardSm90(AttentionKernel):
       producer and each consumer run the same tile loop; pipeline states and the pingpong
       turns carry over from tile to tile, so the producer loads the next tile's Q, K and V
       while the consumers finish this one.
-      Dynamic schedule (config.dynamic_tiles, CUTE_FA_SM90_FWD_PERSISTENT=2; 0.93-1.02 of
-      the static schedule on the H200, not a default):
-      after its first unit (its block index) the producer warp takes each next unit as grid +
-      the old value of mTileCounter (lane 0's atomicAdd; the caller zeroes the counter), and
-      hands every unit, and finally one past the end, to the consumers through pipeline_tile
-      (PipelineAsync, q_stages + 1 slots of int32 ``unit * 2 + second`` in smem; lane 0 of the
-      producer warp fills a slot, all consumer threads read and release it), which read it
-      at the start of each tile.
     Warp roles (1 + num_consumers warpgroups: 384 threads launched at <= 168 registers a
     thread with two consumers, 512 threads at <= 128 with three; ``support.SM90_FWD_REGS``)
       warpgroup 0: producer. Warp 0 issues every TMA load (Q once, then K[n] and V[n] of each
@@ -121,15 +109,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         wait_group 0 (P V done); rescale O; P -> registers
       after the last block:  [turn] O += P V[n_min] [/turn]
       S = Q K^T is WGMMA SS (both operands in smem); O += P V is WGMMA RS (P from registers,
-      the C fragment reinterpreted as the A fragment, no data movement). config.p_smem
-      (CUTE_FA_SM90_FWD_P_SMEM=1, 0.87-0.99 on the H200; the deferred rescale off): after its
-      conversion P goes to the consumer's slice of sP (stmatrix, fence.proxy.async, named
-      barrier P_READY_WG1 + c of its 128 threads) and O += P V is WGMMA SS; the slice is
-      rewritten only after wait_group 0 of the step, when the P V GEMM that read it is done.
-      config.q_rmem (CUTE_FA_SM90_FWD_Q_RMEM=1; two consumers, d <= 128; 0.93-1.00 of the
-      default on the H200, off): after its Q wait a consumer loads its Q slice into registers
-      (ldmatrix, tiled as the A operand) and every S = Q K^T is an RS WGMMA; the Q stage is
-      still released after the epilogue (O is staged there).
+      the C fragment reinterpreted as the A fragment, no data movement).
       config.overlap = False (CUTE_FA_SM90_FWD_OVERLAP=0): wait_group 0 instead of 1 after
       the issue, so the softmax of block n waits for O += P V[n + 1] too (no intra-warpgroup
       overlap). Default for d 64 causal calls of up to 1k rows on the persistent grid without
@@ -158,8 +138,6 @@ class FlashAttentionForwardSm90(AttentionKernel):
                       tile (the first dv columns of it; dv <= d).
       sK  (tile_n, d, kv_stages)      K-major B operand of S = Q K^T.
       sV  (dv, tile_n, kv_stages)     V^T viewed MN-major: the B operand of O = P V.
-      sP  (64, tile_n, num_consumers) config.p_smem only (else a 16-byte placeholder): P,
-                                      keys contiguous, the K-major A operand of O = P V.
     Pipelines (mbarriers, cutlass.pipeline.PipelineTmaAsync; producer = 1 warp whose TMA
     transaction bytes complete "full"; consumers arrive on "empty" with one thread per warp)
       pipeline_q:  producer -> every consumer, q_stages (1; 2 with a persistent grid where
@@ -174,9 +152,6 @@ class FlashAttentionForwardSm90(AttentionKernel):
                    K[n] is released once S = Q K[n]^T has completed.
       pipeline_v:  producer -> every consumer, kv_stages, 4 * num_consumers arrivals;
                    V[n] is released one step later, once O += P V[n] has completed.
-      pipeline_tile (dynamic schedule only): PipelineAsync, q_stages + 1 int32 slots
-                   (``tile_slot``), lane 0 of the producer warp fills one per tile (one
-                   arrival), every consumer thread reads it and arrives on "empty".
       kv_stages = 2; config.kv_stages = 3 (CUTE_FA_SM90_FWD_KV_STAGES=3, ``support.fwd_tuned``)
       gives 3 where they fit in shared memory (d 64 to 128 at 128 keys; 225 KiB at d 128).
     P -> 16-bit registers: converted 8 values at a time (``convert_in_chunks``), so the
@@ -228,11 +203,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
       (64 keys; CUDA 12: 34 and 32), d 64 with three consumers 0 and 0, d 64 causal with two
       consumers 0 and 0; an ncu profile
       of that last kernel on the H200 showed the same), so the deferred rescale measured there
-      moved the O rescale and the P conversion but not the exponentials. config.defer_rescale
-      = 2 (CUTE_FA_SM90_FWD_DEFER_RESCALE=2) puts the wait in a vote-guarded branch instead
-      (``wait_pv_after_exponentials``): 66 of 66 at d 64 / d 128 and 34 of 34 at d 256 under
-      both builds; on the H200 0.91-1.02 of the default over the forward grid (median 0.98),
-      so off.
+      moved the O rescale and the P conversion but not the exponentials.
     Exponentials on the FMA pipe (config.exp2_poly = k, CUTE_FA_SM90_FWD_EXP2_POLY): in the
       unmasked loop every k-th exponential of a thread's row is a polynomial (Note [exp2 on the
       FMA pipe] in cute_fa/dsl/softmax.py) instead of MUFU.EX2, which at d 64 is as busy as
@@ -257,8 +228,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
     Every tuning switch is a field of the compile key (FwdConfig); hopper/support.py has
       each with its measurements and defaults.
     Not yet: head_dim_v != head_dim other than 192 x 128, persistent
-      scheduling of window and varlen calls (tiles of unequal cost; the dynamic schedule could
-      take them once it is measured).
+      scheduling of window and varlen calls (tiles of unequal cost).
     """
 
     arch = 90
@@ -269,25 +239,18 @@ class FlashAttentionForwardSm90(AttentionKernel):
         self.wg_m = SM90_FWD_WG_M  # query rows of one consumer warpgroup
         self.num_threads = WARPGROUP * (1 + self.num_consumers)
         self.kv_stages = fwd_kv_stages(config)
-        self.defer_rescale = config.defer_rescale
+        self.defer_rescale = bool(config.defer_rescale)
         self.regs_producer, self.regs_consumer = SM90_FWD_REGS[self.num_consumers]
         self.num_ctas = config.num_ctas  # persistent grid; 0: one CTA a tile
-        self.dynamic_tiles = config.dynamic_tiles  # persistent: units from a global counter
         self.tma_store = config.tma_store  # O leaves by one TMA store a consumer
-        self.p_smem = config.p_smem  # P reaches O += P V through shared memory (SS WGMMA)
-        self.q_rmem = config.q_rmem  # S = Q K^T with Q from registers (RS WGMMA)
-        # Slots of the work-unit ring (dynamic schedule): one more than the Q stages, so the
-        # ring never holds the producer back more than the Q ring does.
         self.q_stages = fwd_q_stages(config)
-        self.tile_stages = self.q_stages + 1 if config.dynamic_tiles else 1
         self.exp2_poly = config.exp2_poly  # 0: every exponential on MUFU
         self.rescale_threshold = float(config.rescale_threshold)  # 0: O rescaled every block
 
     can_implement = staticmethod(fwd_can_implement)
 
     def make_tiled_mmas(self) -> tuple[cute.TiledMma, cute.TiledMma]:
-        """(S = Q K^T: both operands in smem, O = P V: P from registers, or from smem with
-        config.p_smem), one warpgroup each.
+        """(S = Q K^T: both operands in smem, O = P V: P from registers), one warpgroup each.
 
         The device code builds fresh ones in every step: a TiledMma whose ACCUMULATE field was
         set inside one staged region cannot be reused in another.
@@ -295,12 +258,10 @@ class FlashAttentionForwardSm90(AttentionKernel):
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             Float32, (1, 1, 1), (self.wg_m, self.tile_n),
-            warpgroup.OperandSource.RMEM if self.q_rmem else warpgroup.OperandSource.SMEM,
         )  # fmt: skip
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-            Float32, (1, 1, 1), (self.wg_m, self.tile_hdimv),
-            warpgroup.OperandSource.SMEM if self.p_smem else warpgroup.OperandSource.RMEM,
+            Float32, (1, 1, 1), (self.wg_m, self.tile_hdimv), warpgroup.OperandSource.RMEM,
         )  # fmt: skip
         return tiled_mma_qk, tiled_mma_pv
 
@@ -324,7 +285,6 @@ class FlashAttentionForwardSm90(AttentionKernel):
         mCuSeqlensK: cute.Tensor | None,
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
-        mTileCounter: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
         d, dv, tile_n, wg_m = self.tile_hdim, self.tile_hdimv, self.tile_n, self.wg_m
@@ -345,12 +305,6 @@ class FlashAttentionForwardSm90(AttentionKernel):
         sV_layout = sm90_utils.make_smem_layout_b(
             LayoutEnum.COL_MAJOR, (wg_m, dv, tile_n), self.dtype, self.kv_stages
         )
-        # config.p_smem: P (wg_m x tile_n, keys contiguous: the K-major A of O += P V), one
-        # slice a consumer; otherwise a 16-byte placeholder.
-        sP_layout = sm90_utils.make_smem_layout_a(
-            LayoutEnum.ROW_MAJOR, (wg_m, dv, tile_n), self.dtype, self.num_consumers
-        )
-        p_elems, p_align = (cute.cosize(sP_layout), 1024) if self.p_smem else (8, 16)
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, mQ_tma = cpasync.make_tiled_tma_atom(
             load, mQ_t, cute.slice_(sQ_layout, (None, None, 0)), (wg_m, d)
@@ -378,13 +332,9 @@ class FlashAttentionForwardSm90(AttentionKernel):
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
-            # Dynamic schedule: the ring of work units the producer hands the consumers.
-            mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * self.tile_stages]
-            tile_slot: cute.struct.MemRange[cutlass.Int32, self.tile_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], p_align]
 
         # Global stores of O: 16 bytes a thread, one warpgroup over a (wg_m, dv) tile.
         copy_r2g = row_store_copy(self.dtype, WARPGROUP, dv)
@@ -401,8 +351,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
         self.kernel(
             mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE, tma_q, tma_k, tma_v,
             score_scale, scale_log2, window_left, window_right,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mTileCounter, tma_o, mO_tma,
-            sQ_layout, sK_layout, sV_layout, sP_layout, tiled_mma_qk, tiled_mma_pv, copy_r2g,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, tma_o, mO_tma,
+            sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv, copy_r2g,
             SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)  # fmt: skip
@@ -431,13 +381,11 @@ class FlashAttentionForwardSm90(AttentionKernel):
         mCuSeqlensK: cute.Tensor | None,
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
-        mTileCounter: cute.Tensor | None,
         tma_o: cute.CopyAtom | None,
         mO_tma: cute.Tensor | None,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
-        sP_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         copy_r2g: cute.TiledCopy,
@@ -452,23 +400,14 @@ class FlashAttentionForwardSm90(AttentionKernel):
         pipeline_q = tma_pipeline(storage.mbar_q, self.q_stages, self.tx_q, consumer_warps)
         pipeline_k = tma_pipeline(storage.mbar_k, self.kv_stages, self.tx_k, consumer_warps)
         pipeline_v = tma_pipeline(storage.mbar_v, self.kv_stages, self.tx_v, consumer_warps)
-        pipeline_tile = None
-        if cutlass.const_expr(self.dynamic_tiles):
-            pipeline_tile = thread_pipeline(
-                storage.mbar_tile, self.tile_stages, 1, self.num_consumers * WARPGROUP
-            )
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sP = None
-        if cutlass.const_expr(self.p_smem):
-            sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
         gmem = (mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE, mO_tma,
                 mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)  # fmt: skip
-        sTile = storage.tile_slot.get_tensor(cute.make_layout(self.tile_stages))
         smem_tiles = (sQ, sK, sV)
         pipes = (pipeline_q, pipeline_k, pipeline_v)
         window = (window_left, window_right)
@@ -490,37 +429,22 @@ class FlashAttentionForwardSm90(AttentionKernel):
                     pipeline.PipelineUserType.Producer, self.kv_stages
                 )
                 tma = (tma_q, tma_k, tma_v)
-                tile_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.tile_stages
-                )
                 if cutlass.const_expr(self.num_ctas > 0):
-                    if cutlass.const_expr(self.dynamic_tiles):
-                        tile_state = self.publish_unit(pipeline_tile, sTile, tile_state, unit,
-                                                       second)  # fmt: skip
                     while unit < num_units:
                         q_state, kv_state = self.load_tile(
                             (unit, second), gmem, tma, smem_tiles, pipes, q_state, kv_state,
                             window,
                         )  # fmt: skip
-                        if cutlass.const_expr(self.dynamic_tiles):
-                            unit, second = next_tile_dynamic(
-                                unit, second, stride, mTileCounter, mQ.shape[1], self.tile_m,
-                                self.causal,
-                            )  # fmt: skip
-                            # The last one published is past the end: the consumers stop.
-                            tile_state = self.publish_unit(pipeline_tile, sTile, tile_state,
-                                                           unit, second)  # fmt: skip
-                        else:
-                            unit, second = next_tile(
-                                unit, second, stride, mQ.shape[1], self.tile_m, self.causal
-                            )
+                        unit, second = next_tile(
+                            unit, second, stride, mQ.shape[1], self.tile_m, self.causal
+                        )
                 else:
                     self.load_tile((unit, second), gmem, tma, smem_tiles, pipes, q_state,
                                    kv_state, window)  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             consumer = wg_idx - 1
-            mmas = (tiled_mma_qk, tiled_mma_pv, copy_r2g, tma_o, sP)
+            mmas = (tiled_mma_qk, tiled_mma_pv, copy_r2g, tma_o)
             scales = (score_scale, scale_log2)
             states = (
                 pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages),
@@ -529,54 +453,20 @@ class FlashAttentionForwardSm90(AttentionKernel):
             )
             if consumer == self.num_consumers - 1:
                 self.end_turn(consumer)  # the last consumer hands the first turn to consumer 0
-            tile_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Consumer, self.tile_stages
-            )
             if cutlass.const_expr(self.num_ctas > 0):
-                if cutlass.const_expr(self.dynamic_tiles):
-                    unit, second, tile_state = self.receive_unit(pipeline_tile, sTile, tile_state)
                 while unit < num_units:
                     states = self.consume_tile(
                         (unit, second), gmem, smem_tiles, pipes, states, mmas, consumer,
                         tidx % WARPGROUP, scales, window,
                     )  # fmt: skip
-                    if cutlass.const_expr(self.dynamic_tiles):
-                        unit, second, tile_state = self.receive_unit(pipeline_tile, sTile,
-                                                                     tile_state)  # fmt: skip
-                    else:
-                        unit, second = next_tile(
-                            unit, second, stride, mQ.shape[1], self.tile_m, self.causal
-                        )
+                    unit, second = next_tile(
+                        unit, second, stride, mQ.shape[1], self.tile_m, self.causal
+                    )
             else:
                 self.consume_tile(
                     (unit, second), gmem, smem_tiles, pipes, states, mmas, consumer,
                     tidx % WARPGROUP, scales, window,
                 )  # fmt: skip
-
-    @cute.jit
-    def publish_unit(
-        self, pipeline_tile, sTile: cute.Tensor, state: pipeline.PipelineState, unit: Int32,
-        second: Int32,
-    ):  # fmt: skip
-        """Producer warp, dynamic schedule: hand ``(unit, second)`` to the consumers through
-        the next slot of the work-unit ring (lane 0 waits for the slot, writes it and arrives;
-        the arrive's release orders the write). Returns the advanced state."""
-        if cute.arch.lane_idx() == 0:
-            pipeline_tile.producer_acquire(state)
-            sTile[state.index] = unit * 2 + second
-            pipeline_tile.producer_commit(state)
-        state.advance()
-        return state
-
-    @cute.jit
-    def receive_unit(self, pipeline_tile, sTile: cute.Tensor, state: pipeline.PipelineState):
-        """Consumer thread, dynamic schedule: the next (unit, second) from the work-unit ring,
-        and the advanced state (the slot is released once read)."""
-        pipeline_tile.consumer_wait(state)
-        code = sTile[state.index]
-        pipeline_tile.consumer_release(state)
-        state.advance()
-        return code // 2, code % 2, state
 
     @cute.jit
     def tile_work(self, tile: tuple, gmem: tuple, window: tuple):
@@ -747,7 +637,6 @@ class FlashAttentionForwardSm90(AttentionKernel):
         tiled_mma_pv: cute.TiledMma,
         copy_r2g: cute.TiledCopy,
         tma_o: cute.CopyAtom | None,
-        sP: cute.Tensor | None,
         consumer: Int32,
         tidx: Int32,
         row_start: Int32,
@@ -793,20 +682,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         if cutlass.const_expr(self.defer_rescale):
             acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((wg_m, tile_n)))
             corr = cute.make_rmem_tensor(softmax.num_rows, Float32)
-        # config.p_smem: stmatrix of the 16-bit P into this consumer's sP slice, and the SS
-        # WGMMA operand that reads it.
-        p_parts = None
-        if cutlass.const_expr(self.p_smem):
-            sP_c = sP[None, None, consumer]
-            r2s = cute.make_tiled_copy_C(
-                cute.make_copy_atom(StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
-                tiled_mma_qk,
-            )  # fmt: skip
-            thr_r2s = r2s.get_slice(tidx)
-            p_parts = (r2s, thr_r2s.retile(rP), thr_r2s.partition_D(sP_c),
-                       thr_pv.make_fragment_A(thr_pv.partition_A(sP_c)))  # fmt: skip
-        mma = (thr_qk, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_O, rP, tScS, acc_S, corr,
-               p_parts)  # fmt: skip
+        mma = (thr_qk, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_O, rP, tScS, acc_S, corr)
         pipes = (pipeline_k, pipeline_v)
         score_args = (score_scale, row_start, seqlen_q, seqlen_k, window_left, window_right)
         # Blocks [start_unmasked, n_block_max) may cut the seqlen tail, the causal diagonal or
@@ -822,14 +698,6 @@ class FlashAttentionForwardSm90(AttentionKernel):
         has_q = self.tile_has_q(n_block_min, n_block_max)
         if has_q:
             pipeline_q.consumer_wait(q_state)
-            if cutlass.const_expr(self.q_rmem):  # Q -> registers, the A operand of every S
-                s2r = cute.make_tiled_copy_A(
-                    cute.make_copy_atom(LdMatrix8x8x16bOp(transpose=False, num_matrices=4),
-                                        self.dtype),
-                    tiled_mma_qk,
-                )  # fmt: skip
-                thr_s2r = s2r.get_slice(tidx)
-                cute.copy(s2r, thr_s2r.partition_S(sQ_c), thr_s2r.retile(tSrQ))
         if n_blocks > 0:
             self.step(n_block_max - 1, k_state, v_state, softmax, consumer, mma, pipes, score_args,
                       True, True)  # fmt: skip
@@ -987,35 +855,11 @@ class FlashAttentionForwardSm90(AttentionKernel):
             softmax.row_sum[r] = softmax.row_sum[r] + other * 0.0
 
     @cute.jit
-    def wait_pv_after_exponentials(self, softmax: OnlineSoftmax):
-        """wgmma wait_group 0 after every exponential of the step (defer_rescale = 2).
-
-        ptxas moves a wgmma wait as early as it may; the shuffle of ``after_exponentials`` holds
-        it back under the CUDA 12 build's ptxas, not under CUDA 13's (which the H200 runs: 0-6
-        of 66 EX2 inside the window). Here the wait sits in a branch whose warp-uniform
-        condition (a vote over every row sum of the thread) depends on every exponential, so
-        neither can cross it (SASS under both builds: 66 of 66 at d 64 and d 128). Both
-        branches wait, so the condition changes nothing; it always holds anyway (a row sum is
-        >= 0 or NaN).
-        """
-        ok = cutlass.Boolean(True)
-        for r in cutlass.range_constexpr(softmax.num_rows):
-            s = softmax.row_sum[r]
-            ok = ok & ((s >= Float32(0.0)) | (s != s))
-        if cute.arch.vote_all_sync(ok):
-            warpgroup.wait_group(0)
-        else:
-            warpgroup.wait_group(0)
-
-    @cute.jit
     def gemm_pv(self, mma: tuple, v_stage: Int32):
-        """O += P V with P from registers (config.p_smem: from its smem slice); issue only."""
+        """O += P V with P from registers; issue only."""
         tOrV, acc_O, rP = mma[5], mma[6], mma[7]
         _, tiled_mma_pv = self.make_tiled_mmas()
-        if cutlass.const_expr(self.p_smem):
-            tOrP = mma[11][3]
-        else:
-            tOrP = acc_as_rs_operand(rP)
+        tOrP = acc_as_rs_operand(rP)
         tOrV_stage = tOrV[None, None, None, v_stage]  # sliced once: fewer address computations
         gemm_over_k(tiled_mma_pv, acc_O, tOrP, tOrV_stage, zero_init=False)
 
@@ -1037,7 +881,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         unless ``is_first``), softcap (when compiled in), mask (``masked``: the block may cut
         the seqlen tail, the causal diagonal or a window edge), online softmax, P -> registers
         (16-bit) for the next step."""
-        thr_qk, _, _, tSrQ, tSrK, _, acc_O, rP, tScS, acc_S, corr, _ = mma
+        thr_qk, _, _, tSrQ, tSrK, _, acc_O, rP, tScS, acc_S, corr = mma
         tiled_mma_qk, _ = self.make_tiled_mmas()
         pipeline_k, pipeline_v = pipes
         score_scale, row_start, seqlen_q, seqlen_k, window_left, window_right = score_args
@@ -1081,11 +925,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
             # still in flight at the loop's back edge.)
             softmax.step(acc_S, None, is_first, check_inf, corr, poly)
             if cutlass.const_expr(not is_first):
-                if cutlass.const_expr(self.defer_rescale == 2):
-                    self.wait_pv_after_exponentials(softmax)
-                else:
-                    self.after_exponentials(softmax)
-                    warpgroup.wait_group(0)
+                self.after_exponentials(softmax)
+                warpgroup.wait_group(0)
                 pipeline_v.consumer_release(v_state)
         elif cutlass.const_expr(is_first):
             softmax.step(acc_S, acc_O, True, check_inf)
@@ -1097,21 +938,6 @@ class FlashAttentionForwardSm90(AttentionKernel):
             softmax.rescale(acc_O, corr)
         if cutlass.const_expr(not self.defer_rescale):
             convert_in_chunks(rP, acc_S)
-            if cutlass.const_expr(self.p_smem):
-                self.store_p(mma, consumer)
-
-    @cute.jit
-    def store_p(self, mma: tuple, consumer: Int32):
-        """config.p_smem: the 16-bit P of this consumer to its sP slice (stmatrix), visible to
-        the async proxy, and all its 128 threads' parts written before any of them issues the
-        P V WGMMA that reads it. The slice's previous P was read by the P V GEMM this step
-        waited for (wait_group 0)."""
-        r2s, tPrP, tPsP, _ = mma[11]
-        cute.copy(r2s, tPrP, tPsP)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        pipeline.NamedBarrier(
-            barrier_id=int(Barrier.P_READY_WG1) + consumer, num_threads=WARPGROUP
-        ).arrive_and_wait()
 
     @cute.jit
     def last_pv(

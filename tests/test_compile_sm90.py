@@ -27,10 +27,8 @@ from cute_fa.hopper.support import (
     EXP2_POLY_ENV,
     KV_STAGES_ENV,
     OVERLAP_ENV,
-    P_SMEM_ENV,
     PERSISTENT_ENV,
     PINGPONG_ENV,
-    Q_RMEM_ENV,
     RESCALE_THRESHOLD_ENV,
     SM90_FWD_3WG_MAX_TILE_N,
     SM90_FWD_HEAD_DIM_PAIRS,
@@ -76,7 +74,7 @@ def _clear_switches(monkeypatch) -> None:
     """No tuning switch of the sm90 forward set: dispatch makes its default choices."""
     for name in (TILE_N_ENV, TILE_M_ENV, KV_STAGES_ENV, DEFER_RESCALE_ENV, EXP2_POLY_ENV,
                  RESCALE_THRESHOLD_ENV, PERSISTENT_ENV, PINGPONG_ENV, OVERLAP_ENV,
-                 TMA_STORE_ENV, P_SMEM_ENV, Q_RMEM_ENV, FWD_ARCH_ENV):  # fmt: skip
+                 TMA_STORE_ENV, FWD_ARCH_ENV):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
 
 
@@ -302,8 +300,7 @@ MALFORMED = [(KV_STAGES_ENV, "4"), (KV_STAGES_ENV, "three"), (DEFER_RESCALE_ENV,
              (DEFER_RESCALE_ENV, "3"), (EXP2_POLY_ENV, "3"), (EXP2_POLY_ENV, "on"),
              (RESCALE_THRESHOLD_ENV, "6"), (RESCALE_THRESHOLD_ENV, "8.0"), (PINGPONG_ENV, "off"),
              (PINGPONG_ENV, "2"), (OVERLAP_ENV, "no"),
-             (PERSISTENT_ENV, "3"), (TMA_STORE_ENV, "yes"), (P_SMEM_ENV, "on"),
-             (Q_RMEM_ENV, "2")]  # fmt: skip
+             (PERSISTENT_ENV, "3"), (TMA_STORE_ENV, "yes")]  # fmt: skip
 
 
 @pytest.mark.parametrize("name, value", MALFORMED)
@@ -342,11 +339,6 @@ SWITCH_CASES = [
     pytest.param(DEFER_RESCALE_ENV, "1", 256, None, {"causal": True}, id="defer-d256-causal"),
     pytest.param(DEFER_RESCALE_ENV, "1", 128, None, LOCAL_SOFTCAP, id="defer-d128-local-softcap"),
     pytest.param(DEFER_RESCALE_ENV, "1", 64, SM90_FWD_TILE_M_3WG, {}, id="defer-d64-3wg"),
-    pytest.param(DEFER_RESCALE_ENV, "2", 128, None, {}, id="defer2-d128"),
-    pytest.param(DEFER_RESCALE_ENV, "2", 256, None, {}, id="defer2-d256"),
-    pytest.param(DEFER_RESCALE_ENV, "2", 64, SM90_FWD_TILE_M_3WG, {}, id="defer2-d64-3wg"),
-    pytest.param(DEFER_RESCALE_ENV, "2", 64, 128, {}, id="defer2-d64"),
-    pytest.param(DEFER_RESCALE_ENV, "2", 64, 128, {"causal": True}, id="defer2-d64-causal"),
     pytest.param(KV_STAGES_ENV, "3", 128, None, {}, id="stages3-d128"),
     pytest.param(KV_STAGES_ENV, "3", 128, None, {"causal": True}, id="stages3-d128-causal"),
     pytest.param(KV_STAGES_ENV, "3", 64, SM90_FWD_TILE_M_3WG, {}, id="stages3-d64-3wg"),
@@ -361,16 +353,6 @@ SWITCH_CASES = [
     pytest.param(PINGPONG_ENV, "0", 128, None, {}, id="nopingpong-d128"),
     pytest.param(PINGPONG_ENV, "0", 64, None, {"causal": True}, id="nopingpong-d64-causal"),
     pytest.param(PINGPONG_ENV, "0", 64, SM90_FWD_TILE_M_3WG, {}, id="nopingpong-d64-3wg"),
-    pytest.param(PERSISTENT_ENV, "2", 128, None, {}, id="dynamic-d128"),
-    pytest.param(PERSISTENT_ENV, "2", 128, None, {"causal": True}, id="dynamic-d128-causal"),
-    pytest.param(
-        PERSISTENT_ENV, "2", 64, SM90_FWD_TILE_M_3WG, {"causal": True}, id="dynamic-d64-3wg-causal"
-    ),  # fmt: skip
-    pytest.param(PERSISTENT_ENV, "2", 256, None, {}, id="dynamic-d256"),
-    pytest.param(P_SMEM_ENV, "1", 128, None, {}, id="psmem-d128"),
-    pytest.param(P_SMEM_ENV, "1", 64, None, {"causal": True}, id="psmem-d64-causal"),
-    pytest.param(P_SMEM_ENV, "1", 64, SM90_FWD_TILE_M_3WG, {}, id="psmem-d64-3wg"),
-    pytest.param(P_SMEM_ENV, "1", 256, None, {"causal": True}, id="psmem-d256-causal"),
     pytest.param(TMA_STORE_ENV, "1", 128, None, {}, id="tmastore-d128"),
     pytest.param(TMA_STORE_ENV, "1", 64, SM90_FWD_TILE_M_3WG, {}, id="tmastore-d64-3wg"),
     pytest.param(TMA_STORE_ENV, "1", 256, None, {"causal": True}, id="tmastore-d256-causal"),
@@ -378,13 +360,6 @@ SWITCH_CASES = [
     pytest.param(OVERLAP_ENV, "0", 128, None, {}, id="nooverlap-d128"),
     pytest.param(OVERLAP_ENV, "0", 64, None, {"causal": True}, id="nooverlap-d64-causal"),
     pytest.param(OVERLAP_ENV, "0", 256, None, {"causal": True}, id="nooverlap-d256-causal"),
-    pytest.param(Q_RMEM_ENV, "1", 128, None, {}, id="qrmem-d128"),
-    pytest.param(Q_RMEM_ENV, "1", 128, None, {"causal": True}, id="qrmem-d128-causal"),
-    pytest.param(Q_RMEM_ENV, "1", 64, None, {"causal": True}, id="qrmem-d64-causal"),
-    pytest.param(Q_RMEM_ENV, "1", 96, None, {}, id="qrmem-d96"),
-    pytest.param(Q_RMEM_ENV, "1", 128, None, LOCAL_SOFTCAP, id="qrmem-d128-local-softcap"),
-    pytest.param(Q_RMEM_ENV, "1", 64, SM90_FWD_TILE_M_3WG, {}, id="qrmem-d64-3wg-not-taken"),
-    pytest.param(Q_RMEM_ENV, "1", 256, None, {}, id="qrmem-d256-not-taken"),
 ]
 
 
@@ -403,12 +378,12 @@ def test_sm90_fwd_switch_compiles(monkeypatch, capfd, name, value, d, tile_m, fl
     sass = _check_compiled(config, capfd)
     if name == DEFER_RESCALE_ENV:
         assert config.defer_rescale == int(value)
-    if name == DEFER_RESCALE_ENV and (not flags or value == "2"):
+    if name == DEFER_RESCALE_ENV and not flags:
         # The exponentials of a loop step (tile_n / 2 of P, 2 of the rescale factors) sit
         # between wgmma wait_group 1 and wait_group 0 (class docstring): all of them at d128 and
         # d256, at least those of P with three consumers (d64: 64 and 66 of 66).
         inside = _exponentials_in_overlap_window(sass)
-        if dsl_cuda_major() >= 13 and value == "1":
+        if dsl_cuda_major() >= 13:
             # ptxas of the CUDA 13 build (the GPU machine's) puts the wait before the
             # exponentials whatever the anchor (d128 [0, 1], d256 [5, 15], d64 with three
             # consumers [0, 0] of 66 / 42 a loop; hopper/flash_fwd.py docstring).
@@ -435,19 +410,6 @@ def test_sm90_fwd_switch_compiles(monkeypatch, capfd, name, value, d, tile_m, fl
         assert not config.pingpong and "nopingpong" in config.name
         turns = default.count("BAR.ARV") + default.count("BAR.SYNC")
         assert sass.count("BAR.ARV") + sass.count("BAR.SYNC") < turns
-    if name == PERSISTENT_ENV and value == "2":
-        # The dynamic schedule: a persistent grid whose producer takes each next work unit
-        # with one atomicAdd on the counter (lane 0), and nothing else atomic.
-        assert config.num_ctas and config.dynamic_tiles and "dynamic" in config.name
-        assert re.findall(r"\bATOM\S*", sass) == ["ATOMG.E.ADD.STRONG.GPU"], sass.count("ATOM")
-        assert not re.search(r"\bRED", sass)
-    if name == P_SMEM_ENV:
-        # P through shared memory: stmatrix of P in every loop body and the first block (the
-        # P V GEMMs read it with SS WGMMAs, still one fence a place: checked above); the
-        # deferred rescale is off with it.
-        assert config.p_smem and not config.defer_rescale and "psmem" in config.name
-        stsm = len(re.findall(r"\bSTSM", sass))
-        assert stsm and stsm % ((3 if config.local else 2) + 1) == 0, stsm
     if name == TMA_STORE_ENV:
         # O by TMA store: one UTMASTG per 64-column box of a consumer's (64, dv) tile, no
         # 16-byte global stores left (the two STG.E are the LSE); varlen queries keep them.
@@ -464,19 +426,6 @@ def test_sm90_fwd_switch_compiles(monkeypatch, capfd, name, value, d, tile_m, fl
         assert not config.overlap and "nooverlap" in config.name
         assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" not in sass
         assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") >= 3
-    if name == Q_RMEM_ENV:
-        # Q in registers: each consumer loads its Q slice with ldmatrix once a tile (64 x d
-        # 16-bit values: d / 64 * 4 LDSM.x4 a thread), and every S GEMM takes A from registers
-        # (HGMMA R.., gdesc); not with three consumers or at d 256, which keep S SS.
-        fits = config.tile_m == 128 and config.head_dim <= 128
-        ldsm = len(re.findall(r"\bLDSM\.16\.M88\.4\b", sass))
-        rs = re.findall(r"HGMMA\.64x\d+x16\.F32\.\w+ R\d+, R\d+, gdesc", sass)
-        if fits:
-            assert config.q_rmem and "qrmem" in config.name
-            assert ldsm == config.head_dim // 16, ldsm
-            assert len(rs) == sass.count("HGMMA"), (len(rs), sass.count("HGMMA"))
-        else:
-            assert not config.q_rmem and ldsm == 0
     if name == EXP2_POLY_ENV:
         # Each thread's row of an unmasked block (tile_n / 2 scores) has tile_n / 2 / k
         # polynomial exponentials; the kernel has one unmasked loop.

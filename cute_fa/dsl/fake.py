@@ -62,8 +62,6 @@ def fwd_fake_args(config: FwdConfig) -> tuple:
         query blocks per (head, batch)),
       mCuSeqlensQ, mCuSeqlensK: (b + 1,) int32 or None,
       mSeqUsedQ, mSeqUsedK: (b,) int32 or None,
-      mTileCounter: (1,) int32, zero at launch, or None: the work-unit counter of a persistent
-        grid with a dynamic schedule (sm90 ``config.dynamic_tiles``; other kernels take None),
       stream
     """
     dtype = DTYPE[config.dtype]
@@ -82,7 +80,6 @@ def fwd_fake_args(config: FwdConfig) -> tuple:
         fake_int32_vector() if config.varlen_k else None,
         fake_int32_vector() if config.seqused_q else None,
         fake_int32_vector() if config.seqused_k else None,
-        fake_int32_vector() if getattr(config, "dynamic_tiles", False) else None,
         make_fake_stream(),
     )
 

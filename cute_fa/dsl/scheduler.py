@@ -1,5 +1,5 @@
-"""Which (query block, head, batch) tiles a CTA computes: one per CTA, or a persistent schedule,
-static or dynamic (Note [persistent tiles])."""
+"""Which (query block, head, batch) tiles a CTA computes: one per CTA, or a persistent static
+schedule (Note [persistent tiles])."""
 
 from __future__ import annotations
 
@@ -20,14 +20,6 @@ from cutlass import Int32
 # one (head, batch), query blocks n_m - 1 - j and then j (the longest first; the middle block
 # of an odd n_m alone): every pair costs about the same, n_m + 1 key blocks of a square mask,
 # and consecutive units still share their head's K and V.
-# Dynamic schedule (sm90 forward, ``dynamic_tiles``, CUTE_FA_SM90_FWD_PERSISTENT=2): CTA b still
-# starts with unit b, but then takes unit G + c, where c is the old value of a global int32
-# counter (zero at launch) that its producer warp increments (one atomicAdd each), and hands
-# each unit to its consumers through a small ring of shared-memory slots; the first unit
-# number past the end stops them. Units then go to whichever SM asks first, as the hardware's
-# CTA scheduler hands out the tiles of a grid of one CTA a tile, without that grid's CTA launch
-# and pipeline fill between tiles. The order of the units is the same; which CTA computes a
-# unit changes nothing in its result (bitwise).
 
 
 @cute.jit
@@ -90,29 +82,6 @@ def next_tile(
         j = unit % ((num_m + 1) // 2)
         if second == 0 and num_m - 1 - j != j:
             next_unit, next_second = unit, Int32(1)
-    return next_unit, next_second
-
-
-@cute.jit
-def next_tile_dynamic(
-    unit: Int32,
-    second: Int32,
-    stride: Int32,
-    counter: cute.Tensor,
-    seqlen_q: Int32,
-    tile_m: cutlass.Constexpr[int],
-    pairs: cutlass.Constexpr[bool],
-):
-    """``next_tile`` of the dynamic schedule, for one warp: a pair's second tile, else the
-    first tile of unit ``stride`` + the old value of ``counter`` (lane 0's atomicAdd, shared
-    with the warp). A CTA's first unit is its block index, so the counter hands out units
-    grid, grid + 1, ... in the order the CTAs ask (Note [persistent tiles])."""
-    next_unit, next_second = next_tile(unit, second, Int32(0), seqlen_q, tile_m, pairs)
-    if next_second == 0:
-        taken = Int32(0)
-        if cute.arch.lane_idx() == 0:
-            taken = cute.arch.atomic_add(counter.iterator.llvm_ptr, Int32(1))
-        next_unit = stride + cute.arch.shuffle_sync(taken, 0)
     return next_unit, next_second
 
 
