@@ -239,13 +239,13 @@ class FlashAttentionForwardSm90(AttentionKernel):
         self.wg_m = SM90_FWD_WG_M  # query rows of one consumer warpgroup
         self.num_threads = WARPGROUP * (1 + self.num_consumers)
         self.kv_stages = fwd_kv_stages(config)
-        self.defer_rescale = bool(config.defer_rescale)
+        self.defer_rescale = bool(config.tuning.defer_rescale)
         self.regs_producer, self.regs_consumer = SM90_FWD_REGS[self.num_consumers]
-        self.num_ctas = config.num_ctas  # persistent grid; 0: one CTA a tile
-        self.tma_store = config.tma_store  # O leaves by one TMA store a consumer
+        self.num_ctas = config.tuning.num_ctas  # persistent grid; 0: one CTA a tile
+        self.tma_store = config.tuning.tma_store  # O leaves by one TMA store a consumer
         self.q_stages = fwd_q_stages(config)
-        self.exp2_poly = config.exp2_poly  # 0: every exponential on MUFU
-        self.rescale_threshold = float(config.rescale_threshold)  # 0: O rescaled every block
+        self.exp2_poly = config.tuning.exp2_poly  # 0: every exponential on MUFU
+        self.rescale_threshold = float(config.tuning.rescale_threshold)  # 0: O rescaled every block
 
     can_implement = staticmethod(fwd_can_implement)
 
@@ -315,7 +315,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         tma_v, mV_tma = cpasync.make_tiled_tma_atom(
             load, mVt, cute.slice_(sV_layout, (None, None, 0)), (dv, tile_n)
         )
-        # O by TMA store (config.tma_store): from the consumer's Q slice, (wg_m, dv) boxes.
+        # O by TMA store (config.tuning.tma_store): from the consumer's Q slice, (wg_m, dv) boxes.
         tma_o, mO_tma = None, None
         if cutlass.const_expr(self.tma_store):
             mO_t = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
@@ -512,7 +512,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         if cutlass.const_expr(mCuSeqlensK is not None):
             mK_cur = cute.domain_offset((offset_k, 0), mK_cur)
             mV_cur = cute.domain_offset((0, offset_k), mV_cur)
-        mO_tma_cur = None  # dense only (config.tma_store): no sequence offsets
+        mO_tma_cur = None  # dense only (config.tuning.tma_store): no sequence offsets
         if cutlass.const_expr(self.tma_store):
             mO_tma_cur = mO_tma[None, None, head, batch]
         views = (mQ_cur, mK_cur, mV_cur, mO_cur, mLSE_cur, mO_tma_cur)
@@ -811,7 +811,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
     def start_turn(self, consumer: Int32):
         """Wait until the previous consumer (round robin) has issued its GEMMs (pingpong;
         nothing with config.pingpong off)."""
-        if cutlass.const_expr(self.config.pingpong):
+        if cutlass.const_expr(self.config.tuning.pingpong):
             pipeline.NamedBarrier(
                 barrier_id=int(Barrier.SCHEDULER_WG1) + consumer, num_threads=2 * WARPGROUP
             ).arrive_and_wait()
@@ -820,7 +820,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
     def end_turn(self, consumer: Int32):
         """Hand the tensor cores to the next consumer, (consumer + 1) % num_consumers
         (nothing with config.pingpong off)."""
-        if cutlass.const_expr(self.config.pingpong):
+        if cutlass.const_expr(self.config.tuning.pingpong):
             next_consumer = consumer + 1
             if next_consumer == self.num_consumers:
                 next_consumer = 0
@@ -905,7 +905,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         # S is complete after this wait; O += P V (when issued) may still run during the
         # softmax below, which leaves acc_O alone until it has completed (config.overlap off:
         # both have completed).
-        warpgroup.wait_group(0 if is_first or not self.config.overlap else 1)
+        warpgroup.wait_group(0 if is_first or not self.config.tuning.overlap else 1)
         pipeline_k.consumer_release(k_state)
 
         if cutlass.const_expr(self.has_softcap):
