@@ -106,21 +106,41 @@ def _seqlen_kind(hint: int) -> str:
     return {SHORT_SEQLEN_HINT: "short", LONG_SEQLEN_HINT: "long"}.get(hint, f"{hint}-row")
 
 
-def _fwd_config(arch: str, target: str, request, seqlen_q: int | None):
-    """(config, "") of the forward kernel ``arch`` asks for on ``target``, else (None, why)."""
+def _fwd_config(arch: str, target: str, request, seqlen_q: int | None, table=None):
+    """(config, "") of the forward kernel ``arch`` asks for on ``target``, else (None, why);
+    ``table``: the GPU's tuned table, when compiling for it."""
     from cute_fa.config import capability_for_target
     from cute_fa.planning import SM80_FWD, SM90_FWD, fwd_config_for_target, fwd_plan
 
     if arch == "auto":
         try:
-            return fwd_plan(capability_for_target(target), request, seqlen_q)[1], ""
+            return fwd_plan(capability_for_target(target), request, seqlen_q, table)[1], ""
         except (NotImplementedError, ValueError) as e:  # (ValueError: an unknown target)
             return None, str(e)
     spec = {"sm80": SM80_FWD, "sm90": SM90_FWD}[arch]
-    return fwd_config_for_target(spec, target, request, seqlen_q)
+    return fwd_config_for_target(spec, target, request, seqlen_q, table)
 
 
-def _bwd_tasks(arch: str, target: str, request) -> tuple[list, str]:
+def _local_tuned_table(target: str):
+    """This machine's GPU's tuned table when ``target`` is that GPU's target, else None: a
+    precompile for the local GPU builds the kernels its calls will ask for."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        from cute_fa.config import target_for_capability
+        from cute_fa.device import tuned_table
+
+        device = torch.device("cuda", torch.cuda.current_device())
+        if target_for_capability(*torch.cuda.get_device_capability(device)) != target:
+            return None
+        return tuned_table(device)
+    except Exception:  # noqa: BLE001 - no usable GPU: built-in defaults
+        return None
+
+
+def _bwd_tasks(arch: str, target: str, request, table=None) -> tuple[list, str]:
     """(tasks, "") of the backward's main, preprocess (with and without dLSE) and postprocess
     kernels of ``request`` on ``target``, else ([], why)."""
     from cute_fa.compile import PrecompileTask
@@ -130,7 +150,7 @@ def _bwd_tasks(arch: str, target: str, request) -> tuple[list, str]:
     try:
         config = bwd_config(
             target, request.dtype, request.head_dim, request.head_dim_v,
-            arch=None if arch == "auto" else int(arch[2:]), **flags,
+            arch=None if arch == "auto" else int(arch[2:]), table=table, **flags,
         )  # fmt: skip
     except NotImplementedError as e:
         return [], str(e)
@@ -147,11 +167,12 @@ BWD_REQUEST_FLAGS = (
 
 
 def precompile_configs(
-    arch: str, target: str, head_dims, dtypes, variants, mode: str = "fwd"
+    arch: str, target: str, head_dims, dtypes, variants, mode: str = "fwd", table=None
 ) -> list:
     """(task or None, label, reason) for every kernel of every combination (``mode``: the
     forward's, the backward's or both); None where unsupported. A kernel that several
-    combinations share (the backward's pre- and postprocess) is listed once."""
+    combinations share (the backward's pre- and postprocess) is listed once. ``table``: the
+    tuned table whose choices planning applies (the local GPU's)."""
     from cute_fa.compile import PrecompileTask
     from cute_fa.planning import FwdRequest
 
@@ -171,18 +192,18 @@ def precompile_configs(
                 )
                 label = f"{dtype} d{d} {variant}"
                 if mode in ("fwd", "both"):
-                    config, reason = _fwd_config(arch, target, request, None)
+                    config, reason = _fwd_config(arch, target, request, None, table)
                     add(PrecompileTask("fwd", config) if config else None, f"fwd {label}", reason)
                     # What dispatch picks only for some query lengths (the sm90 d64 causal
                     # tile, the persistent grid for SM90_SMS SMs: an H100 SXM or H200; another
                     # count compiles its own at the first call).
                     for hint in seqlen_hints():
-                        other, _ = _fwd_config(arch, target, request, hint)
+                        other, _ = _fwd_config(arch, target, request, hint, table)
                         if other is not None and other != config:
                             add(PrecompileTask("fwd", other),
                                 f"fwd {label} ({_seqlen_kind(hint)} sequences)")  # fmt: skip
                 if mode in ("bwd", "both"):
-                    tasks, reason = _bwd_tasks(arch, target, request)
+                    tasks, reason = _bwd_tasks(arch, target, request, table)
                     if not tasks:
                         add(None, f"bwd {label}", reason)
                     for task in tasks:
@@ -199,8 +220,9 @@ def cmd_precompile(args: argparse.Namespace) -> int:
         return 2
     target = args.target or _default_target(args.arch)
     plans = precompile_configs(
-        args.arch, target, args.head_dims, args.dtypes, args.variants, args.mode
-    )
+        args.arch, target, args.head_dims, args.dtypes, args.variants, args.mode,
+        _local_tuned_table(target),
+    )  # fmt: skip
     todo = [(task, label) for task, label, _ in plans if task is not None]
     for task, label, reason in plans:
         if task is None:
