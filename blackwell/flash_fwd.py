@@ -28,9 +28,7 @@ from .support import (
     SM100_FWD_EXP2_POLY_EVERY,
     SM100_FWD_KV_STAGES,
     SM100_FWD_Q_TILES,
-    SM100_FWD_REGS_CORRECTION,
-    SM100_FWD_REGS_OTHER,
-    SM100_FWD_REGS_SOFTMAX,
+    SM100_FWD_REGS,
     SM100_FWD_RESCALE_THRESHOLD,
     SM100_FWD_TILE_Q,
     TMEM_COLUMNS,
@@ -72,17 +70,18 @@ class FlashAttentionForwardSm100(AttentionKernel):
     tests/test_compile_sm100.py checks its SASS (UTCHMMA, LDTM / STTM, TMEM alloc / dealloc,
     USETMAXREG, UTMALDG, no local memory); docs/blackwell.md has the counts beside FA4's.
 
-    Scope: bf16 / fp16; (d, dv) in (64, 64), (128, 128), (192, 128); dense or varlen
+    Scope: bf16 / fp16; (d, dv) in (64, 64), (128, 128); dense or varlen
     (cu_seqlens_q / cu_seqlens_k), seqused_q; no mask or causal; GQA/MQA (K/V head = head //
     (heads / kv heads)). ``blackwell/support.py`` rejects the rest with its reason (sliding
-    window, softcap, seqused_k, d 256).
+    window, softcap, seqused_k, d 256, and (192, 128), whose MMA warp spills: support.py).
 
     Grid and work split
       One CTA a tile of tile_m = 256 query rows of one (head, batch): two Q tiles of 128 rows
       (the M of a tcgen05 MMA, and the 128 lanes of TMEM); grid = (ceil(max_seqlen_q / 256),
       heads, batch), causal grids in reverse (longest rows first). Key blocks of tile_n = 128
       from the last one the CTA sees down to the first (``block_range`` over the 256 rows).
-    Warp roles (16 warps; setmaxnreg per role, 128 * (2 * 192 + 80 + 48) = 65536)
+    Warp roles (16 warps; setmaxnreg per role, ``support.SM100_FWD_REGS``: 128 * (2 * 192 +
+    80 + 48) = 65536)
       warps 0-3   softmax0: Q tile 0; thread t owns query row t (TMEM lane t).  192 registers
       warps 4-7   softmax1: Q tile 1, the same for rows 128-255.                 192
       warps 8-11  correction: rescales O0 / O1 in TMEM when a row max moved, then O / l, LSE,
@@ -104,7 +103,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
     Pipelines (producer -> consumer, stages, arrivals on full / empty):
       pipeline_q   (PipelineTmaUmma)  load -> mma, 2 stages (Q0, Q1; each used once),
                    full: 1 arrive + TMA bytes (128 x d x 2), empty: 1 (tcgen05.commit).
-      pipeline_kv  (PipelineTmaUmma)  load -> mma, kv_stages (4 at d 64 / 128, 2 at 192x128),
+      pipeline_kv  (PipelineTmaUmma)  load -> mma, kv_stages (4 at d 64 and 128),
                    K[j] and V[j] in successive stages (K, V, K, V, ...; V's expected bytes
                    passed at its acquire), full: 1 + TMA bytes, empty: 1 (tcgen05.commit
                    once the GEMMs that read the stage are done).
@@ -141,7 +140,8 @@ class FlashAttentionForwardSm100(AttentionKernel):
       tensors are shifted to each sequence's first row (as in the sm90 kernel). A CTA that sees
       no key (causal with seqlen_q > seqlen_k, or a varlen tile past its sequence) loads and
       multiplies nothing; its correction warps store O = 0, LSE = -inf for its rows.
-    Not yet: sliding window, softcap, seqused_k (V tail zeroing), d 256 / (192, 192), 2-CTA
+    Not yet: sliding window, softcap, seqused_k (V tail zeroing), d 256 / (192, 192), (192,
+      128) without local memory, 2-CTA
       MMA, a persistent scheduler, TMA store of O, the order tuning of FA4 (S load in chunks,
       the correction's rescale overlapping its epilogue).
     """
@@ -154,9 +154,9 @@ class FlashAttentionForwardSm100(AttentionKernel):
         self.q_tiles = SM100_FWD_Q_TILES
         self.num_threads = WARP * 16
         self.kv_stages = SM100_FWD_KV_STAGES[(config.head_dim, config.head_dim_v)]
-        self.regs_softmax = SM100_FWD_REGS_SOFTMAX
-        self.regs_correction = SM100_FWD_REGS_CORRECTION
-        self.regs_other = SM100_FWD_REGS_OTHER
+        self.regs_softmax, self.regs_correction, self.regs_other = SM100_FWD_REGS[
+            (config.head_dim, config.head_dim_v)
+        ]
         self.rescale_threshold = SM100_FWD_RESCALE_THRESHOLD
         self.exp2_poly_every = SM100_FWD_EXP2_POLY_EVERY
         # TMEM plan (columns of 32 bits).

@@ -23,10 +23,14 @@ SM100_FWD_TILE_M = SM100_FWD_Q_TILES * SM100_FWD_TILE_Q
 SM100_FWD_TILE_N = 128
 SM100_FWD_WARPS = 16
 SM100_FWD_TILE = (SM100_FWD_TILE_M, SM100_FWD_TILE_N, SM100_FWD_WARPS)
-# (head_dim, head_dim_v): what fits the TMEM plan (below) and shared memory. d 256 (and
-# (192, 192)) need 2 * 128 + 2 * dv > 512 columns: FA4 runs those with another kernel design
-# (one Q tile, or 2-CTA); not here yet.
-SM100_FWD_HEAD_DIM_PAIRS = ((64, 64), (128, 128), (192, 128))
+# (head_dim, head_dim_v): what fits the TMEM plan (below) and shared memory and compiles without
+# local memory. d 256 (and (192, 192)) need 2 * 128 + 2 * dv > 512 columns: FA4 runs those with
+# another kernel design (one Q tile, or 2-CTA); not here yet. (192, 128) fits and compiles, but
+# its MMA warp goes to local memory (43 LDL / 23 STL at 80 registers, 58 / 31 at 64): ptxas
+# hoists the 2 x 12 loop-invariant smem descriptors of the two Q tiles (K phases of 16) out of
+# the key loop, more than the uniform registers hold. Needs descriptors built per K phase from
+# one base (FA4 does this in its own gemm helper); rejected until then.
+SM100_FWD_HEAD_DIM_PAIRS = ((64, 64), (128, 128))
 
 # Tensor memory: 512 columns of 32 bits x 128 lanes an SM. Plan (columns):
 #   S0 [0, tile_n)  S1 [tile_n, 2 tile_n)  O0 [2 tile_n, 2 tile_n + dv)  O1 [.., + dv)
@@ -39,16 +43,15 @@ def fwd_tmem_columns(tile_n: int, head_dim_v: int) -> int:
     return SM100_FWD_Q_TILES * (tile_n + head_dim_v)
 
 
-# Registers a thread after setmaxnreg, by role (the whole CTA: 128 * (2 * softmax + correction
-# + other) <= 65536; 512 threads launch at 128 each): two softmax warpgroups hold a row of S
-# (tile_n fp32) and its P, the correction warpgroup a 32-column slice of O, the rest (MMA,
-# load, epilogue, idle warp) addresses and pipeline states. FA4's defaults at d 128.
-SM100_FWD_REGS_SOFTMAX = 192
-SM100_FWD_REGS_CORRECTION = 80
-SM100_FWD_REGS_OTHER = 48
-assert (
-    128 * (2 * SM100_FWD_REGS_SOFTMAX + SM100_FWD_REGS_CORRECTION + SM100_FWD_REGS_OTHER) <= 65536
-)
+# Registers a thread after setmaxnreg, by role: (softmax, correction, other) by (d, dv). The
+# whole CTA: 128 * (2 * softmax + correction + other) <= 65536 (512 threads launch at 128 each).
+# Two softmax warpgroups hold a row of S (tile_n fp32) and its P, the correction warpgroup a
+# 32-column slice of O, the rest (MMA, load, epilogue, idle warp) addresses and pipeline
+# states. 192 / 80 / 48 are FA4's defaults at d 128.
+SM100_FWD_REGS = {(64, 64): (192, 80, 48), (128, 128): (192, 80, 48)}
+for _regs in SM100_FWD_REGS.values():
+    assert 128 * (2 * _regs[0] + _regs[1] + _regs[2]) <= 65536
+    assert all(r % 8 == 0 for r in _regs)
 
 # Conditional rescale (Note [rescale threshold] in cute_fa/dsl/softmax.py): a row's max moves
 # only by more than this many log2 units; 0: on every new max. FA4: 8 for 16-bit inputs.
@@ -59,8 +62,8 @@ SM100_FWD_RESCALE_THRESHOLD = 8.0
 # measured here (no Blackwell GPU).
 SM100_FWD_EXP2_POLY_EVERY = 8
 # Stages of the K/V ring (K[n] and V[n] take one stage each) by (head_dim, head_dim_v): what
-# fits 227 KiB with two Q tiles (O is staged in the Q tiles' smem).
-SM100_FWD_KV_STAGES = {(64, 64): 4, (128, 128): 4, (192, 128): 2}
+# fits 227 KiB with two Q tiles (O is staged in the Q tiles' smem; (192, 128) would take 2).
+SM100_FWD_KV_STAGES = {(64, 64): 4, (128, 128): 4}
 # mbarriers, the LSE/scale exchange (2 x 2 x 128 fp32) and 1024-byte alignment of the tiles.
 SM100_FWD_SMEM_SLACK = 4096
 
