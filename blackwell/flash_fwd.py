@@ -107,21 +107,24 @@ class FlashAttentionForwardSm100(AttentionKernel):
                    K[j] and V[j] in successive stages (K, V, K, V, ...; V's expected bytes
                    passed at its acquire), full: 1 + TMA bytes, empty: 1 (tcgen05.commit
                    once the GEMMs that read the stage are done).
-      pipeline_s_i (PipelineUmmaAsync, i = 0, 1)  mma -> softmax_i, 1 stage, full: 1
-                   (tcgen05.commit after S_i = Q_i K^T), empty: 128 (softmax_i threads, once
-                   P_i is in TMEM: tcgen05.wait::st, then arrive). The MMA's acquire before
-                   O_i += P_i V waits for P_i.
-      pipeline_o_i (PipelineUmmaAsync)  mma -> correction, 1 stage, full: 1 (commit after
-                   O_i += P_i V[j]), empty: 128 (correction threads, once O_i is rescaled for
-                   block j + 1, or read by the final step). The MMA's acquire before the next
-                   O_i += P_i V waits for the rescale.
-      pipeline_stats_i (PipelineAsync)  softmax_i -> correction, 1 stage, 128 / 128 arrivals:
-                   per block j >= 1 the factor 2^((m_old - m_new) scale_log2) of each row
-                   (smem, one fp32 a row), after the last block the row's sum and max.
+      pipeline_s, pipeline_o, pipeline_stats: one slot per Q tile (slot i belongs to tile i and
+      keeps its own phase, ``cute_fa/dsl/ring.py slot_state``); "pipeline_s_i" is slot i.
+      pipeline_s_i (PipelineUmmaAsync)  mma -> softmax_i, full: 1 (tcgen05.commit after S_i =
+                   Q_i K^T), empty: 128 (softmax_i threads, once P_i is in TMEM: tcgen05.wait::st,
+                   then arrive). The MMA's acquire before O_i += P_i V waits for P_i.
+      pipeline_o_i (PipelineUmmaAsync)  mma -> correction, full: 1 (commit after O_i += P_i V[j]),
+                   empty: 128 (correction threads, once O_i is rescaled for block j + 1, or read
+                   by the final step). The MMA's acquire before the next O_i += P_i V waits for
+                   the rescale.
+      pipeline_stats_i (PipelineAsync)  softmax_i -> correction, 128 / 128 arrivals: per block
+                   j >= 1 the factor 2^((m_old - m_new) scale_log2) of each row (smem, one fp32 a
+                   row), after the last block the row's sum and max.
       pipeline_epi (PipelineAsync)  correction -> epilogue, 2 stages (O0, O1), 128 / 32:
                    O_i / l in 16 bits staged in Q_i's smem (every S_i GEMM has completed by
                    then: the commit of the last O_i GEMM follows them).
-      Arrival counts are asserted while tracing (``_pipelines``).
+      Uses are counted, not carried: block j (visiting order) is use j of slot i of pipeline_s
+      and pipeline_o, K[j] / V[j] are uses 2 j / 2 j + 1 of the K/V ring (``ring_state``).
+      Arrival counts are asserted while tracing (``_pipelines``, ``self.protocol``).
     Softmax step (thread = row): wait S_i; tcgen05.ld the row (tile_n fp32); mask (blocks that
       cut the seqlen_k tail or the causal diagonal only: ``apply_mask`` on a (1, tile_n) view);
       row max; ``update_max`` (rescale threshold SM100_FWD_RESCALE_THRESHOLD = 8 log2 units:
