@@ -1,4 +1,25 @@
 """sm100 kernels (FA4 design): tcgen05 MMA, TMEM, softmax and correction warpgroups.
 
-No kernel here yet: on sm100 the dispatcher uses the sm80 kernels, which run on Blackwell.
+``FlashAttentionForwardSm100`` cross-compiles for sm_100a / sm_103a (compile-only so far: it has
+not run on a Blackwell GPU, and dispatch does not route to it; on sm100 the sm80 kernels run).
+The kernel class imports the CuTe DSL and loads on first use; ``cute_fa.blackwell.support``
+answers what it can do without that import.
 """
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "FlashAttentionForwardSm100": ".flash_fwd",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

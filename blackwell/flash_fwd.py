@@ -1,0 +1,891 @@
+"""sm100 forward kernel: FlashAttention-4 design on tcgen05 MMA, tensor memory and warp roles."""
+
+from __future__ import annotations
+
+import enum
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.memory import TmemAllocator
+from cutlass.tensor_utils.layout import LayoutEnum
+
+from cute_fa.config import FwdConfig
+from cute_fa.dsl.copy import row_store_copy, store_rows
+from cute_fa.dsl.fastmath import exp2_row
+from cute_fa.dsl.kernel import AttentionKernel
+from cute_fa.dsl.mask import apply_mask, block_range
+from cute_fa.dsl.ring import ring_state, slot_state
+from cute_fa.dsl.row_softmax import finalize_row, row_view, update_max
+from cute_fa.dsl.seqlen import seqlen_info
+from cute_fa.dsl.softmax import score_scales
+
+from .support import (
+    SM100_FWD_EXP2_POLY_EVERY,
+    SM100_FWD_KV_STAGES,
+    SM100_FWD_Q_TILES,
+    SM100_FWD_REGS,
+    SM100_FWD_RESCALE_THRESHOLD,
+    SM100_FWD_TILE_Q,
+    TMEM_COLUMNS,
+    fwd_can_implement,
+    fwd_tmem_columns,
+)
+
+WARP = 32
+WARPGROUP = 128
+# Columns of O one correction thread moves per tcgen05.ld / st (32 fp32 registers).
+O_CHUNK = 32
+# Rows of the O tile the epilogue warp stores per pass (16 registers a lane at dv 128).
+EPI_ROWS = 8
+
+
+class Role(enum.IntEnum):
+    """First warp of each role (warps 0-15, 512 threads)."""
+
+    SOFTMAX0 = 0  # warps 0-3: Q tile 0 (rows 0-127 of the CTA)
+    SOFTMAX1 = 4  # warps 4-7: Q tile 1 (rows 128-255)
+    CORRECTION = 8  # warps 8-11
+    MMA = 12
+    LOAD = 13
+    EPILOGUE = 14
+    IDLE = 15
+
+
+class Barrier(enum.IntEnum):
+    """Named barrier ids (0 is __syncthreads)."""
+
+    TMEM_ALLOC = 1  # MMA + softmax + correction warps (416 threads): TMEM address published
+    TMEM_FREE = 2  # correction warps (128 threads): every TMEM read done, warp 8 frees
+
+
+class FlashAttentionForwardSm100(AttentionKernel):
+    """Exact attention forward, FA4 design (sm_100a / sm_103a; cross-compiled only).
+
+    Nothing of this kernel has run on a Blackwell GPU. It compiles for sm_100a and sm_103a, and
+    tests/test_compile_sm100.py checks its SASS (UTCHMMA, LDTM / STTM, TMEM alloc / dealloc,
+    USETMAXREG, UTMALDG, no local memory); docs/blackwell.md has the counts beside FA4's.
+
+    Scope: bf16 / fp16; (d, dv) in (64, 64), (128, 128); dense or varlen
+    (cu_seqlens_q / cu_seqlens_k), seqused_q; no mask or causal; GQA/MQA (K/V head = head //
+    (heads / kv heads)). ``blackwell/support.py`` rejects the rest with its reason (sliding
+    window, softcap, seqused_k, d 256, and (192, 128), whose MMA warp spills: support.py).
+
+    Grid and work split
+      One CTA a tile of tile_m = 256 query rows of one (head, batch): two Q tiles of 128 rows
+      (the M of a tcgen05 MMA, and the 128 lanes of TMEM); grid = (ceil(max_seqlen_q / 256),
+      heads, batch), causal grids in reverse (longest rows first). Key blocks of tile_n = 128
+      from the last one the CTA sees down to the first (``block_range`` over the 256 rows).
+    Warp roles (16 warps; setmaxnreg per role, ``support.SM100_FWD_REGS``: 128 * (2 * 192 +
+    80 + 48) = 65536)
+      warps 0-3   softmax0: Q tile 0; thread t owns query row t (TMEM lane t).  192 registers
+      warps 4-7   softmax1: Q tile 1, the same for rows 128-255.                 192
+      warps 8-11  correction: rescales O0 / O1 in TMEM when a row max moved, then O / l, LSE,
+                  O -> smem (16-bit); warp 8 allocates and frees TMEM.            80
+      warp 12     mma: one elected thread issues every tcgen05.mma and commit.    48
+      warp 13     load: one thread issues every TMA load (Q0, Q1, K and V).       48
+      warp 14     epilogue: O tiles smem -> global, 16-byte row-predicated stores. 48
+      warp 15     idle.                                                          48
+    Tensor memory (512 columns allocated; the plan, asserted at trace time to fit):
+      S0 [0, 128)   S1 [128, 256)   O0 [256, 256 + dv)   O1 [256 + dv, 256 + 2 dv)
+      P_i (tile_n 16-bit values a row = 64 columns) overwrites the first half of S_i: the
+      softmax thread has its whole row of S in registers before it writes any P.
+    MMA order (one thread; tcgen05 MMAs of one thread run in issue order):
+      S0 = Q0 K[0]^T, S1 = Q1 K[0]^T; then for each further block j:
+      O0 (+)= P0 V[j-1], S0 = Q0 K[j]^T, O1 (+)= P1 V[j-1], S1 = Q1 K[j]^T;
+      last: O0 (+)= P0 V[n-1], O1 (+)= P1 V[n-1]. (Blocks counted in visiting order.)
+      While softmax0 works on S0 the tensor cores run tile 1's GEMMs and the other way round.
+      S_i = Q_i K^T is SS (both operands in smem), O_i += P_i V is TS (P from TMEM).
+    Pipelines (producer -> consumer, stages, arrivals on full / empty):
+      pipeline_q   (PipelineTmaUmma)  load -> mma, 2 stages (Q0, Q1; each used once),
+                   full: 1 arrive + TMA bytes (128 x d x 2), empty: 1 (tcgen05.commit).
+      pipeline_kv  (PipelineTmaUmma)  load -> mma, kv_stages (4 at d 64 and 128),
+                   K[j] and V[j] in successive stages (K, V, K, V, ...; V's expected bytes
+                   passed at its acquire), full: 1 + TMA bytes, empty: 1 (tcgen05.commit
+                   once the GEMMs that read the stage are done).
+      pipeline_s, pipeline_o, pipeline_stats: one slot per Q tile (slot i belongs to tile i and
+      keeps its own phase, ``cute_fa/dsl/ring.py slot_state``); "pipeline_s_i" is slot i.
+      pipeline_s_i (PipelineUmmaAsync)  mma -> softmax_i, full: 1 (tcgen05.commit after S_i =
+                   Q_i K^T), empty: 128 (softmax_i threads, once P_i is in TMEM: tcgen05.wait::st,
+                   then arrive). The MMA's acquire before O_i += P_i V waits for P_i.
+      pipeline_o_i (PipelineUmmaAsync)  mma -> correction, full: 1 (commit after O_i += P_i V[j]),
+                   empty: 128 (correction threads, once O_i is rescaled for block j + 1, or read
+                   by the final step). The MMA's acquire before the next O_i += P_i V waits for
+                   the rescale.
+      pipeline_stats_i (PipelineAsync)  softmax_i -> correction, 128 / 128 arrivals: per block
+                   j >= 1 the factor 2^((m_old - m_new) scale_log2) of each row (smem, one fp32 a
+                   row), after the last block the row's sum and max.
+      pipeline_epi (PipelineAsync)  correction -> epilogue, 2 stages (O0, O1), 128 / 32:
+                   O_i / l in 16 bits staged in Q_i's smem (every S_i GEMM has completed by
+                   then: the commit of the last O_i GEMM follows them).
+      Uses are counted, not carried: block j (visiting order) is use j of slot i of pipeline_s
+      and pipeline_o, K[j] / V[j] are uses 2 j / 2 j + 1 of the K/V ring (``ring_state``).
+      Arrival counts are asserted while tracing (``_pipelines``, ``self.protocol``).
+    Softmax step (thread = row): wait S_i; tcgen05.ld the row (tile_n fp32); mask (blocks that
+      cut the seqlen_k tail or the causal diagonal only: ``apply_mask`` on a (1, tile_n) view);
+      row max; ``update_max`` (rescale threshold SM100_FWD_RESCALE_THRESHOLD = 8 log2 units:
+      the max moves only by more than that, Note [rescale threshold]); factor -> correction
+      (blocks after the first); p = 2^(s scale_log2 - m) with the argument by packed FFMA2 and
+      every SM100_FWD_EXP2_POLY_EVERY-th pair of an unmasked block by the packed polynomial
+      (``cute_fa/dsl/fastmath.py``); row sum; P -> 16 bits -> tcgen05.st into S_i's columns;
+      wait::st; release S_i (= P_i ready).
+    Correction: block 0 needs nothing; for each later block j of tile i: wait factor_i(j),
+      wait O_i (O_i += P_i V[j-1] complete), and if any row of the warp has a factor other
+      than 1, O_i *= factor in chunks of 32 columns (tcgen05.ld, FMUL2, tcgen05.st); release.
+      Final: row sum and max -> 1 / l and LSE (written by the thread of the row if the row <
+      seqlen_q); O_i / l -> 16 bits -> smem; arrive on pipeline_epi.
+    Out of range: TMA zero-fills rows past the tensor's end; keys past seqlen_k are masked to
+      -inf; query rows past seqlen_q are computed and never stored. Varlen: the TMA coordinate
+      tensors are shifted to each sequence's first row (as in the sm90 kernel). A CTA that sees
+      no key (causal with seqlen_q > seqlen_k, or a varlen tile past its sequence) loads and
+      multiplies nothing; its correction warps store O = 0, LSE = -inf for its rows.
+    Not yet: sliding window, softcap, seqused_k (V tail zeroing), d 256 / (192, 192), (192,
+      128) without local memory, 2-CTA
+      MMA, a persistent scheduler, TMA store of O, the order tuning of FA4 (S load in chunks,
+      the correction's rescale overlapping its epilogue).
+    """
+
+    arch = 100
+
+    def __init__(self, config: FwdConfig):
+        super().__init__(config)
+        self.tile_q = SM100_FWD_TILE_Q  # rows of one Q tile (TMEM lanes)
+        self.q_tiles = SM100_FWD_Q_TILES
+        self.num_threads = WARP * 16
+        self.kv_stages = SM100_FWD_KV_STAGES[(config.head_dim, config.head_dim_v)]
+        self.regs_softmax, self.regs_correction, self.regs_other = SM100_FWD_REGS[
+            (config.head_dim, config.head_dim_v)
+        ]
+        self.rescale_threshold = SM100_FWD_RESCALE_THRESHOLD
+        self.exp2_poly_every = SM100_FWD_EXP2_POLY_EVERY
+        # TMEM plan (columns of 32 bits).
+        self.tmem_s = [i * self.tile_n for i in range(self.q_tiles)]
+        self.tmem_o = [self.q_tiles * self.tile_n + i * self.tile_hdimv
+                       for i in range(self.q_tiles)]  # fmt: skip
+        self.tmem_p = list(self.tmem_s)  # P_i over the first tile_n / 2 columns of S_i
+        self.tmem_total = fwd_tmem_columns(self.tile_n, self.tile_hdimv)
+        assert self.tmem_total == self.tmem_o[-1] + self.tile_hdimv
+        assert self.tmem_total <= TMEM_COLUMNS, f"TMEM plan of {self.tmem_total} columns"
+
+    can_implement = staticmethod(fwd_can_implement)
+
+    # ------------------------------------------------------------------------------------------
+    # Host side
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        softmax_scale: Float32,
+        softcap: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        max_seqlen_q: Int32,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedQ: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
+        mTileCounter: cute.Tensor | None,
+        stream: cuda.CUstream,
+    ):
+        d, dv, tile_n, tile_q = self.tile_hdim, self.tile_hdimv, self.tile_n, self.tile_q
+        # TMA views: Q, K as (seqlen, d, heads, batch), V^T as (dv, seqlen, heads, batch).
+        mQ_t = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
+        mK_t = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
+        mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+
+        tiled_mma_qk, tiled_mma_pv = self.make_tiled_mmas()
+        mma_tiler_qk = (tile_q, tile_n, d)
+        mma_tiler_pv = (tile_q, dv, tile_n)
+        sQ_layout = sm100_utils.make_smem_layout_a(tiled_mma_qk, mma_tiler_qk, self.dtype,
+                                                   self.q_tiles)  # fmt: skip
+        sK_layout = sm100_utils.make_smem_layout_b(tiled_mma_qk, mma_tiler_qk, self.dtype,
+                                                   self.kv_stages)  # fmt: skip
+        sV_layout0 = sm100_utils.make_smem_layout_b(tiled_mma_pv, mma_tiler_pv, self.dtype,
+                                                    self.kv_stages)  # fmt: skip
+        # K[j] and V[j] share the ring: V's stages take K's stage stride (a K tile is at least a
+        # V tile: dv <= d).
+        k_tile = cute.cosize(cute.select(sK_layout.outer, mode=[0, 1, 2]))
+        sV_layout = cute.make_composed_layout(
+            sV_layout0.inner, 0,
+            cute.append(cute.select(sV_layout0.outer, mode=[0, 1, 2]),
+                        cute.make_layout(self.kv_stages, stride=k_tile)),
+        )  # fmt: skip
+        # P in TMEM, read as the A operand of O += P V (the layout of a K-major A tile).
+        tP_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, mma_tiler_pv, self.dtype, 1)
+        # O staged in smem (16-bit, row-major tiles of (128, dv)), over the Q tiles' memory.
+        sO_layout = sm100_utils.make_smem_layout_epi(
+            self.dtype, LayoutEnum.ROW_MAJOR, (tile_q, dv), self.q_tiles
+        )
+        assert cute.cosize(sO_layout) <= cute.cosize(sQ_layout)
+
+        load = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
+        tma_q, mQ_tma = cute.nvgpu.make_tiled_tma_atom_A(
+            load, mQ_t, cute.select(sQ_layout, mode=[0, 1, 2]), mma_tiler_qk, tiled_mma_qk
+        )
+        tma_k, mK_tma = cute.nvgpu.make_tiled_tma_atom_B(
+            load, mK_t, cute.select(sK_layout, mode=[0, 1, 2]), mma_tiler_qk, tiled_mma_qk
+        )
+        tma_v, mV_tma = cute.nvgpu.make_tiled_tma_atom_B(
+            load, mVt, cute.select(sV_layout, mode=[0, 1, 2]), mma_tiler_pv, tiled_mma_pv
+        )
+        self.tx_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2]))
+        self.tx_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
+        self.tx_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1, 2]))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_tiles]
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            mbar_s: cute.struct.MemRange[cutlass.Int64, 2 * self.q_tiles]
+            mbar_o: cute.struct.MemRange[cutlass.Int64, 2 * self.q_tiles]
+            mbar_stats: cute.struct.MemRange[cutlass.Int64, 2 * self.q_tiles]
+            mbar_epi: cute.struct.MemRange[cutlass.Int64, 2 * self.q_tiles]
+            tmem_addr: Int32
+            # Row statistics softmax -> correction: (row, field, Q tile); field 0: the rescale
+            # factor of a block, or the final row sum; field 1: the final row max.
+            stats: cute.struct.MemRange[Float32, 2 * self.q_tiles * tile_q]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+
+        score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
+        batch = cute.size(mQ.shape[0])
+        if cutlass.const_expr(mCuSeqlensQ is not None):
+            batch = cute.size(mCuSeqlensQ.shape[0]) - 1
+        grid = (cute.ceil_div(max_seqlen_q, self.tile_m), cute.size(mQ.shape[2]), batch)
+        self.kernel(
+            mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE, tma_q, tma_k, tma_v, scale_log2,
+            window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+            sQ_layout, sK_layout, sV_layout, tP_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
+            SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
+                 min_blocks_per_mp=1)  # fmt: skip
+
+    def make_tiled_mmas(self) -> tuple[cute.TiledMma, cute.TiledMma]:
+        """(S = Q K^T: both operands K-major in smem; O = P V: P K-major from TMEM, V^T
+        MN-major in smem), one CTA, fp32 accumulators in TMEM."""
+        K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, K, Float32, tcgen05.CtaGroup.ONE,
+            (self.tile_q, self.tile_n),
+        )  # fmt: skip
+        tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, MN, Float32, tcgen05.CtaGroup.ONE,
+            (self.tile_q, self.tile_hdimv), tcgen05.OperandSource.TMEM,
+        )  # fmt: skip
+        return tiled_mma_qk, tiled_mma_pv
+
+    # ------------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ_tma: cute.Tensor,
+        mK_tma: cute.Tensor,
+        mV_tma: cute.Tensor,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        tma_q: cute.CopyAtom,
+        tma_k: cute.CopyAtom,
+        tma_v: cute.CopyAtom,
+        scale_log2: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedQ: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        tP_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        pipes = self._pipelines(storage)
+        tmem = TmemAllocator(
+            storage.tmem_addr.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(
+                barrier_id=int(Barrier.TMEM_ALLOC), num_threads=WARP * 13
+            ),
+            allocator_warp_id=int(Role.CORRECTION),
+        )
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
+        sO_ptr = cute.recast_ptr(storage.sQ.data_ptr(), sO_layout.inner)
+        sO = cute.make_tensor(sO_ptr, sO_layout.outer)
+        sStats = storage.stats.get_tensor(cute.make_layout((self.tile_q, 2, self.q_tiles)))
+
+        gmem = (mQ, mK, mO, mLSE, mQ_tma, mK_tma, mV_tma, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
+                mSeqUsedK, window_left, window_right)  # fmt: skip
+        # Each role finds its tile's work itself, after its setmaxnreg (values computed before
+        # the role split would live through the 48-register roles).
+        if warp_idx == Role.LOAD:
+            cute.arch.setmaxregister_decrease(self.regs_other)
+            self.load(self.tile_work(*gmem), tma_q, tma_k, tma_v, sQ, sK, sV, tiled_mma_qk,
+                      tiled_mma_pv, pipes)  # fmt: skip
+        if warp_idx == Role.MMA:
+            cute.arch.setmaxregister_decrease(self.regs_other)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            self.mma(self.tile_work(*gmem), sQ, sK, sV, tP_layout, tiled_mma_qk, tiled_mma_pv,
+                     tmem_ptr, pipes)  # fmt: skip
+        if warp_idx == Role.EPILOGUE:
+            cute.arch.setmaxregister_decrease(self.regs_other)
+            self.epilogue(self.tile_work(*gmem), sO, pipes)
+        if warp_idx == Role.IDLE:
+            cute.arch.setmaxregister_decrease(self.regs_other)
+        if warp_idx < Role.CORRECTION:
+            cute.arch.setmaxregister_increase(self.regs_softmax)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            # One code path for both softmax warpgroups: the Q tile is a runtime value.
+            self.softmax(warp_idx // 4, self.tile_work(*gmem), tiled_mma_qk, tmem_ptr, sStats,
+                         scale_log2, window_left, window_right, pipes,
+                         tidx % WARPGROUP)  # fmt: skip
+        if warp_idx >= Role.CORRECTION and warp_idx < Role.MMA:
+            cute.arch.setmaxregister_decrease(self.regs_correction)
+            tmem.allocate(TMEM_COLUMNS)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            self.correction(self.tile_work(*gmem), tiled_mma_pv, tmem_ptr, sStats, sO,
+                            scale_log2, pipes, tidx % WARPGROUP)  # fmt: skip
+            tmem.relinquish_alloc_permit()
+            pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM_FREE),
+                                  num_threads=WARPGROUP).arrive_and_wait()  # fmt: skip
+            tmem.free(tmem_ptr, TMEM_COLUMNS)
+
+    def _pipelines(self, storage) -> dict:
+        """Every mbarrier pipeline of the class docstring, its arrival counts asserted."""
+        softmax_threads = WARPGROUP  # one softmax warpgroup per Q tile
+        correction_threads = WARPGROUP
+        epilogue_threads = WARP * (Role.IDLE - Role.EPILOGUE)
+        assert (Role.SOFTMAX1 - Role.SOFTMAX0) * WARP == softmax_threads
+        assert (Role.MMA - Role.CORRECTION) * WARP == correction_threads
+        assert self.kv_stages >= 2 and self.q_tiles == 2
+
+        def group(n: int):
+            return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
+
+        pipes = dict(
+            q=pipeline.PipelineTmaUmma.create(
+                barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.q_tiles,
+                producer_group=group(1), consumer_group=group(1), tx_count=self.tx_q,
+                defer_sync=True,
+            ),
+            kv=pipeline.PipelineTmaUmma.create(
+                barrier_storage=storage.mbar_kv.data_ptr(), num_stages=self.kv_stages,
+                producer_group=group(1), consumer_group=group(1), tx_count=self.tx_k,
+                defer_sync=True,
+            ),
+            epi=pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar_epi.data_ptr(), num_stages=self.q_tiles,
+                producer_group=group(correction_threads), consumer_group=group(epilogue_threads),
+                defer_sync=True,
+            ),
+        )  # fmt: skip
+        # One slot per Q tile (``slot_state``: slot i belongs to tile i, each keeps its phase).
+        for name, mbar, kind, producers, consumers in (
+            ("s", storage.mbar_s, pipeline.PipelineUmmaAsync, 1, softmax_threads),
+            ("o", storage.mbar_o, pipeline.PipelineUmmaAsync, 1, correction_threads),
+            ("stats", storage.mbar_stats, pipeline.PipelineAsync, softmax_threads,
+             correction_threads),
+        ):  # fmt: skip
+            pipes[name] = kind.create(
+                barrier_storage=mbar.data_ptr(), num_stages=self.q_tiles,
+                producer_group=group(producers), consumer_group=group(consumers),
+                defer_sync=True,
+            )  # fmt: skip
+        # The protocol the docstring states, checked against what was built.
+        self.protocol = {
+            "q": (self.q_tiles, 1, 1), "kv": (self.kv_stages, 1, 1),
+            "s": (self.q_tiles, 1, softmax_threads), "o": (self.q_tiles, 1, correction_threads),
+            "stats": (self.q_tiles, softmax_threads, correction_threads),
+            "epi": (self.q_tiles, correction_threads, epilogue_threads),
+        }  # fmt: skip
+        assert epilogue_threads == WARP
+        return pipes
+
+    @cute.jit
+    def tile_work(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mQ_tma: cute.Tensor,
+        mK_tma: cute.Tensor,
+        mV_tma: cute.Tensor,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedQ: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
+        window_left: Int32,
+        window_right: Int32,
+    ):
+        """Where this CTA's tile lies: (m_block, seqlen_q, seqlen_k, n_block_min, n_block_max,
+        n_block_no_right, and the (head, batch) views of Q, K, V (TMA coordinates), O, LSE),
+        the same in every role."""
+        m_block, head, batch = cute.arch.block_idx()
+        if cutlass.const_expr(self.causal):
+            m_block = cute.arch.grid_dim()[0] - 1 - m_block
+        offset_q, seqlen_q, offset_k, seqlen_k = seqlen_info(
+            batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK
+        )
+        n_block_min, n_block_max, n_block_no_right, _ = block_range(
+            m_block, seqlen_q, seqlen_k, window_left, window_right, self.tile_m, self.tile_n,
+            self.causal, self.local,
+        )  # fmt: skip
+        if cutlass.const_expr(mCuSeqlensQ is not None or mSeqUsedQ is not None):
+            if m_block * self.tile_m >= seqlen_q:
+                n_block_max = n_block_min  # no row of this CTA exists: load and store nothing
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        qb = 0 if cutlass.const_expr(mCuSeqlensQ is not None) else batch
+        kb = 0 if cutlass.const_expr(mCuSeqlensK is not None) else batch
+        mQ_cur = mQ_tma[None, None, head, qb]
+        mO_cur = mO[qb, None, head, None]
+        mLSE_cur = mLSE[qb, head, None]
+        mK_cur = mK_tma[None, None, head_kv, kb]
+        mV_cur = mV_tma[None, None, head_kv, kb]
+        if cutlass.const_expr(mCuSeqlensQ is not None):
+            mQ_cur = cute.domain_offset((offset_q, 0), mQ_cur)
+            mO_cur = cute.domain_offset((offset_q, 0), mO_cur)
+            mLSE_cur = cute.domain_offset((offset_q,), mLSE_cur)
+        if cutlass.const_expr(mCuSeqlensK is not None):
+            mK_cur = cute.domain_offset((offset_k, 0), mK_cur)
+            mV_cur = cute.domain_offset((0, offset_k), mV_cur)
+        return (m_block, seqlen_q, seqlen_k, n_block_min, n_block_max, n_block_no_right,
+                mQ_cur, mK_cur, mV_cur, mO_cur, mLSE_cur)  # fmt: skip
+
+    @cute.jit
+    def load(
+        self,
+        work: tuple,
+        tma_q: cute.CopyAtom,
+        tma_k: cute.CopyAtom,
+        tma_v: cute.CopyAtom,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        pipes: dict,
+    ):
+        """Load warp: Q0, K[0], Q1, V[0], K[1], V[1], ... (blocks in visiting order, from
+        n_block_max - 1 down; K[j] is use 2 j of the K/V ring, V[j] use 2 j + 1)."""
+        (m_block, _, _, n_block_min, n_block_max, _, mQ_cur, mK_cur, mV_cur, _, _) = work
+        for atom in (tma_q, tma_k, tma_v):
+            cpasync.prefetch_descriptor(atom)
+        thr_qk = tiled_mma_qk.get_slice(0)
+        thr_pv = tiled_mma_pv.get_slice(0)
+        gQ = cute.flat_divide(mQ_cur, (self.tile_q, self.tile_hdim))
+        gK = cute.flat_divide(mK_cur, (self.tile_n, self.tile_hdim))
+        gV = cute.flat_divide(mV_cur, (self.tile_hdimv, self.tile_n))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
+            cute.group_modes(thr_qk.partition_A(gQ), 0, 3),
+        )  # fmt: skip
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3),
+            cute.group_modes(thr_qk.partition_B(gK), 0, 3),
+        )  # fmt: skip
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3),
+            cute.group_modes(thr_pv.partition_B(gV), 0, 3),
+        )  # fmt: skip
+        pipeline_q, pipeline_kv = pipes["q"], pipes["kv"]
+        n_blocks = n_block_max - n_block_min
+        if n_blocks > 0:
+            for i in cutlass.range_constexpr(self.q_tiles):
+                q_state = ring_state(self.q_tiles, i, producer=True)
+                pipeline_q.producer_acquire(q_state)
+                cute.copy(tma_q, tQgQ[None, m_block * self.q_tiles + i, 0], tQsQ[None, i],
+                          tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))  # fmt: skip
+                if cutlass.const_expr(i == 0):
+                    self.load_kv(tma_k, tKgK[None, n_block_max - 1, 0], tKsK, pipeline_kv, 0,
+                                 self.tx_k)  # fmt: skip
+            for j in cutlass.range(n_blocks - 1, unroll=1):
+                n_block = n_block_max - 1 - j
+                self.load_kv(tma_v, tVgV[None, 0, n_block], tVsV, pipeline_kv, 2 * j + 1,
+                             self.tx_v)  # fmt: skip
+                self.load_kv(tma_k, tKgK[None, n_block - 1, 0], tKsK, pipeline_kv, 2 * j + 2,
+                             self.tx_k)  # fmt: skip
+            self.load_kv(tma_v, tVgV[None, 0, n_block_min], tVsV, pipeline_kv,
+                         2 * n_blocks - 1, self.tx_v)  # fmt: skip
+
+    @cute.jit
+    def load_kv(self, tma: cute.CopyAtom, src: cute.Tensor, tXsX: cute.Tensor, pipeline_kv,
+                count: Int32, tx_bytes: cutlass.Constexpr[int]):  # fmt: skip
+        """Use ``count`` of the K/V ring: wait for its stage, expect ``tx_bytes``, TMA."""
+        state = ring_state(self.kv_stages, count, producer=True)
+        pipeline_kv.producer_acquire(state, expected_tx=tx_bytes)
+        cute.copy(tma, src, tXsX[None, state.index],
+                  tma_bar_ptr=pipeline_kv.producer_get_barrier(state))  # fmt: skip
+
+    @cute.jit
+    def mma(
+        self,
+        work: tuple,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        tP_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tmem_ptr: cute.Pointer,
+        pipes: dict,
+    ):
+        """MMA warp: the order of the class docstring. Block j (visiting order) is use j of
+        pipeline_s_i and pipeline_o_i and uses 2 j, 2 j + 1 of the K/V ring."""
+        (_, _, _, n_block_min, n_block_max, _, _, _, _, _, _) = work
+        thr_qk = tiled_mma_qk.get_slice(0)
+        thr_pv = tiled_mma_pv.get_slice(0)
+        tSrQ = thr_qk.make_fragment_A(sQ)
+        tSrK = thr_qk.make_fragment_B(sK)
+        tOrV = thr_pv.make_fragment_B(sV)
+        tStS, tOtO, tOrP = self.tmem_tensors(thr_qk, thr_pv, tP_layout, tmem_ptr)
+        pipeline_q, pipeline_kv = pipes["q"], pipes["kv"]
+        pipeline_s, pipeline_o = pipes["s"], pipes["o"]
+        n_blocks = n_block_max - n_block_min
+        if n_blocks > 0:
+            k_state = ring_state(self.kv_stages, 0, producer=False)
+            for i in cutlass.range_constexpr(self.q_tiles):
+                pipeline_q.consumer_wait(ring_state(self.q_tiles, i, producer=False))
+                if cutlass.const_expr(i == 0):
+                    pipeline_kv.consumer_wait(k_state)
+                self.issue_s(tiled_mma_qk, tStS[i], tSrQ[None, None, None, i],
+                             tSrK[None, None, None, k_state.index], pipeline_s, i, 0,
+                             True)  # fmt: skip
+            pipeline_kv.consumer_release(k_state)
+            for j in cutlass.range(1, n_blocks, unroll=1):
+                v_state = ring_state(self.kv_stages, 2 * j - 1, producer=False)
+                k_state = ring_state(self.kv_stages, 2 * j, producer=False)
+                pipeline_kv.consumer_wait(v_state)
+                for i in cutlass.range_constexpr(self.q_tiles):
+                    self.issue_pv(tiled_mma_pv, tOtO[i], tOrP[i],
+                                  tOrV[None, None, None, v_state.index], pipeline_s,
+                                  pipeline_o, i, j)  # fmt: skip
+                    if cutlass.const_expr(i == 0):
+                        pipeline_kv.consumer_wait(k_state)
+                    self.issue_s(tiled_mma_qk, tStS[i], tSrQ[None, None, None, i],
+                                 tSrK[None, None, None, k_state.index], pipeline_s, i,
+                                 j, False)  # fmt: skip
+                pipeline_kv.consumer_release(v_state)
+                pipeline_kv.consumer_release(k_state)
+            v_state = ring_state(self.kv_stages, 2 * n_blocks - 1, producer=False)
+            pipeline_kv.consumer_wait(v_state)
+            for i in cutlass.range_constexpr(self.q_tiles):
+                self.issue_pv(tiled_mma_pv, tOtO[i], tOrP[i],
+                              tOrV[None, None, None, v_state.index], pipeline_s,
+                              pipeline_o, i, n_blocks)  # fmt: skip
+            pipeline_kv.consumer_release(v_state)
+
+    @cute.jit
+    def issue_s(self, tiled_mma: cute.TiledMma, tStS: cute.Tensor, tSrQ: cute.Tensor,
+                tSrK: cute.Tensor, pipeline_s, i: cutlass.Constexpr[int], j: Int32,
+                first: cutlass.Constexpr[bool]):  # fmt: skip
+        """S_i(j) = Q_i K[j]^T: use j of pipeline_s_i (its acquire, after the first block,
+        waited for P_i of block j - 1 already, in ``issue_pv``), committed as S_i full."""
+        state = slot_state(self.q_tiles, i, j, producer=True)
+        if cutlass.const_expr(first):
+            pipeline_s.producer_acquire(state)
+        self.gemm(0, tStS, tSrQ, tSrK, False)
+        pipeline_s.producer_commit(state)
+
+    @cute.jit
+    def issue_pv(self, tiled_mma: cute.TiledMma, tOtO: cute.Tensor, tOrP: cute.Tensor,
+                 tOrV: cute.Tensor, pipeline_s, pipeline_o, i: cutlass.Constexpr[int],
+                 j: Int32):  # fmt: skip
+        """O_i (+)= P_i(j - 1) V[j - 1]: waits for P_i(j - 1) (pipeline_s_i, use j) and for the
+        correction to be done with O_i (pipeline_o_i, use j - 1), then commits O_i full."""
+        pipeline_s.producer_acquire(slot_state(self.q_tiles, i, j, producer=True))
+        o_state = slot_state(self.q_tiles, i, j - 1, producer=True)
+        pipeline_o.producer_acquire(o_state)
+        self.gemm(1, tOtO, tOrP, tOrV, j > 1)
+        pipeline_o.producer_commit(o_state)
+
+    @cute.jit
+    def gemm(
+        self,
+        which: cutlass.Constexpr[int],
+        acc: cute.Tensor,
+        tA: cute.Tensor,
+        tB: cute.Tensor,
+        accumulate,
+    ):
+        """acc (+)= A B over the K phases of one tile (``which``: 0 S = Q K^T, 1 O += P V);
+        ``accumulate`` False overwrites acc. The TiledMma is built here, fresh: one whose
+        ACCUMULATE field was set inside a staged loop or branch cannot be used outside it."""
+        tiled_mma = self.make_tiled_mmas()[which]
+        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+            if cutlass.const_expr(k == 0):
+                tiled_mma.set(tcgen05.Field.ACCUMULATE, accumulate)
+            else:
+                tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+            cute.gemm(tiled_mma, acc, tA[None, None, k], tB[None, None, k], acc)
+
+    def tmem_tensors(self, thr_qk, thr_pv, tP_layout, tmem_ptr: cute.Pointer):
+        """([S_i], [O_i], [P_i]) views of the TMEM plan: fp32 S and O accumulators, and P_i
+        as the 16-bit A operand of O_i += P_i V."""
+        s_layout = thr_qk.make_fragment_C(
+            thr_qk.partition_shape_C((self.tile_q, self.tile_n))).layout  # fmt: skip
+        o_layout = thr_pv.make_fragment_C(
+            thr_pv.partition_shape_C((self.tile_q, self.tile_hdimv))).layout  # fmt: skip
+        tP = thr_pv.make_fragment_A(cute.make_tensor(tmem_ptr, tP_layout.outer))
+        tP = tP[None, None, None, 0]
+        tStS = [cute.make_tensor(tmem_ptr + self.tmem_s[i], s_layout)
+                for i in range(self.q_tiles)]  # fmt: skip
+        tOtO = [cute.make_tensor(tmem_ptr + self.tmem_o[i], o_layout)
+                for i in range(self.q_tiles)]  # fmt: skip
+        tOrP = [cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem_p[i], dtype=self.dtype),
+                                 tP.layout)
+                for i in range(self.q_tiles)]  # fmt: skip
+        return tStS, tOtO, tOrP
+
+    @cute.jit
+    def softmax(
+        self,
+        stage: Int32,
+        work: tuple,
+        tiled_mma_qk: cute.TiledMma,
+        tmem_ptr: cute.Pointer,
+        sStats: cute.Tensor,
+        scale_log2: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        pipes: dict,
+        tidx: Int32,
+    ):
+        """Softmax warpgroup of Q tile ``stage`` (0 or 1, a runtime value: both warpgroups run
+        this one code path); thread ``tidx`` owns row ``tidx`` of the tile."""
+        (m_block, seqlen_q, seqlen_k, n_block_min, n_block_max, n_block_no_right,
+         _, _, _, _, _) = work  # fmt: skip
+        thr_qk = tiled_mma_qk.get_slice(0)
+        s_layout = thr_qk.make_fragment_C(
+            thr_qk.partition_shape_C((self.tile_q, self.tile_n))).layout  # fmt: skip
+        # S_i and P_i: the plan's columns for tile i are the tile's index times tile_n.
+        assert self.tmem_s[1] - self.tmem_s[0] == self.tile_n and self.tmem_p == self.tmem_s
+        tStS = cute.make_tensor(tmem_ptr + stage * self.tile_n, s_layout)
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((self.tile_q, self.tile_n)))
+        # S: the whole row, tile_n fp32, by 32x32b loads (lane = row).
+        load_s = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32),
+            tStS,
+        )
+        thr_load_s = load_s.get_slice(tidx)
+        tStS_t = thr_load_s.partition_S(tStS)
+        tScS_t = thr_load_s.partition_D(tScS)
+        # P: tile_n 16-bit values a row, written as tile_n / 2 fp32 words over S's columns.
+        p_cols = self.tile_n * self.dtype.width // 32
+        p_view = cute.make_layout((self.tile_q, p_cols))
+        tStP = cute.make_tensor(tmem_ptr + stage * self.tile_n,
+                                cute.composition(tStS.layout, p_view))  # fmt: skip
+        tScP = cute.composition(tScS, p_view)
+        store_p = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(32)), Float32),
+            tStP,
+        )
+        thr_store_p = store_p.get_slice(tidx)
+        tStP_t = thr_store_p.partition_D(tStP)
+        tSrP_shape = thr_store_p.partition_S(tScP).shape
+
+        row_start = m_block * self.tile_m + stage * self.tile_q
+        row_max = -Float32.inf
+        row_sum = Float32(0.0)
+        n_blocks = n_block_max - n_block_min
+        n_masked = n_block_max - cutlass.max(n_block_no_right, n_block_min)
+        step = (tStS_t, tScS_t, load_s, store_p, tStP_t, tSrP_shape, pipes["s"],
+                pipes["stats"], sStats, stage, tidx, row_start, seqlen_q, seqlen_k,
+                window_left, window_right, scale_log2)  # fmt: skip
+        if n_blocks > 0:
+            # Masked blocks first (the first one visited always: it may cut the seqlen_k tail
+            # or the causal diagonal), then the unmasked ones.
+            for j in cutlass.range(cutlass.max(n_masked, 1), unroll=1):
+                row_max, row_sum = self.softmax_step(step, j, n_block_max - 1 - j, row_max,
+                                                     row_sum, True)  # fmt: skip
+            for j in cutlass.range(cutlass.max(n_masked, 1), n_blocks, unroll=1):
+                row_max, row_sum = self.softmax_step(step, j, n_block_max - 1 - j, row_max,
+                                                     row_sum, False)  # fmt: skip
+            # Final statistics for the correction warps (use n_blocks - 1 of pipeline_stats).
+            stats_state = slot_state(self.q_tiles, stage, n_blocks - 1, producer=True)
+            pipes["stats"].producer_acquire(stats_state)
+            sStats[tidx, 0, stage] = row_sum
+            sStats[tidx, 1, stage] = row_max
+            pipes["stats"].producer_commit(stats_state)
+
+    @cute.jit
+    def softmax_step(
+        self,
+        step: tuple,
+        j: Int32,
+        n_block: Int32,
+        row_max: Float32,
+        row_sum: Float32,
+        masked: cutlass.Constexpr[bool],
+    ):
+        """Block ``j`` (visiting order; key block ``n_block``) of one row: S -> P in TMEM
+        (use j of slot ``stage`` of pipeline_s; the rescale factor of blocks after the first is
+        use j - 1 of pipeline_stats). Returns the new (row_max, row_sum). No special first
+        block: a row max of -inf moves to any finite one with a factor of 2^-inf = 0."""
+        (tStS_t, tScS_t, load_s, store_p, tStP_t, tSrP_shape, pipeline_s, pipeline_stats,
+         sStats, stage, tidx, row_start, seqlen_q, seqlen_k, window_left, window_right,
+         scale_log2) = step  # fmt: skip
+        s_state = slot_state(self.q_tiles, stage, j, producer=False)
+        tSrS = cute.make_rmem_tensor(tScS_t.shape, Float32)
+        pipeline_s.consumer_wait(s_state)
+        cute.copy(load_s, tStS_t, tSrS)
+        if cutlass.const_expr(masked):
+            apply_mask(row_view(tSrS), row_view(tScS_t), row_start, n_block * self.tile_n,
+                       seqlen_q, seqlen_k, window_left, window_right, self.causal,
+                       self.local)  # fmt: skip
+        m_cur = tSrS.load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+        m_new, m_scaled, factor = update_max(
+            row_max, m_cur, scale_log2, False, masked, self.rescale_threshold
+        )
+        if j > 0:
+            stats_state = slot_state(self.q_tiles, stage, j - 1, producer=True)
+            pipeline_stats.producer_acquire(stats_state)
+            sStats[tidx, 0, stage] = factor
+            pipeline_stats.producer_commit(stats_state)
+        poly = 0 if cutlass.const_expr(masked) else self.exp2_poly_every
+        block_sum = exp2_row(tSrS, scale_log2, m_scaled, poly)
+        tSrP = cute.make_rmem_tensor(tSrP_shape, Float32)
+        tSrP_16 = cute.make_tensor(cute.recast_ptr(tSrP.iterator, dtype=self.dtype),
+                                   tSrS.layout)  # fmt: skip
+        tSrP_16.store(tSrS.load().to(self.dtype))
+        cute.copy(store_p, tSrP, tStP_t)
+        cute.arch.fence_view_async_tmem_store()
+        pipeline_s.consumer_release(s_state)
+        return m_new, row_sum * factor + block_sum
+
+    @cute.jit
+    def correction(
+        self,
+        work: tuple,
+        tiled_mma_pv: cute.TiledMma,
+        tmem_ptr: cute.Pointer,
+        sStats: cute.Tensor,
+        sO: cute.Tensor,
+        scale_log2: Float32,
+        pipes: dict,
+        tidx: Int32,
+    ):
+        """Correction warpgroup: O rescales per block, then O / l -> smem and LSE. Block j >= 1
+        of tile i takes use j - 1 of pipeline_stats_i and of pipeline_o_i; the final step
+        use n_blocks - 1 of both."""
+        (m_block, seqlen_q, _, n_block_min, n_block_max, _, _, _, _, _, mLSE_cur) = work
+        thr_pv = tiled_mma_pv.get_slice(0)
+        o_layout = thr_pv.make_fragment_C(
+            thr_pv.partition_shape_C((self.tile_q, self.tile_hdimv))).layout  # fmt: skip
+        chunk = cute.make_layout((self.tile_q, O_CHUNK))
+        atom_ld = cute.make_copy_atom(
+            tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(O_CHUNK)), Float32
+        )
+        atom_st = cute.make_copy_atom(
+            tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(O_CHUNK)), Float32
+        )
+        tOtO = [cute.make_tensor(tmem_ptr + self.tmem_o[i], o_layout)
+                for i in range(self.q_tiles)]  # fmt: skip
+        tOtO_c = [cute.logical_divide(t, chunk) for t in tOtO]
+        tOsO_c = [cute.logical_divide(thr_pv.partition_C(sO[None, None, i]), chunk)
+                  for i in range(self.q_tiles)]  # fmt: skip
+        load_o = tcgen05.make_tmem_copy(atom_ld, tOtO_c[0][(None, None), 0])
+        store_o = tcgen05.make_tmem_copy(atom_st, tOtO_c[0][(None, None), 0])
+        thr_load_o = load_o.get_slice(tidx)
+        thr_store_o = store_o.get_slice(tidx)
+        n_chunks = self.tile_hdimv // O_CHUNK
+        tOrO = cute.make_rmem_tensor(
+            thr_load_o.partition_D(tOtO_c[0][(None, None), 0]).shape, Float32
+        )
+        tOrO_16 = cute.make_rmem_tensor(tOrO.shape, self.dtype)
+        pipeline_o, pipeline_stats, pipeline_epi = pipes["o"], pipes["stats"], pipes["epi"]
+        n_blocks = n_block_max - n_block_min
+        for j in cutlass.range(1, n_blocks, unroll=1):
+            for i in cutlass.range_constexpr(self.q_tiles):
+                state = slot_state(self.q_tiles, i, j - 1, producer=False)
+                pipeline_stats.consumer_wait(state)
+                factor = sStats[tidx, 0, i]
+                pipeline_stats.consumer_release(state)
+                pipeline_o.consumer_wait(state)
+                if cute.arch.vote_any_sync(factor != Float32(1.0)):
+                    for c in cutlass.range_constexpr(n_chunks):
+                        cute.copy(load_o, thr_load_o.partition_S(tOtO_c[i][(None, None), c]),
+                                  tOrO)  # fmt: skip
+                        self.scale_row(tOrO, factor)
+                        cute.copy(store_o, tOrO,
+                                  thr_store_o.partition_D(tOtO_c[i][(None, None), c]))  # fmt: skip
+                    cute.arch.fence_view_async_tmem_store()
+                pipeline_o.consumer_release(state)
+        for i in cutlass.range_constexpr(self.q_tiles):
+            state = slot_state(self.q_tiles, i, n_blocks - 1, producer=False)
+            row = m_block * self.tile_m + i * self.tile_q + tidx
+            inv = Float32(0.0)
+            lse = -Float32.inf
+            if n_blocks > 0:
+                pipeline_stats.consumer_wait(state)
+                inv, lse = finalize_row(sStats[tidx, 1, i], sStats[tidx, 0, i], scale_log2)
+                pipeline_stats.consumer_release(state)
+                pipeline_o.consumer_wait(state)
+            pipeline_epi.producer_acquire(ring_state(self.q_tiles, i, producer=True))
+            for c in cutlass.range_constexpr(n_chunks):
+                if n_blocks > 0:
+                    cute.copy(load_o, thr_load_o.partition_S(tOtO_c[i][(None, None), c]), tOrO)
+                else:
+                    tOrO.fill(0.0)
+                self.scale_row(tOrO, inv)
+                tOrO_16.store(tOrO.load().to(self.dtype))
+                cute.autovec_copy(tOrO_16, thr_load_o.partition_D(tOsO_c[i][(None, None), c]))
+            if n_blocks > 0:
+                cute.arch.fence_view_async_tmem_load()
+                pipeline_o.consumer_release(state)
+            if row < seqlen_q:
+                mLSE_cur[row] = lse
+            pipeline_epi.producer_commit(ring_state(self.q_tiles, i, producer=True))
+
+    @cute.jit
+    def scale_row(self, t: cute.Tensor, factor: Float32):
+        """t *= factor, two elements per FMUL2."""
+        for k in cutlass.range_constexpr(0, cute.size(t), 2):
+            t[k], t[k + 1] = cute.arch.mul_packed_f32x2((t[k], t[k + 1]), (factor, factor))
+
+    @cute.jit
+    def epilogue(self, work: tuple, sO: cute.Tensor, pipes: dict):
+        """Epilogue warp: each finished O tile from smem to global, EPI_ROWS rows a pass, rows
+        past seqlen_q not written."""
+        (m_block, seqlen_q, _, _, _, _, _, _, _, mO_cur, _) = work
+        lane = cute.arch.lane_idx()
+        copy_r2g = row_store_copy(self.dtype, WARP, self.tile_hdimv)
+        pipeline_epi = pipes["epi"]
+        gO = cute.local_tile(mO_cur, (EPI_ROWS, self.tile_hdimv), (None, 0))
+        for i in cutlass.range_constexpr(self.q_tiles):
+            state = ring_state(self.q_tiles, i, producer=False)
+            pipeline_epi.consumer_wait(state)
+            row0 = m_block * self.tile_m + i * self.tile_q
+            sO_i = cute.flat_divide(sO[None, None, i], (EPI_ROWS, self.tile_hdimv))
+            for r in cutlass.range(self.tile_q // EPI_ROWS, unroll=1):
+                rows_left = seqlen_q - row0 - r * EPI_ROWS
+                if rows_left > 0:
+                    store_rows(sO_i[None, None, r, 0], gO[None, None, row0 // EPI_ROWS + r],
+                               rows_left, copy_r2g, lane)  # fmt: skip
+            pipeline_epi.consumer_release(state)

@@ -1,0 +1,122 @@
+"""What the sm100 kernels can do, without importing the CuTe DSL.
+
+``fwd_can_implement`` is ``FlashAttentionForwardSm100.can_implement``; keeping it here lets a
+caller (dispatch, the feature matrix, tests) ask without importing the DSL. The tuning knobs of
+the sm100 forward are module constants for now; the kernel reads each of them once, in its
+``__init__``, so they can move into a typed tuning field of the compile key.
+
+Nothing of this has run on a Blackwell GPU: the kernel is cross-compiled for sm_100a / sm_103a
+and checked by its SASS (tests/test_compile_sm100.py, docs/blackwell.md).
+"""
+
+from __future__ import annotations
+
+from cute_fa.config import SMEM_CAPACITY, FwdConfig
+
+SM100_FWD_TARGETS = ("sm_100a", "sm_103a")
+
+# One CTA runs two Q tiles of SM100_FWD_TILE_Q query rows (the M of one tcgen05 MMA and the 128
+# TMEM lanes); config.tile_m is the CTA's rows, 2 * SM100_FWD_TILE_Q. Key blocks of tile_n keys.
+SM100_FWD_TILE_Q = 128
+SM100_FWD_Q_TILES = 2
+SM100_FWD_TILE_M = SM100_FWD_Q_TILES * SM100_FWD_TILE_Q
+SM100_FWD_TILE_N = 128
+SM100_FWD_WARPS = 16
+SM100_FWD_TILE = (SM100_FWD_TILE_M, SM100_FWD_TILE_N, SM100_FWD_WARPS)
+# (head_dim, head_dim_v): what fits the TMEM plan (below) and shared memory and compiles without
+# local memory. d 256 (and (192, 192)) need 2 * 128 + 2 * dv > 512 columns: FA4 runs those with
+# another kernel design (one Q tile, or 2-CTA); not here yet. (192, 128) fits and compiles, but
+# its MMA warp goes to local memory (43 LDL / 23 STL at 80 registers, 58 / 31 at 64): ptxas
+# hoists the 2 x 12 loop-invariant smem descriptors of the two Q tiles (K phases of 16) out of
+# the key loop, more than the uniform registers hold. Needs descriptors built per K phase from
+# one base (FA4 does this in its own gemm helper); rejected until then.
+SM100_FWD_HEAD_DIM_PAIRS = ((64, 64), (128, 128))
+
+# Tensor memory: 512 columns of 32 bits x 128 lanes an SM. Plan (columns):
+#   S0 [0, tile_n)  S1 [tile_n, 2 tile_n)  O0 [2 tile_n, 2 tile_n + dv)  O1 [.., + dv)
+# P_i (16-bit, tile_n / 2 columns) overwrites the first half of S_i.
+TMEM_COLUMNS = 512
+
+
+def fwd_tmem_columns(tile_n: int, head_dim_v: int) -> int:
+    """Columns of the forward's TMEM plan: two S/P tiles and two O tiles."""
+    return SM100_FWD_Q_TILES * (tile_n + head_dim_v)
+
+
+# Registers a thread after setmaxnreg, by role: (softmax, correction, other) by (d, dv). The
+# whole CTA: 128 * (2 * softmax + correction + other) <= 65536 (512 threads launch at 128 each).
+# Two softmax warpgroups hold a row of S (tile_n fp32) and its P, the correction warpgroup a
+# 32-column slice of O, the rest (MMA, load, epilogue, idle warp) addresses and pipeline
+# states. 192 / 80 / 48 are FA4's defaults at d 128.
+SM100_FWD_REGS = {(64, 64): (192, 80, 48), (128, 128): (192, 80, 48)}
+for _regs in SM100_FWD_REGS.values():
+    assert 128 * (2 * _regs[0] + _regs[1] + _regs[2]) <= 65536
+    assert all(r % 8 == 0 for r in _regs)
+
+# Conditional rescale (Note [rescale threshold] in cute_fa/dsl/softmax.py): a row's max moves
+# only by more than this many log2 units; 0: on every new max. FA4: 8 for 16-bit inputs.
+SM100_FWD_RESCALE_THRESHOLD = 8.0
+# Software exp2 (Note [exp2 on the FMA pipe]; packed f32x2 form in cute_fa/dsl/fastmath.py):
+# in blocks without a mask, every k-th pair of a row's exponentials is a polynomial on the
+# FMA pipe; 0: all on MUFU. FA4 emulates about 1 in 10 at d 128 (its tuning table); not
+# measured here (no Blackwell GPU).
+SM100_FWD_EXP2_POLY_EVERY = 8
+# Stages of the K/V ring (K[n] and V[n] take one stage each) by (head_dim, head_dim_v): what
+# fits 227 KiB with two Q tiles (O is staged in the Q tiles' smem; (192, 128) would take 2).
+SM100_FWD_KV_STAGES = {(64, 64): 4, (128, 128): 4}
+# mbarriers, the LSE/scale exchange (2 x 2 x 128 fp32) and 1024-byte alignment of the tiles.
+SM100_FWD_SMEM_SLACK = 4096
+
+
+def fwd_smem_bytes(config: FwdConfig) -> int:
+    """Shared memory of the forward: two Q tiles and the K/V ring (stages of the larger of a K
+    and a V tile), 16-bit elements, plus slack."""
+    stages = SM100_FWD_KV_STAGES.get((config.head_dim, config.head_dim_v), 2)
+    q = config.tile_m * config.head_dim * 2
+    kv = stages * config.tile_n * max(config.head_dim, config.head_dim_v) * 2
+    return q + kv + SM100_FWD_SMEM_SLACK
+
+
+def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
+    """Whether FlashAttentionForwardSm100 compiles ``config``; else the reason."""
+    if config.arch != 100:
+        return False, f"FlashAttentionForwardSm100 is the sm100 family, not sm{config.arch}"
+    if config.target not in SM100_FWD_TARGETS:
+        return False, f"target {config.target}: the sm100 forward needs one of {SM100_FWD_TARGETS}"
+    pair = (config.head_dim, config.head_dim_v)
+    if pair not in SM100_FWD_HEAD_DIM_PAIRS:
+        return False, (
+            f"head_dim {config.head_dim} / head_dim_v {config.head_dim_v}: the sm100 forward "
+            f"takes {SM100_FWD_HEAD_DIM_PAIRS}"
+        )
+    if (config.tile_m, config.tile_n, config.num_warps) != SM100_FWD_TILE:
+        tile = f"{config.tile_m}x{config.tile_n}w{config.num_warps}"
+        return False, f"tile {tile}: the sm100 forward needs {SM100_FWD_TILE}"
+    if fwd_tmem_columns(config.tile_n, config.head_dim_v) > TMEM_COLUMNS:
+        return False, "the TMEM plan needs more than 512 columns"
+    if fwd_smem_bytes(config) > SMEM_CAPACITY[config.target]:
+        return False, f"shared memory {fwd_smem_bytes(config)} bytes exceeds the target's"
+    if config.local:
+        return False, "sliding window (local) not implemented in the sm100 forward yet"
+    if config.has_softcap:
+        return False, "softcap not implemented in the sm100 forward yet"
+    if config.seqused_k:
+        return False, (
+            "seqused_k not implemented in the sm100 forward yet (the V rows past it must be "
+            "zeroed before P V reads them)"
+        )
+    tuned = ("kv_stages", "defer_rescale", "exp2_poly", "rescale_threshold", "num_ctas",
+             "dynamic_tiles", "tma_store", "p_smem", "q_rmem")  # fmt: skip
+    for name in tuned:
+        if getattr(config, name):
+            return False, f"{name} is an sm90 tuning switch; the sm100 forward has its own"
+    if not config.pingpong or not config.overlap:
+        return False, "pingpong / overlap are sm90 tuning switches"
+    return True, ""
+
+
+def fwd_config(d: int, dv: int, target: str = "sm_100a", dtype: str = "bf16", **flags) -> FwdConfig:
+    """The compile key of the sm100 forward for (d, dv) and the feature flags."""
+    tile_m, tile_n, num_warps = SM100_FWD_TILE
+    return FwdConfig(arch=100, target=target, dtype=dtype, head_dim=d, head_dim_v=dv,
+                     tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, **flags)  # fmt: skip

@@ -1,0 +1,152 @@
+"""Compile-only checks of the sm100 forward kernel (FA4 design) on the CPU, with a SASS read.
+
+No Blackwell GPU and no simulator exist where this runs: ``FlashAttentionForwardSm100`` is
+cross-compiled for sm_100a (and sm_103a) with fake tensors, and its cubin is read. What is
+checked: the MMAs are tcgen05 (``UTCHMMA``, no ``HMMA`` / ``HGMMA``), S / P / O move between
+TMEM and registers (``LDTM`` / ``STTM``), TMEM is allocated and freed (``UTCATOMSWS
+.FIND_AND_SET`` / ``UTCATOMSWS.AND``), the roles re-budget their registers (``USETMAXREG`` down
+to 48 and 80, up to 192), Q / K / V arrive by TMA (``UTMALDG``), and nothing goes to local
+memory (0 stack, 0 local, no ``LDL`` / ``STL``). The pipeline arrival counts are asserted while
+tracing (``FlashAttentionForwardSm100._pipelines``); this file checks the traced protocol
+against the docstring's. Few configs: each compile costs CPU seconds.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+
+import pytest
+from cute_fa.blackwell.support import (
+    SM100_FWD_HEAD_DIM_PAIRS,
+    SM100_FWD_REGS,
+    SM100_FWD_TILE,
+    TMEM_COLUMNS,
+    fwd_can_implement,
+    fwd_config,
+    fwd_smem_bytes,
+    fwd_tmem_columns,
+)
+
+from cute_fa.config import SMEM_CAPACITY
+
+
+def _compile(config):
+    """(kernel instance, inspect_cubin's report) of the sm100 forward for ``config``."""
+    import cutlass.cute as cute
+    from cute_fa.blackwell import FlashAttentionForwardSm100
+
+    from cute_fa.dsl.fake import fwd_fake_args
+    from cute_fa.sass import inspect_cubin
+
+    kernel = FlashAttentionForwardSm100(config)
+    with tempfile.TemporaryDirectory(prefix="cute-fa-sm100-") as d:
+        compiled = cute.compile(
+            kernel,
+            *fwd_fake_args(config),
+            options=f"--gpu-arch {config.target} --keep-cubin --dump-dir {d}",
+        )
+        cubin = compiled.__cubin__
+    assert cubin, f"no cubin kept for {config.name}"
+    cubin = cubin if isinstance(cubin, bytes) else cubin.encode("latin-1")
+    return kernel, inspect_cubin(cubin)
+
+
+def test_lazy_import_and_support_without_dsl_kernel() -> None:
+    import cute_fa.blackwell as bw
+
+    assert "FlashAttentionForwardSm100" in bw.__all__
+    assert fwd_can_implement(fwd_config(128, 128)) == (True, "")
+
+
+@pytest.mark.parametrize("d, dv", SM100_FWD_HEAD_DIM_PAIRS)
+@pytest.mark.parametrize("target", ["sm_100a", "sm_103a"])
+def test_sm100_can_implement_accepts(d: int, dv: int, target: str) -> None:
+    config = fwd_config(d, dv, target=target, causal=True, varlen_q=True, varlen_k=True)
+    assert fwd_can_implement(config) == (True, "")
+    assert fwd_smem_bytes(config) <= SMEM_CAPACITY[target]
+    assert fwd_tmem_columns(config.tile_n, dv) <= TMEM_COLUMNS
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({"arch": 90}, "sm90"),
+        ({"target": "sm_90a"}, "sm_100a"),
+        ({"head_dim": 256, "head_dim_v": 256}, "head_dim 256"),
+        ({"head_dim": 192, "head_dim_v": 192}, "head_dim 192"),
+        ({"head_dim": 192, "head_dim_v": 128}, "head_dim 192"),
+        ({"tile_n": 64}, "tile"),
+        ({"local": True}, "local"),
+        ({"has_softcap": True}, "softcap"),
+        ({"seqused_k": True}, "seqused_k"),
+        ({"exp2_poly": 8}, "exp2_poly"),
+    ],
+)
+def test_sm100_can_implement_rejects_with_reason(changes: dict, needle: str) -> None:
+    ok, reason = fwd_can_implement(fwd_config(128, 128).replace(**changes))
+    assert not ok and needle in reason
+
+
+def test_sm100_tile_and_register_budget() -> None:
+    tile_m, tile_n, num_warps = SM100_FWD_TILE
+    assert (tile_m, tile_n, num_warps) == (256, 128, 16)
+    assert set(SM100_FWD_REGS) == set(SM100_FWD_HEAD_DIM_PAIRS)
+    for softmax, correction, other in SM100_FWD_REGS.values():
+        # The registers of an SM; 512 threads launch at 128 each.
+        assert 128 * (2 * softmax + correction + other) <= 65536
+
+
+VARLEN = {"varlen_q": True, "varlen_k": True}
+VARLEN_SEQUSED_Q = {**VARLEN, "seqused_q": True}
+# (d, dv, target, flags): both head-dim pairs, causal, varlen with seqused_q, sm_103a once.
+COMPILE_CASES = [
+    pytest.param(128, 128, "sm_100a", {}, id="d128"),
+    pytest.param(128, 128, "sm_100a", {"causal": True}, id="d128-causal"),
+    pytest.param(128, 128, "sm_100a", VARLEN_SEQUSED_Q, id="d128-varlen-seqused_q"),
+    pytest.param(64, 64, "sm_100a", {"causal": True, **VARLEN}, id="d64-causal-varlen"),
+    pytest.param(128, 128, "sm_103a", {}, id="d128-sm103a"),
+]
+
+_SETMAXNREG = re.compile(r"USETMAXREG\.(DEALLOC|TRY_ALLOC)\.CTAPOOL\s+(?:U?P\w+,\s*)?(0x[0-9a-f]+)")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d, dv, target, flags", COMPILE_CASES)
+def test_sm100_fwd_compiles(d: int, dv: int, target: str, flags: dict) -> None:
+    config = fwd_config(d, dv, target=target, **flags)
+    kernel, info = _compile(config)
+    counts, sass = info["sass_counts"], info["sass_text"]
+    # tcgen05 MMAs only: S = Q K^T and O += P V, 2 Q tiles x (prologue + loop + last) sites.
+    assert counts["UTCHMMA"] > 0
+    assert counts["HMMA"] == 0 and counts["HGMMA"] == 0
+    k_phases_s, k_phases_pv = d // 16, config.tile_n // 16
+    assert counts["UTCHMMA"] == 4 * k_phases_s + 4 * k_phases_pv
+    # S loads, P stores, O loads / stores in TMEM; TMA loads.
+    assert counts["LDTM"] > 0 and counts["STTM"] > 0
+    assert counts["UTMALDG"] > 0
+    # TMEM allocated (a retry loop: one or more FIND_AND_SET) and freed once.
+    assert sass.count("UTCATOMSWS.FIND_AND_SET") >= 1
+    assert sass.count("UTCATOMSWS.AND") == 1
+    # Registers re-budgeted by role: softmax up, correction and the other warps down.
+    softmax, correction, other = SM100_FWD_REGS[(d, dv)]
+    budgets = {(kind, int(value, 16)) for kind, value in _SETMAXNREG.findall(sass)}
+    assert budgets == {("DEALLOC", other), ("DEALLOC", correction), ("TRY_ALLOC", softmax)}
+    assert info["regs"] <= 128  # 512 threads launch
+    # Nothing in local memory.
+    assert info["stack"] == 0 and info["local"] == 0
+    assert counts["LDL"] == 0 and counts["STL"] == 0
+    # The traced pipelines are the docstring's protocol: (stages, producer arrivals, consumer
+    # arrivals).
+    assert kernel.protocol == {
+        "q": (2, 1, 1),
+        "kv": (kernel.kv_stages, 1, 1),
+        "s": (2, 1, 128),
+        "o": (2, 1, 128),
+        "stats": (2, 128, 128),
+        "epi": (2, 128, 32),
+    }
+    doc = type(kernel).__doc__
+    for name in ("pipeline_q", "pipeline_kv", "pipeline_s_i", "pipeline_o_i", "pipeline_stats_i",
+                 "pipeline_epi"):  # fmt: skip
+        assert name in doc
