@@ -11,7 +11,7 @@ and checked by its SASS (tests/test_compile_sm100.py, docs/blackwell.md).
 
 from __future__ import annotations
 
-from cute_fa.config import SMEM_CAPACITY, FwdConfig
+from cute_fa.config import SMEM_CAPACITY, FwdConfig, Sm100FwdTuning
 
 SM100_FWD_TARGETS = ("sm_100a", "sm_103a")
 
@@ -89,6 +89,8 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
             f"head_dim {config.head_dim} / head_dim_v {config.head_dim_v}: the sm100 forward "
             f"takes {SM100_FWD_HEAD_DIM_PAIRS}"
         )
+    if not isinstance(config.tuning, Sm100FwdTuning):
+        return False, f"tuning {type(config.tuning).__name__} is not an Sm100FwdTuning"
     if (config.tile_m, config.tile_n, config.num_warps) != SM100_FWD_TILE:
         tile = f"{config.tile_m}x{config.tile_n}w{config.num_warps}"
         return False, f"tile {tile}: the sm100 forward needs {SM100_FWD_TILE}"
@@ -105,18 +107,11 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
             "seqused_k not implemented in the sm100 forward yet (the V rows past it must be "
             "zeroed before P V reads them)"
         )
-    tuned = ("kv_stages", "defer_rescale", "exp2_poly", "rescale_threshold", "num_ctas",
-             "dynamic_tiles", "tma_store", "p_smem", "q_rmem")  # fmt: skip
-    for name in tuned:
-        if getattr(config, name):
-            return False, f"{name} is an sm90 tuning switch; the sm100 forward has its own"
-    if not config.pingpong or not config.overlap:
-        return False, "pingpong / overlap are sm90 tuning switches"
     return True, ""
 
 
 def fwd_config(d: int, dv: int, target: str = "sm_100a", dtype: str = "bf16", **flags) -> FwdConfig:
     """The compile key of the sm100 forward for (d, dv) and the feature flags."""
-    tile_m, tile_n, num_warps = SM100_FWD_TILE
+    tuning = Sm100FwdTuning(tile_m=SM100_FWD_TILE_M, tile_n=SM100_FWD_TILE_N)
     return FwdConfig(arch=100, target=target, dtype=dtype, head_dim=d, head_dim_v=dv,
-                     tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, **flags)  # fmt: skip
+                     tuning=tuning, **flags)  # fmt: skip

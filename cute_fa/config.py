@@ -164,6 +164,27 @@ class Sm90BwdTuning:
         return f"{self.tile_m}x{self.tile_n}w{self.num_warps}{q}"
 
 
+@dataclass(frozen=True)
+class Sm100FwdTuning:
+    """Tuning of FlashAttentionForwardSm100 (blackwell/flash_fwd.py): two 128-row Q tiles a
+    CTA (tile_m 256) and tile_n keys a block; its other choices are constants of
+    ``blackwell/support.py`` until they are measured on a Blackwell GPU."""
+
+    tile_m: int = 256
+    tile_n: int = 128
+
+    def __post_init__(self) -> None:
+        _check_tile(self.tile_m, self.tile_n)
+
+    @property
+    def num_warps(self) -> int:
+        return 16  # two softmax warpgroups, a correction warpgroup, MMA / load / epilogue warps
+
+    @property
+    def label(self) -> str:
+        return f"{self.tile_m}x{self.tile_n}w{self.num_warps}"
+
+
 def _check_tile(tile_m: int, tile_n: int) -> None:
     for name, value in (("tile_m", tile_m), ("tile_n", tile_n)):
         if (
@@ -175,7 +196,7 @@ def _check_tile(tile_m: int, tile_n: int) -> None:
             raise TuningError(f"{name} must be a multiple of 16 from 16 to 256, got {value!r}")
 
 
-Tuning = Tiles | Sm90FwdTuning | Sm90BwdTuning
+Tuning = Tiles | Sm90FwdTuning | Sm90BwdTuning | Sm100FwdTuning
 # The tuning of each kernel family, by the family's name in overrides (``cute_fa.tuning``) and
 # in the per-GPU tuned tables (``cute_fa/tuned.py``).
 TUNING_CLASSES: dict[str, type] = {
@@ -183,6 +204,7 @@ TUNING_CLASSES: dict[str, type] = {
     "sm80_bwd": Tiles,
     "sm90_fwd": Sm90FwdTuning,
     "sm90_bwd": Sm90BwdTuning,
+    "sm100_fwd": Sm100FwdTuning,
 }
 
 _FLAGS = ("causal", "local", "varlen_q", "varlen_k", "seqused_q", "seqused_k")
@@ -240,7 +262,7 @@ class FwdConfig(_Key):
     dtype: str  # "bf16" | "fp16"
     head_dim: int
     head_dim_v: int
-    tuning: Tuning  # Tiles (sm80), Sm90FwdTuning (sm90)
+    tuning: Tuning  # Tiles (sm80), Sm90FwdTuning (sm90), Sm100FwdTuning (sm100)
     causal: bool = False
     local: bool = False  # sliding window; window bounds are runtime values
     has_softcap: bool = False  # the softcap value itself is a runtime value

@@ -28,7 +28,7 @@ from cute_fa.blackwell.support import (
     fwd_tmem_columns,
 )
 
-from cute_fa.config import SMEM_CAPACITY
+from cute_fa.config import SMEM_CAPACITY, Sm90FwdTuning, Sm100FwdTuning
 
 
 def _compile(config):
@@ -37,7 +37,7 @@ def _compile(config):
     from cute_fa.blackwell import FlashAttentionForwardSm100
 
     from cute_fa.dsl.fake import fwd_fake_args
-    from cute_fa.sass import inspect_cubin
+    from cute_fa.tools.sass import inspect_cubin
 
     kernel = FlashAttentionForwardSm100(config)
     with tempfile.TemporaryDirectory(prefix="cute-fa-sm100-") as d:
@@ -76,11 +76,11 @@ def test_sm100_can_implement_accepts(d: int, dv: int, target: str) -> None:
         ({"head_dim": 256, "head_dim_v": 256}, "head_dim 256"),
         ({"head_dim": 192, "head_dim_v": 192}, "head_dim 192"),
         ({"head_dim": 192, "head_dim_v": 128}, "head_dim 192"),
-        ({"tile_n": 64}, "tile"),
+        ({"tuning": Sm100FwdTuning(tile_n=64)}, "tile"),
+        ({"tuning": Sm90FwdTuning()}, "Sm100FwdTuning"),
         ({"local": True}, "local"),
         ({"has_softcap": True}, "softcap"),
         ({"seqused_k": True}, "seqused_k"),
-        ({"exp2_poly": 8}, "exp2_poly"),
     ],
 )
 def test_sm100_can_implement_rejects_with_reason(changes: dict, needle: str) -> None:
