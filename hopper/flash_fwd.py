@@ -18,7 +18,7 @@ from cute_fa.config import FwdConfig
 from cute_fa.dsl.copy import acc_to_smem, row_store_copy, store_rows, transposed
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import BlockRange, Window, apply_mask, block_range
-from cute_fa.dsl.scheduler import next_tile, tile_coords, unit_count
+from cute_fa.dsl.scheduler import TileScheduler, for_each_tile, unit_count
 from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import (
     OnlineSoftmax,
@@ -213,7 +213,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
       tile, query block fastest; causal: a pair of tiles of one head, query blocks n - 1 - j
       then j; cute_fa/dsl/scheduler.py, Note [persistent tiles]). Every tile of a persistent
       grid loads its Q stage, one that sees no key (causal, seqlen_q > seqlen_k) too. The
-      producer and each consumer run the same tile loop; pipeline states and the pingpong
+      producer and each consumer run the same tile loop (one ``TileScheduler``, created before
+      the roles split, walked by ``for_each_tile``); pipeline states and the pingpong
       turns carry over from tile to tile, so the producer loads the next tile's Q, K and V
       while the consumers finish this one.
     Warp roles (1 + num_consumers warpgroups: 384 threads launched at <= 168 registers a
@@ -537,12 +538,9 @@ class FlashAttentionForwardSm90(AttentionKernel):
         gmem = GlobalTensors(mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE, mO_tma,
                              mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)  # fmt: skip
         window = Window(window_left, window_right)
-        # The tiles of this CTA (Note [persistent tiles]): the one of its block index, or with
-        # a persistent grid the work units (tiles; causal: pairs of tiles) from its block index
-        # on, a grid apart; ``second`` picks a pair's second tile.
-        unit, second = cute.arch.block_idx()[0], Int32(0)
-        num_units = unit_count(mQ.shape[1], self.tile_m, mQ.shape[2], mQ.shape[0], self.causal)
-        stride = cute.arch.grid_dim()[0]
+        # The tiles of this CTA (Note [persistent tiles]), walked by every role.
+        scheduler = TileScheduler(mQ.shape[1], mQ.shape[2], mQ.shape[0], self.tile_m,
+                                  self.causal, self.num_ctas > 0)  # fmt: skip
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.regs_producer)
             if warp_idx == 0:
@@ -557,16 +555,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
                     ),
                 )
                 tma = TmaLoads(q=tma_q, k=tma_k, v=tma_v)
-                if cutlass.const_expr(self.num_ctas > 0):
-                    while unit < num_units:
-                        states = self.load_tile(
-                            (unit, second), gmem, tma, smem_tiles, pipes, states, window
-                        )
-                        unit, second = next_tile(
-                            unit, second, stride, mQ.shape[1], self.tile_m, self.causal
-                        )
-                else:
-                    self.load_tile((unit, second), gmem, tma, smem_tiles, pipes, states, window)
+                for_each_tile(scheduler, self.load_tile, states, gmem, tma, smem_tiles, pipes,
+                              window)  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             consumer = wg_idx - 1
@@ -579,35 +569,16 @@ class FlashAttentionForwardSm90(AttentionKernel):
             )
             if consumer == self.num_consumers - 1:
                 self.end_turn(consumer)  # the last consumer hands the first turn to consumer 0
-            if cutlass.const_expr(self.num_ctas > 0):
-                while unit < num_units:
-                    states = self.consume_tile(
-                        (unit, second), gmem, smem_tiles, pipes, states, ops, consumer,
-                        tidx % WARPGROUP, scales, window,
-                    )  # fmt: skip
-                    unit, second = next_tile(
-                        unit, second, stride, mQ.shape[1], self.tile_m, self.causal
-                    )
-            else:
-                self.consume_tile(
-                    (unit, second), gmem, smem_tiles, pipes, states, ops, consumer,
-                    tidx % WARPGROUP, scales, window,
-                )  # fmt: skip
+            for_each_tile(scheduler, self.consume_tile, states, gmem, smem_tiles, pipes, ops,
+                          consumer, tidx % WARPGROUP, scales, window)  # fmt: skip
 
     @cute.jit
-    def tile_work(self, tile: tuple, gmem: GlobalTensors, window: Window) -> TileWork:
-        """Where tile ``tile`` (unit, second; Note [persistent tiles]) lies and which key blocks
-        it visits."""
+    def tile_work(self, coords: tuple, gmem: GlobalTensors, window: Window) -> TileWork:
+        """Where the tile of ``coords`` (m_block, head, batch; ``TileScheduler``) lies and which
+        key blocks it visits."""
         mQ, mK = gmem.mQ, gmem.mK
         mCuSeqlensQ, mCuSeqlensK = gmem.cu_seqlens_q, gmem.cu_seqlens_k
-        if cutlass.const_expr(self.num_ctas > 0):
-            m_block, head, batch = tile_coords(
-                tile[0], tile[1], mQ.shape[1], self.tile_m, mQ.shape[2], self.causal
-            )
-        else:
-            m_block, head, batch = cute.arch.block_idx()
-            if cutlass.const_expr(self.causal):
-                m_block = cute.arch.grid_dim()[0] - 1 - m_block
+        m_block, head, batch = coords
         seq = seqlen_info(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, gmem.seqused_q, gmem.seqused_k)
         n_block_min, n_block_max, n_block_no_right, n_block_no_left = block_range(
             m_block, seq.seqlen_q, seq.seqlen_k, window.left, window.right,
@@ -649,34 +620,36 @@ class FlashAttentionForwardSm90(AttentionKernel):
     @cute.jit
     def load_tile(
         self,
-        tile: tuple,
+        coords: tuple,
+        states: ProducerStates,
         gmem: GlobalTensors,
         tma: TmaLoads,
         smem_tiles: SmemTiles,
         pipes: Pipelines,
-        states: ProducerStates,
         window: Window,
     ) -> ProducerStates:
-        """Producer warp, one tile: its Q, K and V loads; returns the advanced states."""
-        work = self.tile_work(tile, gmem, window)
+        """Producer warp, one tile (``for_each_tile``'s body): its Q, K and V loads; returns
+        the advanced states."""
+        work = self.tile_work(coords, gmem, window)
         return self.load(work, tma, smem_tiles, pipes, states)
 
     @cute.jit
     def consume_tile(
         self,
-        tile: tuple,
+        coords: tuple,
+        states: ConsumerStates,
         gmem: GlobalTensors,
         smem_tiles: SmemTiles,
         pipes: Pipelines,
-        states: ConsumerStates,
         ops: ConsumerOps,
         consumer: Int32,
         tidx: Int32,
         scales: ScoreScales,
         window: Window,
     ) -> ConsumerStates:
-        """Consumer warpgroup, one tile; returns the advanced states."""
-        work = self.tile_work(tile, gmem, window)
+        """Consumer warpgroup, one tile (``for_each_tile``'s body); returns the advanced
+        states."""
+        work = self.tile_work(coords, gmem, window)
         return self.consume(work, smem_tiles, pipes, states, ops, consumer, tidx, scales, window)
 
     @cute.jit
