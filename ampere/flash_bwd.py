@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -58,6 +59,41 @@ def dq_tiled_mma(dtype, tile_m: int, head_dim: int, num_warps: int) -> cute.Tile
     """The tiled MMA of dQ = dS K, whose C fragments fix the order of the dQ accumulator
     (Note [dQ accumulator in fragment order]); the postprocess reads it with the same one."""
     return tiled_mma(dtype, tile_m, head_dim, num_warps, 2)
+
+
+class QueryRows(NamedTuple):
+    """This (batch, head)'s per-query-row tensors, shifted to the sequence start for varlen: Q,
+    dO (seqlen_q, d), LSE, delta (seqlen_q,), the dQ accumulator (its blocks' rows) and the dQ
+    semaphores (deterministic only, else None)."""
+
+    mQ: cute.Tensor
+    mdO: cute.Tensor
+    mLSE: cute.Tensor
+    mdPsum: cute.Tensor
+    mdQaccum: cute.Tensor
+    semaphores: cute.Tensor | None
+
+
+class BwdSmem(NamedTuple):
+    """Shared memory: K and V (loaded once), the Q / dO / LSE / delta stages, P and dS."""
+
+    sK: cute.Tensor
+    sV: cute.Tensor
+    sQ: cute.Tensor
+    sdO: cute.Tensor
+    sP: cute.Tensor
+    sdS: cute.Tensor
+    sLSE: cute.Tensor
+    sdPsum: cute.Tensor
+
+
+class Walk(NamedTuple):
+    """The query blocks a CTA visits, [m_min, m_max), and the rotation of the coresident order
+    (``query_block``)."""
+
+    m_min: Int32
+    m_max: Int32
+    shift: Int32
 
 
 class FlashAttentionBackwardSm80(AttentionKernel):
@@ -242,7 +278,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
             kb = 0 if cutlass.const_expr(mCuSeqlensK is not None) else batch
             # dQaccum blocks of sequence b start tile_m * b rows further down (varlen).
             offset_acc = dq_accum_offset(offset_q, batch, tm, mCuSeqlensQ is not None)
-            q_rows = (
+            q_rows = QueryRows(
                 cute.domain_offset((offset_q, 0), mQ[qb, None, head, None]),
                 cute.domain_offset((offset_q, 0), mdO[qb, None, head, None]),
                 cute.domain_offset((offset_q,), mLSE[qb, head, None]),
@@ -271,7 +307,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
             else:
                 smem = cutlass.memory.SmemAllocator()
                 storage = smem.allocate(SharedStorage)
-                smem_tiles = (
+                smem_tiles = BwdSmem(
                     storage.sK.get_tensor(sK_layout),
                     storage.sV.get_tensor(sK_layout),
                     storage.sQ.get_tensor(sQ_layout),
@@ -291,12 +327,12 @@ class FlashAttentionBackwardSm80(AttentionKernel):
     @cute.jit
     def attend_bwd(
         self,
-        q_rows: tuple,
+        q_rows: QueryRows,
         mK: cute.Tensor,
         mV: cute.Tensor,
         gdK: cute.Tensor,
         gdV: cute.Tensor,
-        smem_tiles: tuple,
+        smem_tiles: BwdSmem,
         n_block: Int32,
         keys_left: Int32,
         seqlen_q: Int32,
@@ -317,7 +353,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
     ):
         """Load K, V once; loop over the query blocks; write dK, dV."""
         tn, d = self.tile_n, self.tile_hdim
-        sK, sV = smem_tiles[0], smem_tiles[1]
+        sK, sV = smem_tiles.sK, smem_tiles.sV
         barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_threads)
         thr_g2s = copy_g2s.get_slice(tidx)
         tKVcKV = thr_g2s.partition_S(cute.make_identity_tensor((tn, d)))
@@ -345,7 +381,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
                 late = coresident_rotates(seqlen_q, seqlen_k, self.tile_m, tn)
                 if late:
                     shift = n_block
-        walk = (m_block_min, m_block_max, shift)
+        walk = Walk(m_block_min, m_block_max, shift)
         num_blocks = m_block_max - m_block_min
         if cutlass.const_expr(self.q_stages == 2):
             self.load_q_do(q_rows, smem_tiles, self.query_block(0, walk), 0, seqlen_q, copy_g2s,
@@ -380,7 +416,8 @@ class FlashAttentionBackwardSm80(AttentionKernel):
 
         if cutlass.const_expr(self.deterministic):
             if late:  # the last block's turn
-                self.release_dq_turn(q_rows[5], self.query_block(num_blocks - 1, walk), tidx)
+                self.release_dq_turn(q_rows.semaphores, self.query_block(num_blocks - 1, walk),
+                                     tidx)  # fmt: skip
         # dK carries the softmax scale (dS is w.r.t. the scaled scores); sK and sV are free
         # once every warp has finished the last block.
         if cutlass.const_expr(self.q_stages == 2):
@@ -390,11 +427,11 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         store_acc(acc_dV, mma_dkv, sV, gdV, keys_left, copy_r2g, barrier, tidx)
 
     @cute.jit
-    def query_block(self, i: Int32, walk: tuple) -> Int32:
+    def query_block(self, i: Int32, walk: Walk) -> Int32:
         """The i-th query block this CTA visits; ``walk`` = (m_block_min, m_block_max, shift).
         Ascending; deterministic: downward (the chain, Note [deterministic dQ]), or coresident:
         upward (causal) / downward from ``shift`` blocks past the last, wrapping (no mask)."""
-        m_block_min, m_block_max, shift = walk
+        m_block_min, m_block_max, shift = walk.m_min, walk.m_max, walk.shift
         if cutlass.const_expr(self.coresident and not self.causal):
             return rotated_query_block(i, m_block_min, m_block_max, shift)
         downward = self.deterministic and not self.coresident
@@ -403,8 +440,8 @@ class FlashAttentionBackwardSm80(AttentionKernel):
     @cute.jit
     def step_bwd(
         self,
-        q_rows: tuple,
-        smem_tiles: tuple,
+        q_rows: QueryRows,
+        smem_tiles: BwdSmem,
         m_block: Int32,
         m_next: Int32,
         has_next: cutlass.Boolean,
@@ -433,14 +470,14 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         prefetched when ``has_next``). Deterministic and ``late``: the turn of the block before,
         m_prev (when ``has_prev``), is passed on after this block's S and dP products."""
         tm, tn, d = self.tile_m, self.tile_n, self.tile_hdim
-        mdQaccum = q_rows[4]
-        sK, sV = smem_tiles[0], smem_tiles[1]
-        sQ, sdO = smem_tiles[2][None, None, stage], smem_tiles[3][None, None, stage]
-        sP, sdS = smem_tiles[4], smem_tiles[5]
-        sLSE, sdPsum = smem_tiles[6][None, stage], smem_tiles[7][None, stage]
+        mdQaccum = q_rows.mdQaccum
+        sK, sV = smem_tiles.sK, smem_tiles.sV
+        sQ, sdO = smem_tiles.sQ[None, None, stage], smem_tiles.sdO[None, None, stage]
+        sP, sdS = smem_tiles.sP, smem_tiles.sdS
+        sLSE, sdPsum = smem_tiles.sLSE[None, stage], smem_tiles.sdPsum[None, stage]
         rows_left = seqlen_q - m_block * tm
         if cutlass.const_expr(self.deterministic):
-            sem = elem_ptr(q_rows[5], m_block).llvm_ptr
+            sem = elem_ptr(q_rows.semaphores, m_block).llvm_ptr
             # The semaphore counts warps: the turn comes when every warp of every key block
             # before this one that visits m_block has added its share.
             if cutlass.const_expr(self.coresident):
@@ -494,7 +531,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         if cutlass.const_expr(self.deterministic):
             if late:
                 if has_prev:  # the atomics of m_prev went out a whole product ago
-                    self.release_dq_turn(q_rows[5], m_prev, tidx)
+                    self.release_dq_turn(q_rows.semaphores, m_prev, tidx)
 
         dtanh = None
         if cutlass.const_expr(self.has_softcap):
@@ -564,7 +601,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
                     )
         if cutlass.const_expr(self.deterministic):
             if not late:
-                self.release_dq_turn(q_rows[5], m_block, tidx)
+                self.release_dq_turn(q_rows.semaphores, m_block, tidx)
         if cutlass.const_expr(self.q_stages == 1):
             barrier.arrive_and_wait()  # the next block's load reuses this one's stage
 
@@ -582,8 +619,8 @@ class FlashAttentionBackwardSm80(AttentionKernel):
     @cute.jit
     def load_q_do(
         self,
-        q_rows: tuple,
-        smem_tiles: tuple,
+        q_rows: QueryRows,
+        smem_tiles: BwdSmem,
         m_block: Int32,
         stage: Int32,
         seqlen_q: Int32,
@@ -594,11 +631,11 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         LSE and delta (rows past seqlen_q not loaded) of query block ``m_block`` into ``stage``.
         The caller commits the group."""
         tm, d = self.tile_m, self.tile_hdim
-        mQ, mdO, mLSE, mdPsum = q_rows[0], q_rows[1], q_rows[2], q_rows[3]
+        mQ, mdO, mLSE, mdPsum = q_rows.mQ, q_rows.mdO, q_rows.mLSE, q_rows.mdPsum
         rows_left = seqlen_q - m_block * tm
         thr_g2s = copy_g2s.get_slice(tidx)
         tQcQ = thr_g2s.partition_S(cute.make_identity_tensor((tm, d)))
-        for src, dst in ((mQ, smem_tiles[2]), (mdO, smem_tiles[3])):
+        for src, dst in ((mQ, smem_tiles.sQ), (mdO, smem_tiles.sdO)):
             gX = cute.local_tile(src, (tm, d), (m_block, 0))
             sX = dst[None, None, stage]
             load_rows(copy_g2s, thr_g2s.partition_S(gX), thr_g2s.partition_D(sX), tQcQ, rows_left,
@@ -606,7 +643,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         if tidx < cutlass.min(tm, rows_left):
             atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
             one = cute.make_layout(1)
-            for src, dst in ((mLSE, smem_tiles[6]), (mdPsum, smem_tiles[7])):
+            for src, dst in ((mLSE, smem_tiles.sLSE), (mdPsum, smem_tiles.sdPsum)):
                 cute.copy(
                     atom,
                     cute.make_tensor(elem_ptr(src, m_block * tm + tidx), one),

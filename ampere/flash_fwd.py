@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -11,12 +13,59 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from cute_fa.dsl.copy import acc_to_smem, store_rows
 from cute_fa.dsl.kernel import AttentionKernel
-from cute_fa.dsl.mask import apply_mask, block_range
+from cute_fa.dsl.mask import Window, apply_mask, block_range
 from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import OnlineSoftmax, mn_view, score_scales, softcap_scores
 
 from .mma import acc_as_A_operand, gemm
 from .support import fwd_can_implement
+
+
+class MmaFragments(NamedTuple):
+    """The CTA's MMA, this thread's slice, its operand fragments, O and the identity of S."""
+
+    tiled_mma: cute.TiledMma
+    thr_mma: cute.ThrMma
+    tSrQ: cute.Tensor
+    tSrK: cute.Tensor
+    tOrVt: cute.Tensor
+    acc_O: cute.Tensor
+    tScS: cute.Tensor
+
+
+class SmemToReg(NamedTuple):
+    """ldmatrix copies of Q, K and V^T and their smem sources and register views."""
+
+    s2r_Q: cute.TiledCopy
+    s2r_K: cute.TiledCopy
+    s2r_V: cute.TiledCopy
+    tSsQ: cute.Tensor
+    tSrQ_view: cute.Tensor
+    tSsK: cute.Tensor
+    tSrK_view: cute.Tensor
+    tOsVt: cute.Tensor
+    tOrVt_view: cute.Tensor
+
+
+class KVLoads(NamedTuple):
+    """cp.async of the K and V tiles: the copy, each tile's global and smem partitions, and the
+    row identity that predicates the seqlen_k tail."""
+
+    copy_g2s: cute.TiledCopy
+    tKgK: cute.Tensor
+    tKsK: cute.Tensor
+    tVgV: cute.Tensor
+    tVsV: cute.Tensor
+    tKVcKV: cute.Tensor
+
+
+class BlockRows(NamedTuple):
+    """What the mask of this query block needs: its index, its sequence's lengths, the window."""
+
+    m_block: Int32
+    seqlen_q: Int32
+    seqlen_k: Int32
+    window: Window
 
 
 class FlashAttentionForwardSm80(AttentionKernel):
@@ -274,10 +323,10 @@ class FlashAttentionForwardSm80(AttentionKernel):
 
         softmax = OnlineSoftmax(scale_log2, cute.size(tScS.shape[0]))
         softmax.reset()
-        mma = (tiled_mma, thr_mma, tSrQ, tSrK, tOrVt, acc_O, tScS)
-        s2r = (s2r_Q, s2r_K, s2r_V, tSsQ, tSrQ_view, tSsK, tSrK_view, tOsVt, tOrVt_view)
-        g2s = (copy_g2s, tKgK, tKsK, tVgV, tVsV, tKVcKV)
-        mask_args = (m_block, seqlen_q, seqlen_k, window_left, window_right)
+        mma = MmaFragments(tiled_mma, thr_mma, tSrQ, tSrK, tOrVt, acc_O, tScS)
+        s2r = SmemToReg(s2r_Q, s2r_K, s2r_V, tSsQ, tSrQ_view, tSsK, tSrK_view, tOsVt, tOrVt_view)
+        g2s = KVLoads(copy_g2s, tKgK, tKsK, tVgV, tVsV, tKVcKV)
+        mask_args = BlockRows(m_block, seqlen_q, seqlen_k, Window(window_left, window_right))
 
         # Key blocks from n_block_max - 1 down: [start_unmasked, n_block_max) cut the seqlen tail
         # or the right edge (the first block is always treated as such), [start_left_masked,
@@ -318,49 +367,50 @@ class FlashAttentionForwardSm80(AttentionKernel):
         n_block_min: Int32,
         softmax: OnlineSoftmax,
         score_scale: Float32,
-        mma: tuple,
-        s2r: tuple,
-        g2s: tuple,
-        mask_args: tuple,
+        mma: MmaFragments,
+        s2r: SmemToReg,
+        g2s: KVLoads,
+        mask_args: BlockRows,
         barrier: pipeline.NamedBarrier,
         is_first: cutlass.Constexpr[bool],
         masked: cutlass.Constexpr[bool],
     ):
         """One key block: S = Q K^T, mask, online softmax, O += P V, with the next K in flight."""
-        tiled_mma, thr_mma, tSrQ, tSrK, tOrVt, acc_O, tScS = mma
-        s2r_Q, s2r_K, s2r_V, tSsQ, tSrQ_view, tSsK, tSrK_view, tOsVt, tOrVt_view = s2r
-        copy_g2s, tKgK, tKsK, tVgV, tVsV, tKVcKV = g2s
-        m_block, seqlen_q, seqlen_k, window_left, window_right = mask_args
+        seqlen_k = mask_args.seqlen_k
 
         cute.arch.cp_async_wait_group(0)
         barrier.arrive_and_wait()
-        self.load_kv(copy_g2s, tVgV, tVsV, tKVcKV, n_block, seqlen_k, is_first, True)
+        self.load_kv(g2s.copy_g2s, g2s.tVgV, g2s.tVsV, g2s.tKVcKV, n_block, seqlen_k, is_first,
+                     True)  # fmt: skip
         cute.arch.cp_async_commit_group()
 
-        acc_shape_S = thr_mma.partition_shape_C((self.tile_m, self.tile_n))
+        acc_shape_S = mma.thr_mma.partition_shape_C((self.tile_m, self.tile_n))
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
         acc_S.fill(0.0)
-        gemm(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSrQ_view, tSsK, tSrK_view, s2r_Q, s2r_K)
+        gemm(mma.tiled_mma, acc_S, mma.tSrQ, mma.tSrK, s2r.tSsQ, s2r.tSrQ_view, s2r.tSsK,
+             s2r.tSrK_view, s2r.s2r_Q, s2r.s2r_K)  # fmt: skip
         if cutlass.const_expr(self.has_softcap):
             softcap_scores(acc_S, score_scale)
 
         cute.arch.cp_async_wait_group(0)
         barrier.arrive_and_wait()
         if n_block > n_block_min:
-            self.load_kv(copy_g2s, tKgK, tKsK, tKVcKV, n_block - 1, seqlen_k, False, False)
+            self.load_kv(g2s.copy_g2s, g2s.tKgK, g2s.tKsK, g2s.tKVcKV, n_block - 1, seqlen_k,
+                         False, False)  # fmt: skip
             cute.arch.cp_async_commit_group()
 
         if cutlass.const_expr(masked):
             apply_mask(
-                mn_view(acc_S), tScS, m_block * self.tile_m, n_block * self.tile_n,
-                seqlen_q, seqlen_k, window_left, window_right, self.causal, self.local,
+                mn_view(acc_S), mma.tScS, mask_args.m_block * self.tile_m, n_block * self.tile_n,
+                mask_args.seqlen_q, seqlen_k, mask_args.window.left, mask_args.window.right,
+                self.causal, self.local,
             )  # fmt: skip
-        softmax.step(acc_S, acc_O, is_first, masked and (self.causal or self.local))
+        softmax.step(acc_S, mma.acc_O, is_first, masked and (self.causal or self.local))
 
         rP = cute.make_fragment_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
-        gemm(tiled_mma, acc_O, acc_as_A_operand(rP), tOrVt, None, None, tOsVt, tOrVt_view,
-             None, s2r_V)  # fmt: skip
+        gemm(mma.tiled_mma, mma.acc_O, acc_as_A_operand(rP), mma.tOrVt, None, None, s2r.tOsVt,
+             s2r.tOrVt_view, None, s2r.s2r_V)  # fmt: skip
 
     @cute.jit
     def load_kv(

@@ -4,6 +4,7 @@ warpgroups; the backward on Hopper for what it implements (see the class docstri
 from __future__ import annotations
 
 import enum
+from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -19,6 +20,7 @@ from cute_fa.config import BwdConfig
 from cute_fa.dsl.copy import acc_to_smem, elem_ptr, row_store_copy, store_rows, transposed
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import (
+    Window,
     apply_mask,
     first_key_block,
     query_block_range,
@@ -27,7 +29,13 @@ from cute_fa.dsl.mask import (
 )
 from cute_fa.dsl.scheduler import bwd_block_coords, bwd_grid
 from cute_fa.dsl.seqlen import seqlen_info
-from cute_fa.dsl.softmax import lse_for_recompute, mn_view_wgmma, score_scales, softcap_scores
+from cute_fa.dsl.softmax import (
+    ScoreScales,
+    lse_for_recompute,
+    mn_view_wgmma,
+    score_scales,
+    softcap_scores,
+)
 
 from .fragments import (
     acc_as_rs_operand,
@@ -56,6 +64,40 @@ class Barrier(enum.IntEnum):
     KV_TAIL_WG2 = 9  # consumer 1 the same
     Q_TAIL = 10  # 256 threads, seqused_q: both consumers zeroed the Q / dO rows past seqlen_q
     P_READY = 11  # 256 threads, split d: consumer 0 wrote P^T to sP (it arrives, 1 waits)
+
+
+class MaskArgs(NamedTuple):
+    """The sequence lengths of this CTA's (batch, head) and the window: what the mask and the
+    deterministic turns need."""
+
+    seqlen_q: Int32
+    seqlen_k: Int32
+    window: Window
+
+
+class ConsumerSmem(NamedTuple):
+    """A consumer's view of shared memory: the Q / dO stages, its keys' rows of K and V (split
+    d: all of them), the dS buffers, the columns of K its dQ GEMM reads, its sdQ half, the LSE /
+    delta stages and (split d, else None) the P^T exchange tile."""
+
+    sQ: cute.Tensor
+    sdO: cute.Tensor
+    sK_c: cute.Tensor
+    sV_c: cute.Tensor
+    sdS: cute.Tensor
+    sK_dq: cute.Tensor
+    sdQ_c: cute.Tensor
+    sLSE: cute.Tensor
+    sdPsum: cute.Tensor
+    sP: cute.Tensor | None
+
+
+class ConsumerPipelines(NamedTuple):
+    """The per-query-block pipelines a consumer waits on and releases (class docstring)."""
+
+    q: pipeline.PipelineTmaAsync
+    do: pipeline.PipelineTmaAsync
+    lse: pipeline.PipelineAsync
 
 
 def k_major_layout(dtype, shape: tuple, cut_cols: int) -> cute.ComposedLayout:
@@ -562,7 +604,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             # Varlen tensors have one batch entry; a sequence starts at its cu_seqlens row.
             qb = 0 if cutlass.const_expr(mCuSeqlensQ is not None) else batch
             kb = 0 if cutlass.const_expr(mCuSeqlensK is not None) else batch
-            mask_args = (seqlen_q, seqlen_k, window_left, window_right)
+            mask_args = MaskArgs(seqlen_q, seqlen_k, Window(window_left, window_right))
             if wg_idx == 0:
                 cute.arch.setmaxregister_decrease(self.regs_producer)
                 if warp_idx == 0:
@@ -597,7 +639,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
                     pipeline_kv, pipeline_q, pipeline_do, pipeline_lse,
                     mma_sdp, mma_dkv, mma_dq, copy_r2g,
                     consumer, tidx % WARPGROUP, key_start, mask_args,
-                    m_block_min, m_block_max, softmax_scale, score_scale, scale_log2,
+                    m_block_min, m_block_max, softmax_scale,
+                    ScoreScales(score_scale, scale_log2),
                 )  # fmt: skip
 
     @cute.jit
@@ -687,7 +730,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         n_block: Int32,
         m_block_min: Int32,
         m_block_max: Int32,
-        mask_args: tuple,
+        mask_args: MaskArgs,
     ):
         """Producer warp 1: for every visited query block, each consumer's half of dQ from sdQ
         into dQaccum with a TMA reduce-add (docstring: warp roles, warp 1). mdQ: (seqlen_q, d) TMA
@@ -727,16 +770,16 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         mdQsemaphore: cute.Tensor,
         m_block: Int32,
         n_block: Int32,
-        mask_args: tuple,
+        mask_args: MaskArgs,
     ):
         """Warp 1, deterministic mode: return once the key blocks before this one that visit
         query block m_block have added their dQ (the semaphore counts them), with their
         reduce-adds ordered before this warp's next ones (docstring: deterministic)."""
         # The key blocks that visit m_block are first_key_block(m_block) .. its last one.
-        seqlen_q, seqlen_k, window_left, _ = mask_args
         turn = n_block - first_key_block(
-            m_block, seqlen_q, seqlen_k, window_left, self.tile_m, self.tile_n, self.local
-        )
+            m_block, mask_args.seqlen_q, mask_args.seqlen_k, mask_args.window.left, self.tile_m,
+            self.tile_n, self.local,
+        )  # fmt: skip
         if cute.arch.lane_idx() == 0:
             sem = elem_ptr(mdQsemaphore, m_block).llvm_ptr
             # Acquire loads (LDG.STRONG.GPU, CCTL.IVALL): no MEMBAR.ALL.GPU as with a fence.
@@ -786,12 +829,11 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         consumer: Int32,
         tidx: Int32,
         key_start: Int32,
-        mask_args: tuple,
+        mask_args: MaskArgs,
         m_block_min: Int32,
         m_block_max: Int32,
         softmax_scale: Float32,
-        score_scale: Float32,
-        scale_log2: Float32,
+        scales: ScoreScales,
     ):
         """Consumer warpgroup: dK and dV of its 64 keys over every visited query block, its
         part of dQ of each block, then the dK / dV stores."""
@@ -807,8 +849,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         acc_dV = thr_dv.make_fragment_C(thr_dv.partition_shape_C((WG_KEYS, vc)))
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
-        seqlen_k = mask_args[1]
-        keys_left = seqlen_k - key_start
+        keys_left = mask_args.seqlen_k - key_start
 
         pipeline_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                                1))  # fmt: skip
@@ -819,12 +860,13 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         # dQ: this consumer's d / 2 columns of K (all tile_n keys), its half of sdQ.
         sK_dq = cute.local_tile(sK[None, None, 0], (self.tile_n, d // self.num_consumers),
                                 (0, consumer))  # fmt: skip
-        smem = (sQ, sdO, sK_c, sV_c, sdS, sK_dq, sdQ[None, None, consumer], sLSE, sdPsum, sP)
-        pipes = (pipeline_q, pipeline_do, pipeline_lse)
+        smem = ConsumerSmem(sQ, sdO, sK_c, sV_c, sdS, sK_dq, sdQ[None, None, consumer], sLSE,
+                            sdPsum, sP)  # fmt: skip
+        pipes = ConsumerPipelines(pipeline_q, pipeline_do, pipeline_lse)
         for i in cutlass.range(m_block_max - m_block_min, unroll=1):
             m_block = self.query_block(i, m_block_min, m_block_max)
             args = (m_block, i, state, smem, pipes, acc_dK, acc_dV, consumer, tidx,
-                    key_start, mask_args, score_scale, scale_log2)  # fmt: skip
+                    key_start, mask_args, scales)  # fmt: skip
             if cutlass.const_expr(self.causal or self.local):
                 self.step(*args, True)
             else:
@@ -932,16 +974,16 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         stage: Int32,
         m_block: Int32,
         key_start: Int32,
-        mask_args: tuple,
+        mask_args: MaskArgs,
         scale_log2: Float32,
         masked: cutlass.Constexpr[bool],
     ):
         """S (the (query, key) view of S^T, softcapped already) -> P in place: the mask where
         ``masked``, then P = exp2(S * scale_log2 - LSE_log2[query])."""
         if cutlass.const_expr(masked):
-            seqlen_q, seqlen_k, window_left, window_right = mask_args
-            apply_mask(S, tScS, m_block * self.tile_m, key_start, seqlen_q, seqlen_k,
-                       window_left, window_right, self.causal, self.local)  # fmt: skip
+            apply_mask(S, tScS, m_block * self.tile_m, key_start, mask_args.seqlen_q,
+                       mask_args.seqlen_k, mask_args.window.left, mask_args.window.right,
+                       self.causal, self.local)  # fmt: skip
         for r in cutlass.range_constexpr(cute.size(S.shape[0])):
             lse_log2 = sLSE[tScS[r, 0][0], stage]
             S[r, None].store(
@@ -985,16 +1027,15 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         m_block: Int32,
         i: Int32,
         state: pipeline.PipelineState,
-        smem: tuple,
-        pipes: tuple,
+        smem: ConsumerSmem,
+        pipes: ConsumerPipelines,
         acc_dK: cute.Tensor,
         acc_dV: cute.Tensor,
         consumer: Int32,
         tidx: Int32,
         key_start: Int32,
-        mask_args: tuple,
-        score_scale: Float32,
-        scale_log2: Float32,
+        mask_args: MaskArgs,
+        scales: ScoreScales,
         masked: cutlass.Constexpr[bool],
     ):
         """Query block m_block (the i-th visited) against this consumer's 64 keys (docstring:
@@ -1006,7 +1047,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         stage = state.index
         ds_buffer = i % self.ds_buffers
         if cutlass.const_expr(self.config.seqused_q):
-            rows_left = mask_args[0] - m_block * tm
+            rows_left = mask_args.seqlen_q - m_block * tm
             if rows_left < tm:
                 self.zero_q_tail(sQ, sdO, pipeline_q, pipeline_do, state, rows_left, consumer,
                                  tidx)  # fmt: skip
@@ -1034,8 +1075,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         tScS = qk_view(thr_sdp.partition_C(transposed(ident)))
         S = qk_view(acc_S)
         dP = qk_view(acc_dP)
-        p_args = (S, tScS, sLSE, stage, m_block, key_start, mask_args, scale_log2, masked)
-        ds_args = (S, dP, tScS, sLSE, sdPsum, stage, scale_log2)
+        score_scale, scale_log2 = scales
 
         # P^T and dS^T as 16-bit registers, the A operands of dV += P^T dO and dK += dS^T Q.
         rP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((WG_KEYS, tm)), self.dtype)
@@ -1084,7 +1124,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
                 warpgroup.wait_group(0)
                 if cutlass.const_expr(self.has_softcap):  # tanh is recovered from P for dS
                     softcap_scores(acc_S, score_scale, derivative=False)
-                self.probabilities(*p_args)
+                self.probabilities(S, tScS, sLSE, stage, m_block, key_start, mask_args,
+                                   scale_log2, masked)  # fmt: skip
                 convert_in_chunks(rP, acc_S)
                 cute.copy(r2s, thr_r2s.retile(rP), thr_r2s.partition_D(transposed(sP)))
                 p_ready.arrive()
@@ -1097,7 +1138,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
                 p_ready.arrive_and_wait()
                 cute.copy(s2r, thr_s2r.partition_S(transposed(sP)), thr_s2r.retile(rP))
                 warpgroup.wait_group(0)
-                self.score_gradients(qk_view(rP), *ds_args[1:])
+                self.score_gradients(qk_view(rP), dP, tScS, sLSE, sdPsum, stage, scale_log2)
                 convert_in_chunks(rdS, acc_dP)
                 cute.copy(r2s, thr_r2s.retile(rdS), thr_r2s.partition_D(transposed(sdS_c)))
                 cute.arch.fence_view_async_shared()
@@ -1114,9 +1155,10 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             dtanh = None
             if cutlass.const_expr(self.has_softcap):  # dS is multiplied by dtanh below
                 dtanh = softcap_scores(acc_S, score_scale, derivative=True)
-            self.probabilities(*p_args)
+            self.probabilities(S, tScS, sLSE, stage, m_block, key_start, mask_args, scale_log2,
+                               masked)  # fmt: skip
             warpgroup.wait_group(0)
-            self.score_gradients(*ds_args)
+            self.score_gradients(S, dP, tScS, sLSE, sdPsum, stage, scale_log2)
             pipeline_lse.consumer_release(state)
             if cutlass.const_expr(self.has_softcap):
                 acc_dP.store(acc_dP.load() * dtanh.load())

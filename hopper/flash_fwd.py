@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -16,10 +17,16 @@ from cutlass.tensor_utils.layout import LayoutEnum
 from cute_fa.config import FwdConfig
 from cute_fa.dsl.copy import acc_to_smem, row_store_copy, store_rows, transposed
 from cute_fa.dsl.kernel import AttentionKernel
-from cute_fa.dsl.mask import apply_mask, block_range
-from cute_fa.dsl.scheduler import next_tile, tile_coords, unit_count
+from cute_fa.dsl.mask import BlockRange, Window, apply_mask, block_range
+from cute_fa.dsl.scheduler import TileScheduler, for_each_tile, unit_count
 from cute_fa.dsl.seqlen import seqlen_info
-from cute_fa.dsl.softmax import OnlineSoftmax, mn_view_wgmma, score_scales, softcap_scores
+from cute_fa.dsl.softmax import (
+    OnlineSoftmax,
+    ScoreScales,
+    mn_view_wgmma,
+    score_scales,
+    softcap_scores,
+)
 
 from .fragments import (
     acc_as_rs_operand,
@@ -50,6 +57,123 @@ class Barrier(enum.IntEnum):
     SCHEDULER_WG1 = 4  # 256 threads: consumer 0 may issue its GEMMs (pingpong)
     SCHEDULER_WG2 = 5  # 256 threads: consumer 1 may issue its GEMMs
     SCHEDULER_WG3 = 6  # 256 threads: consumer 2 may issue its GEMMs
+
+
+class GlobalTensors(NamedTuple):
+    """The kernel's global tensors: TMA coordinate views of Q, K, V^T (and O with tma_store),
+    the protocol's Q and K (their shapes), O and LSE, and the varlen / seqused vectors."""
+
+    mQ_tma: cute.Tensor
+    mK_tma: cute.Tensor
+    mV_tma: cute.Tensor
+    mQ: cute.Tensor
+    mK: cute.Tensor
+    mO: cute.Tensor
+    mLSE: cute.Tensor
+    mO_tma: cute.Tensor | None
+    cu_seqlens_q: cute.Tensor | None
+    cu_seqlens_k: cute.Tensor | None
+    seqused_q: cute.Tensor | None
+    seqused_k: cute.Tensor | None
+
+
+class SmemTiles(NamedTuple):
+    """The Q stages (O staged in them), the K and the V^T rings."""
+
+    sQ: cute.Tensor
+    sK: cute.Tensor
+    sV: cute.Tensor
+
+
+class Pipelines(NamedTuple):
+    """pipeline_q, pipeline_k, pipeline_v (class docstring: Pipelines)."""
+
+    q: pipeline.PipelineTmaAsync
+    k: pipeline.PipelineTmaAsync
+    v: pipeline.PipelineTmaAsync
+
+
+class TmaLoads(NamedTuple):
+    """The producer's TMA load atoms."""
+
+    q: cute.CopyAtom
+    k: cute.CopyAtom
+    v: cute.CopyAtom
+
+
+class ProducerStates(NamedTuple):
+    """The producer warp's pipeline states (K and V stages advance together)."""
+
+    q: pipeline.PipelineState
+    kv: pipeline.PipelineState
+
+
+class ConsumerStates(NamedTuple):
+    """A consumer's pipeline states (V is released one step after K)."""
+
+    q: pipeline.PipelineState
+    k: pipeline.PipelineState
+    v: pipeline.PipelineState
+
+
+class ConsumerOps(NamedTuple):
+    """What every consumer issues with: the two tiled MMAs, the 16-byte O store and (with
+    tma_store) the TMA store atom of O."""
+
+    tiled_mma_qk: cute.TiledMma
+    tiled_mma_pv: cute.TiledMma
+    copy_r2g: cute.TiledCopy
+    tma_o: cute.CopyAtom | None
+
+
+class TileViews(NamedTuple):
+    """One tile's (head, batch) slices, shifted to the sequence start for varlen: TMA
+    coordinates of Q (seqlen, d), K (seqlen, d), V^T (dv, seqlen) and O (tma_store, else None),
+    and O (seqlen, dv), LSE (seqlen,)."""
+
+    mQ: cute.Tensor
+    mK: cute.Tensor
+    mV: cute.Tensor
+    mO: cute.Tensor
+    mLSE: cute.Tensor
+    mO_tma: cute.Tensor | None
+
+
+class TileWork(NamedTuple):
+    """One tile: its query block, its sequence's lengths, its views and its key blocks."""
+
+    m_block: Int32
+    seqlen_q: Int32
+    seqlen_k: Int32
+    views: TileViews
+    blocks: BlockRange
+
+
+class ConsumerMma(NamedTuple):
+    """A consumer's MMA state for one tile: the S = Q K^T thread slice, the operand fragments,
+    O, P (16-bit), the identity of S, and (defer_rescale, else None) S / P in fp32 and the O
+    rescale factors kept across steps."""
+
+    thr_qk: cute.ThrMma
+    tSrQ: cute.Tensor
+    tSrK: cute.Tensor
+    tOrV: cute.Tensor
+    acc_O: cute.Tensor
+    rP: cute.Tensor
+    tScS: cute.Tensor
+    acc_S: cute.Tensor | None
+    corr: cute.Tensor | None
+
+
+class ScoreRows(NamedTuple):
+    """What softcap and the mask of a consumer's scores need: the softcap scale, its first
+    query row and its sequence's lengths, and the window."""
+
+    score_scale: Float32
+    row_start: Int32
+    seqlen_q: Int32
+    seqlen_k: Int32
+    window: Window
 
 
 class FlashAttentionForwardSm90(AttentionKernel):
@@ -89,7 +213,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
       tile, query block fastest; causal: a pair of tiles of one head, query blocks n - 1 - j
       then j; cute_fa/dsl/scheduler.py, Note [persistent tiles]). Every tile of a persistent
       grid loads its Q stage, one that sees no key (causal, seqlen_q > seqlen_k) too. The
-      producer and each consumer run the same tile loop; pipeline states and the pingpong
+      producer and each consumer run the same tile loop (one ``TileScheduler``, created before
+      the roles split, walked by ``for_each_tile``); pipeline states and the pingpong
       turns carry over from tile to tile, so the producer loads the next tile's Q, K and V
       while the consumers finish this one.
     Warp roles (1 + num_consumers warpgroups: 384 threads launched at <= 168 registers a
@@ -397,101 +522,70 @@ class FlashAttentionForwardSm90(AttentionKernel):
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         consumer_warps = self.num_consumers * WARPGROUP // 32
-        pipeline_q = tma_pipeline(storage.mbar_q, self.q_stages, self.tx_q, consumer_warps)
-        pipeline_k = tma_pipeline(storage.mbar_k, self.kv_stages, self.tx_k, consumer_warps)
-        pipeline_v = tma_pipeline(storage.mbar_v, self.kv_stages, self.tx_v, consumer_warps)
+        pipes = Pipelines(
+            q=tma_pipeline(storage.mbar_q, self.q_stages, self.tx_q, consumer_warps),
+            k=tma_pipeline(storage.mbar_k, self.kv_stages, self.tx_k, consumer_warps),
+            v=tma_pipeline(storage.mbar_v, self.kv_stages, self.tx_v, consumer_warps),
+        )
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        gmem = (mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE, mO_tma,
-                mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)  # fmt: skip
-        smem_tiles = (sQ, sK, sV)
-        pipes = (pipeline_q, pipeline_k, pipeline_v)
-        window = (window_left, window_right)
-        # The tiles of this CTA (Note [persistent tiles]): the one of its block index, or with
-        # a persistent grid the work units (tiles; causal: pairs of tiles) from its block index
-        # on, a grid apart; ``second`` picks a pair's second tile.
-        unit, second = cute.arch.block_idx()[0], Int32(0)
-        num_units = unit_count(mQ.shape[1], self.tile_m, mQ.shape[2], mQ.shape[0], self.causal)
-        stride = cute.arch.grid_dim()[0]
+        smem_tiles = SmemTiles(
+            sQ=storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),
+            sK=storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
+            sV=storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner),
+        )
+        gmem = GlobalTensors(mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE, mO_tma,
+                             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)  # fmt: skip
+        window = Window(window_left, window_right)
+        # The tiles of this CTA (Note [persistent tiles]), walked by every role.
+        scheduler = TileScheduler(mQ.shape[1], mQ.shape[2], mQ.shape[0], self.tile_m,
+                                  self.causal, self.num_ctas > 0)  # fmt: skip
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.regs_producer)
             if warp_idx == 0:
                 for atom in (tma_q, tma_k, tma_v):
                     cpasync.prefetch_descriptor(atom)
-                q_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.q_stages
+                states = ProducerStates(
+                    q=pipeline.make_pipeline_state(
+                        pipeline.PipelineUserType.Producer, self.q_stages
+                    ),
+                    kv=pipeline.make_pipeline_state(
+                        pipeline.PipelineUserType.Producer, self.kv_stages
+                    ),
                 )
-                kv_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.kv_stages
-                )
-                tma = (tma_q, tma_k, tma_v)
-                if cutlass.const_expr(self.num_ctas > 0):
-                    while unit < num_units:
-                        q_state, kv_state = self.load_tile(
-                            (unit, second), gmem, tma, smem_tiles, pipes, q_state, kv_state,
-                            window,
-                        )  # fmt: skip
-                        unit, second = next_tile(
-                            unit, second, stride, mQ.shape[1], self.tile_m, self.causal
-                        )
-                else:
-                    self.load_tile((unit, second), gmem, tma, smem_tiles, pipes, q_state,
-                                   kv_state, window)  # fmt: skip
+                tma = TmaLoads(q=tma_q, k=tma_k, v=tma_v)
+                for_each_tile(scheduler, self.load_tile, states, gmem, tma, smem_tiles, pipes,
+                              window)  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             consumer = wg_idx - 1
-            mmas = (tiled_mma_qk, tiled_mma_pv, copy_r2g, tma_o)
-            scales = (score_scale, scale_log2)
-            states = (
-                pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages),
-                pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages),
-                pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages),
+            ops = ConsumerOps(tiled_mma_qk, tiled_mma_pv, copy_r2g, tma_o)
+            scales = ScoreScales(score_scale, scale_log2)
+            states = ConsumerStates(
+                q=pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages),
+                k=pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages),
+                v=pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages),
             )
             if consumer == self.num_consumers - 1:
                 self.end_turn(consumer)  # the last consumer hands the first turn to consumer 0
-            if cutlass.const_expr(self.num_ctas > 0):
-                while unit < num_units:
-                    states = self.consume_tile(
-                        (unit, second), gmem, smem_tiles, pipes, states, mmas, consumer,
-                        tidx % WARPGROUP, scales, window,
-                    )  # fmt: skip
-                    unit, second = next_tile(
-                        unit, second, stride, mQ.shape[1], self.tile_m, self.causal
-                    )
-            else:
-                self.consume_tile(
-                    (unit, second), gmem, smem_tiles, pipes, states, mmas, consumer,
-                    tidx % WARPGROUP, scales, window,
-                )  # fmt: skip
+            for_each_tile(scheduler, self.consume_tile, states, gmem, smem_tiles, pipes, ops,
+                          consumer, tidx % WARPGROUP, scales, window)  # fmt: skip
 
     @cute.jit
-    def tile_work(self, tile: tuple, gmem: tuple, window: tuple):
-        """Where tile ``tile`` (unit, second; Note [persistent tiles]) lies and which key blocks
-        it visits: (m_block, its sequence's seqlen_q and seqlen_k, the (head, batch) slices of
-        Q, K, V (TMA coordinate tensors), O and LSE, and block_range's four bounds)."""
-        (mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE, mO_tma,
-         mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK) = gmem  # fmt: skip
-        if cutlass.const_expr(self.num_ctas > 0):
-            m_block, head, batch = tile_coords(
-                tile[0], tile[1], mQ.shape[1], self.tile_m, mQ.shape[2], self.causal
-            )
-        else:
-            m_block, head, batch = cute.arch.block_idx()
-            if cutlass.const_expr(self.causal):
-                m_block = cute.arch.grid_dim()[0] - 1 - m_block
-        offset_q, seqlen_q, offset_k, seqlen_k = seqlen_info(
-            batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK
-        )
+    def tile_work(self, coords: tuple, gmem: GlobalTensors, window: Window) -> TileWork:
+        """Where the tile of ``coords`` (m_block, head, batch; ``TileScheduler``) lies and which
+        key blocks it visits."""
+        mQ, mK = gmem.mQ, gmem.mK
+        mCuSeqlensQ, mCuSeqlensK = gmem.cu_seqlens_q, gmem.cu_seqlens_k
+        m_block, head, batch = coords
+        seq = seqlen_info(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, gmem.seqused_q, gmem.seqused_k)
         n_block_min, n_block_max, n_block_no_right, n_block_no_left = block_range(
-            m_block, seqlen_q, seqlen_k, window[0], window[1],
+            m_block, seq.seqlen_q, seq.seqlen_k, window.left, window.right,
             self.tile_m, self.tile_n, self.causal, self.local,
         )  # fmt: skip
-        if cutlass.const_expr(mCuSeqlensQ is not None or mSeqUsedQ is not None):
-            if m_block * self.tile_m >= seqlen_q:
+        if cutlass.const_expr(mCuSeqlensQ is not None or gmem.seqused_q is not None):
+            if m_block * self.tile_m >= seq.seqlen_q:
                 n_block_max = n_block_min  # no row of this CTA exists: load and store nothing
         # This (batch, head)'s slices. Varlen tensors have a batch extent of 1 and each sequence
         # starts at its cu_seqlens offset: the TMA coordinate tensors are shifted there, so the
@@ -500,173 +594,146 @@ class FlashAttentionForwardSm90(AttentionKernel):
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         qb = 0 if cutlass.const_expr(mCuSeqlensQ is not None) else batch
         kb = 0 if cutlass.const_expr(mCuSeqlensK is not None) else batch
-        mQ_cur = mQ_tma[None, None, head, qb]
-        mO_cur = mO[qb, None, head, None]
-        mLSE_cur = mLSE[qb, head, None]
-        mK_cur = mK_tma[None, None, head_kv, kb]
-        mV_cur = mV_tma[None, None, head_kv, kb]
+        mQ_cur = gmem.mQ_tma[None, None, head, qb]
+        mO_cur = gmem.mO[qb, None, head, None]
+        mLSE_cur = gmem.mLSE[qb, head, None]
+        mK_cur = gmem.mK_tma[None, None, head_kv, kb]
+        mV_cur = gmem.mV_tma[None, None, head_kv, kb]
         if cutlass.const_expr(mCuSeqlensQ is not None):
-            mQ_cur = cute.domain_offset((offset_q, 0), mQ_cur)
-            mO_cur = cute.domain_offset((offset_q, 0), mO_cur)
-            mLSE_cur = cute.domain_offset((offset_q,), mLSE_cur)
+            mQ_cur = cute.domain_offset((seq.offset_q, 0), mQ_cur)
+            mO_cur = cute.domain_offset((seq.offset_q, 0), mO_cur)
+            mLSE_cur = cute.domain_offset((seq.offset_q,), mLSE_cur)
         if cutlass.const_expr(mCuSeqlensK is not None):
-            mK_cur = cute.domain_offset((offset_k, 0), mK_cur)
-            mV_cur = cute.domain_offset((0, offset_k), mV_cur)
+            mK_cur = cute.domain_offset((seq.offset_k, 0), mK_cur)
+            mV_cur = cute.domain_offset((0, seq.offset_k), mV_cur)
         mO_tma_cur = None  # dense only (config.tuning.tma_store): no sequence offsets
         if cutlass.const_expr(self.tma_store):
-            mO_tma_cur = mO_tma[None, None, head, batch]
-        views = (mQ_cur, mK_cur, mV_cur, mO_cur, mLSE_cur, mO_tma_cur)
-        blocks = (n_block_min, n_block_max, n_block_no_right, n_block_no_left)
-        return m_block, seqlen_q, seqlen_k, views, blocks
+            mO_tma_cur = gmem.mO_tma[None, None, head, batch]
+        return TileWork(
+            m_block=m_block,
+            seqlen_q=seq.seqlen_q,
+            seqlen_k=seq.seqlen_k,
+            views=TileViews(mQ_cur, mK_cur, mV_cur, mO_cur, mLSE_cur, mO_tma_cur),
+            blocks=BlockRange(n_block_min, n_block_max, n_block_no_right, n_block_no_left),
+        )
 
     @cute.jit
     def load_tile(
         self,
-        tile: tuple,
-        gmem: tuple,
-        tma: tuple,
-        smem_tiles: tuple,
-        pipes: tuple,
-        q_state: pipeline.PipelineState,
-        kv_state: pipeline.PipelineState,
-        window: tuple,
-    ):
-        """Producer warp, one tile: its Q, K and V loads; returns the advanced states."""
-        m_block, _, _, views, blocks = self.tile_work(tile, gmem, window)
-        return self.load(
-            views[0], views[1], views[2], *tma, *smem_tiles, *pipes, q_state, kv_state, m_block,
-            blocks[0], blocks[1],
-        )  # fmt: skip
+        coords: tuple,
+        states: ProducerStates,
+        gmem: GlobalTensors,
+        tma: TmaLoads,
+        smem_tiles: SmemTiles,
+        pipes: Pipelines,
+        window: Window,
+    ) -> ProducerStates:
+        """Producer warp, one tile (``for_each_tile``'s body): its Q, K and V loads; returns
+        the advanced states."""
+        work = self.tile_work(coords, gmem, window)
+        return self.load(work, tma, smem_tiles, pipes, states)
 
     @cute.jit
     def consume_tile(
         self,
-        tile: tuple,
-        gmem: tuple,
-        smem_tiles: tuple,
-        pipes: tuple,
-        states: tuple,
-        mmas: tuple,
+        coords: tuple,
+        states: ConsumerStates,
+        gmem: GlobalTensors,
+        smem_tiles: SmemTiles,
+        pipes: Pipelines,
+        ops: ConsumerOps,
         consumer: Int32,
         tidx: Int32,
-        scales: tuple,
-        window: tuple,
-    ):
-        """Consumer warpgroup, one tile; returns the advanced (q, k, v) states."""
-        m_block, seqlen_q, seqlen_k, views, blocks = self.tile_work(tile, gmem, window)
-        row_start = m_block * self.tile_m + consumer * self.wg_m
-        return self.consume(
-            views[3], views[4], *smem_tiles, *pipes, *states, *mmas, consumer, tidx, row_start,
-            seqlen_q, seqlen_k, *blocks, *scales, *window, views[5], m_block,
-        )  # fmt: skip
+        scales: ScoreScales,
+        window: Window,
+    ) -> ConsumerStates:
+        """Consumer warpgroup, one tile (``for_each_tile``'s body); returns the advanced
+        states."""
+        work = self.tile_work(coords, gmem, window)
+        return self.consume(work, smem_tiles, pipes, states, ops, consumer, tidx, scales, window)
 
     @cute.jit
     def load(
         self,
-        mQ_tma: cute.Tensor,
-        mK_tma: cute.Tensor,
-        mV_tma: cute.Tensor,
-        tma_q: cute.CopyAtom,
-        tma_k: cute.CopyAtom,
-        tma_v: cute.CopyAtom,
-        sQ: cute.Tensor,
-        sK: cute.Tensor,
-        sV: cute.Tensor,
-        pipeline_q: pipeline.PipelineTmaAsync,
-        pipeline_k: pipeline.PipelineTmaAsync,
-        pipeline_v: pipeline.PipelineTmaAsync,
-        q_state: pipeline.PipelineState,
-        kv_state: pipeline.PipelineState,
-        m_block: Int32,
-        n_block_min: Int32,
-        n_block_max: Int32,
-    ):
+        work: TileWork,
+        tma: TmaLoads,
+        smem_tiles: SmemTiles,
+        pipes: Pipelines,
+        states: ProducerStates,
+    ) -> ProducerStates:
         """Producer warp, one tile: Q into the next Q stage, then K[n] and V[n] for n from
-        n_block_max - 1 down; nothing when the tile visits no key block. Returns the advanced
-        (q_state, kv_state).
+        n_max - 1 down; nothing when the tile visits no key block. Returns the advanced states.
 
-        mQ_tma / mK_tma: (seqlen, d), mV_tma: (dv, seqlen) TMA coordinate tensors of this
-        (head, batch), already shifted to the sequence start for varlen.
+        ``work.views``: (seqlen, d) TMA coordinate tensors of Q and K and (dv, seqlen) of V^T
+        of this (head, batch), already shifted to the sequence start for varlen.
         """
         d, dv, tile_n, wg_m = self.tile_hdim, self.tile_hdimv, self.tile_n, self.wg_m
-        gQ = cute.local_tile(mQ_tma, (wg_m, d), (None, 0))
-        gK = cute.local_tile(mK_tma, (tile_n, d), (None, 0))
-        gV = cute.local_tile(mV_tma, (dv, tile_n), (0, None))
+        sQ, sK, sV = smem_tiles
+        q_state, kv_state = states
+        m_block = work.m_block
+        n_block_min, n_block_max = work.blocks.n_min, work.blocks.n_max
+        gQ = cute.local_tile(work.views.mQ, (wg_m, d), (None, 0))
+        gK = cute.local_tile(work.views.mK, (tile_n, d), (None, 0))
+        gV = cute.local_tile(work.views.mV, (dv, tile_n), (0, None))
         tQsQ, tQgQ = cpasync.tma_partition(
-            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            tma.q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
         )
         tKsK, tKgK = cpasync.tma_partition(
-            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+            tma.k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
         )
         tVsV, tVgV = cpasync.tma_partition(
-            tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+            tma.v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
         if self.tile_has_q(n_block_min, n_block_max):
-            pipeline_q.producer_acquire(q_state)
+            pipes.q.producer_acquire(q_state)
             for c in cutlass.range_constexpr(self.num_consumers):
-                cute.copy(tma_q, tQgQ[None, m_block * self.num_consumers + c],
+                cute.copy(tma.q, tQgQ[None, m_block * self.num_consumers + c],
                           tQsQ[None, q_state.index * self.num_consumers + c],
-                          tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))  # fmt: skip
+                          tma_bar_ptr=pipes.q.producer_get_barrier(q_state))  # fmt: skip
             q_state.advance()
             for i in cutlass.range(n_block_max - n_block_min, unroll=1):
                 n_block = n_block_max - 1 - i
-                pipeline_k.producer_acquire(kv_state)
-                cute.copy(tma_k, tKgK[None, n_block], tKsK[None, kv_state.index],
-                          tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))  # fmt: skip
-                pipeline_v.producer_acquire(kv_state)
-                cute.copy(tma_v, tVgV[None, n_block], tVsV[None, kv_state.index],
-                          tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))  # fmt: skip
+                pipes.k.producer_acquire(kv_state)
+                cute.copy(tma.k, tKgK[None, n_block], tKsK[None, kv_state.index],
+                          tma_bar_ptr=pipes.k.producer_get_barrier(kv_state))  # fmt: skip
+                pipes.v.producer_acquire(kv_state)
+                cute.copy(tma.v, tVgV[None, n_block], tVsV[None, kv_state.index],
+                          tma_bar_ptr=pipes.v.producer_get_barrier(kv_state))  # fmt: skip
                 kv_state.advance()
-        return q_state, kv_state
+        return ProducerStates(q_state, kv_state)
 
     @cute.jit
     def consume(
         self,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        sQ: cute.Tensor,
-        sK: cute.Tensor,
-        sV: cute.Tensor,
-        pipeline_q: pipeline.PipelineTmaAsync,
-        pipeline_k: pipeline.PipelineTmaAsync,
-        pipeline_v: pipeline.PipelineTmaAsync,
-        q_state: pipeline.PipelineState,
-        k_state: pipeline.PipelineState,
-        v_state: pipeline.PipelineState,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        copy_r2g: cute.TiledCopy,
-        tma_o: cute.CopyAtom | None,
+        work: TileWork,
+        smem_tiles: SmemTiles,
+        pipes: Pipelines,
+        states: ConsumerStates,
+        ops: ConsumerOps,
         consumer: Int32,
         tidx: Int32,
-        row_start: Int32,
-        seqlen_q: Int32,
-        seqlen_k: Int32,
-        n_block_min: Int32,
-        n_block_max: Int32,
-        n_block_no_right: Int32,
-        n_block_no_left: Int32,
-        score_scale: Float32,
-        scale_log2: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        mO_tma: cute.Tensor | None,
-        m_block: Int32,
-    ):
+        scales: ScoreScales,
+        window: Window,
+    ) -> ConsumerStates:
         """Consumer warpgroup, one tile: its 64 query rows against every visited key block,
-        then store; returns the advanced (q_state, k_state, v_state). ``mO_tma``: this (head,
-        batch)'s TMA coordinates of O with config.tma_store, else None."""
+        then store; returns the advanced states. ``work.views.mO_tma``: this (head, batch)'s
+        TMA coordinates of O with config.tma_store, else None."""
         wg_m, tile_n, dv = self.wg_m, self.tile_n, self.tile_hdimv
+        sQ, sK, sV = smem_tiles
+        q_state, k_state, v_state = states
+        m_block, seqlen_q, seqlen_k = work.m_block, work.seqlen_q, work.seqlen_k
+        n_block_min, n_block_max, n_block_no_right, n_block_no_left = work.blocks
+        row_start = m_block * self.tile_m + consumer * self.wg_m
         sQ_c = sQ[None, None, q_state.index * self.num_consumers + consumer]
-        thr_qk = tiled_mma_qk.get_slice(tidx)
-        thr_pv = tiled_mma_pv.get_slice(tidx)
+        thr_qk = ops.tiled_mma_qk.get_slice(tidx)
+        thr_pv = ops.tiled_mma_pv.get_slice(tidx)
         tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ_c))
         tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
         tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
         acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((wg_m, dv)))
         acc_O.fill(0.0)
         tScS = mn_view_wgmma(thr_qk.partition_C(cute.make_identity_tensor((wg_m, tile_n))))
-        softmax = OnlineSoftmax(scale_log2, cute.size(tScS.shape[0]), view=mn_view_wgmma,
+        softmax = OnlineSoftmax(scales.scale_log2, cute.size(tScS.shape[0]), view=mn_view_wgmma,
                                 rescale_threshold=self.rescale_threshold)  # fmt: skip
         softmax.reset()
         rows_left = seqlen_q - row_start
@@ -682,9 +749,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
         if cutlass.const_expr(self.defer_rescale):
             acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((wg_m, tile_n)))
             corr = cute.make_rmem_tensor(softmax.num_rows, Float32)
-        mma = (thr_qk, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_O, rP, tScS, acc_S, corr)
-        pipes = (pipeline_k, pipeline_v)
-        score_args = (score_scale, row_start, seqlen_q, seqlen_k, window_left, window_right)
+        mma = ConsumerMma(thr_qk, tSrQ, tSrK, tOrV, acc_O, rP, tScS, acc_S, corr)
+        rows = ScoreRows(scales.score_scale, row_start, seqlen_q, seqlen_k, window)
         # Blocks [start_unmasked, n_block_max) may cut the seqlen tail, the causal diagonal or
         # the right window edge (the first visited block always counts as such);
         # [start_left_masked, start_unmasked) need no mask; [n_block_min, start_left_masked)
@@ -697,30 +763,30 @@ class FlashAttentionForwardSm90(AttentionKernel):
             )
         has_q = self.tile_has_q(n_block_min, n_block_max)
         if has_q:
-            pipeline_q.consumer_wait(q_state)
+            pipes.q.consumer_wait(q_state)
         if n_blocks > 0:
-            self.step(n_block_max - 1, k_state, v_state, softmax, consumer, mma, pipes, score_args,
+            self.step(n_block_max - 1, k_state, v_state, softmax, consumer, mma, pipes, rows,
                       True, True)  # fmt: skip
             k_state.advance()
             if cutlass.const_expr(self.config.seqused_k):
                 if consumer == 0:
                     valid = seqlen_k - (n_block_max - 1) * tile_n
                     if valid < tile_n:
-                        self.zero_v_tail(sV, pipeline_v, v_state, valid, tidx)
+                        self.zero_v_tail(sV, pipes.v, v_state, valid, tidx)
         for i in cutlass.range(n_block_max - 1 - start_unmasked, unroll=1):
             self.step(n_block_max - 2 - i, k_state, v_state, softmax, consumer, mma, pipes,
-                      score_args, False, True)  # fmt: skip
+                      rows, False, True)  # fmt: skip
             k_state.advance()
             v_state.advance()
         for i in cutlass.range(start_unmasked - start_left_masked, unroll=1):
             self.step(start_unmasked - 1 - i, k_state, v_state, softmax, consumer, mma, pipes,
-                      score_args, False, False)  # fmt: skip
+                      rows, False, False)  # fmt: skip
             k_state.advance()
             v_state.advance()
         if cutlass.const_expr(self.local):
             for i in cutlass.range(start_left_masked - n_block_min, unroll=1):
                 self.step(start_left_masked - 1 - i, k_state, v_state, softmax, consumer, mma,
-                          pipes, score_args, False, True)  # fmt: skip
+                          pipes, rows, False, True)  # fmt: skip
                 k_state.advance()
                 v_state.advance()
         if n_blocks > 0:
@@ -735,14 +801,14 @@ class FlashAttentionForwardSm90(AttentionKernel):
         sO = sQ_c
         if cutlass.const_expr(dv != self.tile_hdim):
             sO = cute.local_tile(sQ_c, (wg_m, dv), (0, 0))
-        acc_to_smem(acc_O, tiled_mma_pv, sO, tidx)
+        acc_to_smem(acc_O, ops.tiled_mma_pv, sO, tidx)
         if cutlass.const_expr(self.tma_store):
             cute.arch.fence_proxy("async.shared", space="cta")  # the TMA store reads them
         if tidx % 4 == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = tScS[r, 0][0]
                 if row < rows_left:
-                    mLSE[row_start + row] = lse[r]
+                    work.views.mLSE[row_start + row] = lse[r]
         pipeline.NamedBarrier(
             barrier_id=int(Barrier.EPILOGUE_WG1) + consumer, num_threads=WARPGROUP
         ).arrive_and_wait()
@@ -751,26 +817,27 @@ class FlashAttentionForwardSm90(AttentionKernel):
             # at the tensor's end); warp 0 releases the Q stage below only after the store has
             # read it, and the stage needs every warp's release before its next load.
             if tidx < 32:
-                gO = cute.local_tile(mO_tma, (wg_m, dv), (None, 0))
+                gO = cute.local_tile(work.views.mO_tma, (wg_m, dv), (None, 0))
                 tOsO, tOgO = cpasync.tma_partition(
-                    tma_o, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                    ops.tma_o, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
                     cute.group_modes(gO, 0, 2),
                 )  # fmt: skip
                 if tidx == 0:
-                    cute.copy(tma_o, tOsO[None, q_state.index * self.num_consumers + consumer],
+                    cute.copy(ops.tma_o, tOsO[None, q_state.index * self.num_consumers + consumer],
                               tOgO[None, m_block * self.num_consumers + consumer])  # fmt: skip
                     cute.arch.cp_async_bulk_commit_group()
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
         else:
-            gO = cute.local_tile(cute.domain_offset((row_start, 0), mO), (wg_m, dv), (0, 0))
-            store_rows(sO, gO, rows_left, copy_r2g, tidx)
+            gO = cute.local_tile(cute.domain_offset((row_start, 0), work.views.mO), (wg_m, dv),
+                                 (0, 0))  # fmt: skip
+            store_rows(sO, gO, rows_left, ops.copy_r2g, tidx)
         if has_q:
             # The Q stage (O staged in it) goes back to the producer for a later tile's Q: the
             # generic-proxy reads and writes of O above come before that TMA write.
             cute.arch.fence_proxy("async.shared", space="cta")
-            pipeline_q.consumer_release(q_state)
+            pipes.q.consumer_release(q_state)
             q_state.advance()
-        return q_state, k_state, v_state
+        return ConsumerStates(q_state, k_state, v_state)
 
     @cute.jit
     def tile_has_q(self, n_block_min: Int32, n_block_max: Int32):
@@ -829,14 +896,13 @@ class FlashAttentionForwardSm90(AttentionKernel):
             ).arrive()
 
     @cute.jit
-    def prepare_pv(self, softmax: OnlineSoftmax, mma: tuple):
+    def prepare_pv(self, softmax: OnlineSoftmax, mma: ConsumerMma):
         """defer_rescale, before O += P V of the last softmaxed block is issued: O *= the
         factors of its softmax, P (fp32, in acc_S) -> 16-bit registers (rP). The P V GEMM
         before has completed (wait_group 0 at the end of the previous step): no WGMMA reads rP
         or accumulates into O any more."""
-        acc_O, rP, acc_S, corr = mma[6], mma[7], mma[9], mma[10]
-        softmax.rescale(acc_O, corr)
-        convert_in_chunks(rP, acc_S)
+        softmax.rescale(mma.acc_O, mma.corr)
+        convert_in_chunks(mma.rP, mma.acc_S)
 
     @cute.jit
     def after_exponentials(self, softmax: OnlineSoftmax):
@@ -855,13 +921,12 @@ class FlashAttentionForwardSm90(AttentionKernel):
             softmax.row_sum[r] = softmax.row_sum[r] + other * 0.0
 
     @cute.jit
-    def gemm_pv(self, mma: tuple, v_stage: Int32):
+    def gemm_pv(self, mma: ConsumerMma, v_stage: Int32):
         """O += P V with P from registers; issue only."""
-        tOrV, acc_O, rP = mma[5], mma[6], mma[7]
         _, tiled_mma_pv = self.make_tiled_mmas()
-        tOrP = acc_as_rs_operand(rP)
-        tOrV_stage = tOrV[None, None, None, v_stage]  # sliced once: fewer address computations
-        gemm_over_k(tiled_mma_pv, acc_O, tOrP, tOrV_stage, zero_init=False)
+        tOrP = acc_as_rs_operand(mma.rP)
+        tOrV_stage = mma.tOrV[None, None, None, v_stage]  # sliced once: fewer address computations
+        gemm_over_k(tiled_mma_pv, mma.acc_O, tOrP, tOrV_stage, zero_init=False)
 
     @cute.jit
     def step(
@@ -871,9 +936,9 @@ class FlashAttentionForwardSm90(AttentionKernel):
         v_state: pipeline.PipelineState,
         softmax: OnlineSoftmax,
         consumer: Int32,
-        mma: tuple,
-        pipes: tuple,
-        score_args: tuple,
+        mma: ConsumerMma,
+        pipes: Pipelines,
+        rows: ScoreRows,
         is_first: cutlass.Constexpr[bool],
         masked: cutlass.Constexpr[bool],
     ):
@@ -881,22 +946,23 @@ class FlashAttentionForwardSm90(AttentionKernel):
         unless ``is_first``), softcap (when compiled in), mask (``masked``: the block may cut
         the seqlen tail, the causal diagonal or a window edge), online softmax, P -> registers
         (16-bit) for the next step."""
-        thr_qk, _, _, tSrQ, tSrK, _, acc_O, rP, tScS, acc_S, corr = mma
+        acc_O, acc_S, corr = mma.acc_O, mma.acc_S, mma.corr
         tiled_mma_qk, _ = self.make_tiled_mmas()
-        pipeline_k, pipeline_v = pipes
-        score_scale, row_start, seqlen_q, seqlen_k, window_left, window_right = score_args
+        pipeline_k, pipeline_v = pipes.k, pipes.v
         if cutlass.const_expr(self.defer_rescale):
             if cutlass.const_expr(not is_first):
                 self.prepare_pv(softmax, mma)  # of the previous block, before acc_S is reused
         else:
-            acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.wg_m, self.tile_n)))
+            acc_S = mma.thr_qk.make_fragment_C(
+                mma.thr_qk.partition_shape_C((self.wg_m, self.tile_n))
+            )
         pipeline_k.consumer_wait(k_state)
         if cutlass.const_expr(not is_first):
             pipeline_v.consumer_wait(v_state)
         self.start_turn(consumer)
         warpgroup.fence()
-        tSrK_stage = tSrK[None, None, None, k_state.index]  # sliced once, as in gemm_pv
-        gemm_over_k(tiled_mma_qk, acc_S, tSrQ, tSrK_stage, zero_init=True)
+        tSrK_stage = mma.tSrK[None, None, None, k_state.index]  # sliced once, as in gemm_pv
+        gemm_over_k(tiled_mma_qk, acc_S, mma.tSrQ, tSrK_stage, zero_init=True)
         warpgroup.commit_group()
         if cutlass.const_expr(not is_first):
             self.gemm_pv(mma, v_state.index)
@@ -909,11 +975,12 @@ class FlashAttentionForwardSm90(AttentionKernel):
         pipeline_k.consumer_release(k_state)
 
         if cutlass.const_expr(self.has_softcap):
-            softcap_scores(acc_S, score_scale)
+            softcap_scores(acc_S, rows.score_scale)
         if cutlass.const_expr(masked):
             apply_mask(
-                mn_view_wgmma(acc_S), tScS, row_start, n_block * self.tile_n,
-                seqlen_q, seqlen_k, window_left, window_right, self.causal, self.local,
+                mn_view_wgmma(acc_S), mma.tScS, rows.row_start, n_block * self.tile_n,
+                rows.seqlen_q, rows.seqlen_k, rows.window.left, rows.window.right, self.causal,
+                self.local,
             )  # fmt: skip
         check_inf = masked and (self.causal or self.local)
         # Polynomial exponentials take finite scores only: not on masked blocks (-inf).
@@ -937,7 +1004,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
             pipeline_v.consumer_release(v_state)
             softmax.rescale(acc_O, corr)
         if cutlass.const_expr(not self.defer_rescale):
-            convert_in_chunks(rP, acc_S)
+            convert_in_chunks(mma.rP, acc_S)
 
     @cute.jit
     def last_pv(
@@ -945,11 +1012,11 @@ class FlashAttentionForwardSm90(AttentionKernel):
         v_state: pipeline.PipelineState,
         softmax: OnlineSoftmax,
         consumer: Int32,
-        mma: tuple,
-        pipes: tuple,
+        mma: ConsumerMma,
+        pipes: Pipelines,
     ):
         """O += P V of the last visited key block, in this consumer's turn."""
-        pipeline_v = pipes[1]
+        pipeline_v = pipes.v
         if cutlass.const_expr(self.defer_rescale):
             self.prepare_pv(softmax, mma)
         pipeline_v.consumer_wait(v_state)

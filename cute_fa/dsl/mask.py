@@ -11,6 +11,8 @@ arrive as a large sentinel (``WINDOW_INF``). A query row that sees no key at all
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
@@ -18,6 +20,25 @@ from cutlass import Float32, Int32
 # Unbounded window side, small enough that ``row + offset +/- WINDOW_INF`` cannot overflow int32
 # for any sequence shorter than 2**29.
 WINDOW_INF = 1 << 29
+
+
+class Window(NamedTuple):
+    """Sliding-window sides (keys left and right of the diagonal); runtime values, WINDOW_INF
+    for an unbounded side, ignored unless the kernel is compiled ``local``."""
+
+    left: Int32
+    right: Int32
+
+
+class BlockRange(NamedTuple):
+    """The key blocks of one query block (``block_range``): visited from ``n_max - 1`` down to
+    ``n_min``; blocks at or above ``n_no_right`` may cut the seqlen_k tail or the causal / right
+    window edge, blocks below ``n_no_left`` the left window edge (local only)."""
+
+    n_min: Int32
+    n_max: Int32
+    n_no_right: Int32
+    n_no_left: Int32
 
 
 @cute.jit
@@ -60,13 +81,12 @@ def block_range(
     causal: cutlass.Constexpr[bool],
     local: cutlass.Constexpr[bool],
 ):
-    """Key blocks of one query block.
+    """Key blocks of one query block, a ``BlockRange``.
 
-    Returns (n_block_min, n_block_max, n_block_no_right_mask, n_block_min_no_left_mask). Blocks
-    are visited from n_block_max - 1 down to n_block_min; an empty range (n_block_max <=
-    n_block_min) means no row of the block sees any key. Blocks at or above
-    n_block_no_right_mask may cut the seqlen_k tail or the causal/right window edge; blocks below
-    n_block_min_no_left_mask may cut the left window edge (local only).
+    Blocks are visited from n_max - 1 down to n_min; an empty range (n_max <= n_min) means no
+    row of the block sees any key. Blocks at or above n_no_right may cut the seqlen_k tail or
+    the causal/right window edge; blocks below n_no_left may cut the left window edge (local
+    only).
     """
     offset = seqlen_k - seqlen_q
     n_max = cute.ceil_div(seqlen_k, tile_n)
@@ -87,7 +107,7 @@ def block_range(
         col_first_last_row = row_last + offset - window_left  # the last row starts furthest right
         n_min_no_left = cute.ceil_div(cutlass.max(col_first_last_row, 0), tile_n)
         n_min_no_left = cutlass.max(n_min_no_left, n_min)
-    return n_min, n_max, n_no_right, n_min_no_left
+    return BlockRange(n_min, n_max, n_no_right, n_min_no_left)
 
 
 @cute.jit

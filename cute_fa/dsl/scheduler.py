@@ -3,6 +3,9 @@ schedule (Note [persistent tiles])."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
@@ -83,6 +86,91 @@ def next_tile(
         if second == 0 and num_m - 1 - j != j:
             next_unit, next_second = unit, Int32(1)
     return next_unit, next_second
+
+
+class WorkTile(NamedTuple):
+    """A tile of the schedule: work unit ``unit`` and, for a causal pair, which of its two
+    tiles (``second``; Note [persistent tiles])."""
+
+    unit: Int32
+    second: Int32
+
+
+class TileScheduler:
+    """The (query block, head, batch) tiles of one CTA of a forward kernel: the one of its block
+    index (``persistent`` off: grid = (query blocks, heads, batch), causal grids in reverse), or
+    the work units of a persistent grid from its block index on, a grid apart (Note [persistent
+    tiles]; ``causal``: units are pairs of tiles). Created once in the kernel, before the warp roles
+    split; every role walks the same tiles with ``for_each_tile``, so the pipelines between the
+    roles see the same sequence of tiles on both sides.
+
+    ``seqlen_q``, ``num_heads``, ``batch``: the extents of the dense query tensor (a persistent
+    grid is dense only).
+    """
+
+    def __init__(
+        self,
+        seqlen_q: Int32,
+        num_heads: Int32,
+        batch: Int32,
+        tile_m: int,
+        causal: bool,
+        persistent: bool,
+    ):
+        self.seqlen_q = seqlen_q
+        self.num_heads = num_heads
+        self.tile_m = tile_m
+        self.causal = causal
+        self.persistent = persistent
+        self.first = WorkTile(cute.arch.block_idx()[0], Int32(0))
+        self.num_units = unit_count(seqlen_q, tile_m, num_heads, batch, causal)
+        self.stride = cute.arch.grid_dim()[0]
+
+    def initial(self) -> WorkTile:
+        """This CTA's first tile."""
+        return self.first
+
+    def is_valid(self, tile: WorkTile):
+        """Whether ``tile`` exists (persistent grids: a unit below the count)."""
+        return tile.unit < self.num_units
+
+    def advance(self, tile: WorkTile) -> WorkTile:
+        """The tile this CTA runs after ``tile``."""
+        return WorkTile(
+            *next_tile(tile.unit, tile.second, self.stride, self.seqlen_q, self.tile_m, self.causal)
+        )
+
+    @cute.jit
+    def coords(self, tile: WorkTile):
+        """(m_block, head, batch) of ``tile``."""
+        if cutlass.const_expr(self.persistent):
+            m_block, head, batch = tile_coords(
+                tile.unit, tile.second, self.seqlen_q, self.tile_m, self.num_heads, self.causal
+            )
+        else:
+            m_block, head, batch = cute.arch.block_idx()
+            if cutlass.const_expr(self.causal):  # the longest rows first
+                m_block = cute.arch.grid_dim()[0] - 1 - m_block
+        return m_block, head, batch
+
+
+@cute.jit
+def for_each_tile(scheduler: TileScheduler, body: Callable, carry: Any, *args) -> Any:
+    """The one tile loop of every warp role: ``carry = body(coords, carry, *args)`` for each of
+    the CTA's tiles (``coords``: its (m_block, head, batch)), the carry (pipeline states) passed
+    on from tile to tile. Returns the last carry."""
+    tile = scheduler.initial()
+    # Bound before the loop: a method called on the scheduler inside the ``while`` makes the DSL
+    # carry the scheduler through it, and its loop-invariant values, carried, cost the
+    # persistent kernels tens of integer instructions (their SASS checked against this form).
+    is_valid, coords, advance = scheduler.is_valid, scheduler.coords, scheduler.advance
+    if cutlass.const_expr(scheduler.persistent):
+        while is_valid(tile):
+            carry = body(coords(tile), carry, *args)
+            tile = advance(tile)
+    else:
+        carry = body(scheduler.coords(tile), carry, *args)
+    return carry
 
 
 def _key_blocks_slowest(deterministic: bool, causal: bool, coresident: bool) -> bool:

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
+
+
+class SeqlenInfo(NamedTuple):
+    """Where one batch entry's query and key rows start in their tensors and how many there
+    are (``seqlen_info``)."""
+
+    offset_q: Int32
+    seqlen_q: Int32
+    offset_k: Int32
+    seqlen_k: Int32
 
 
 @cute.jit
@@ -17,7 +29,7 @@ def seqlen_info(
     mSeqUsedQ: cute.Tensor | None,
     mSeqUsedK: cute.Tensor | None,
 ):
-    """(offset_q, seqlen_q, offset_k, seqlen_k) of batch entry ``batch``.
+    """``SeqlenInfo`` (offset_q, seqlen_q, offset_k, seqlen_k) of batch entry ``batch``.
 
     Dense tensors are (b, s, h, d) and a batch entry starts at row 0 of its own slice; varlen
     tensors are (1, total, h, d) and entry ``b`` starts at ``cu_seqlens[b]``. ``seqused`` caps the
@@ -38,4 +50,4 @@ def seqlen_info(
         seqlen_q = mSeqUsedQ[batch]
     if cutlass.const_expr(mSeqUsedK is not None):
         seqlen_k = mSeqUsedK[batch]
-    return offset_q, seqlen_q, offset_k, seqlen_k
+    return SeqlenInfo(offset_q, seqlen_q, offset_k, seqlen_k)

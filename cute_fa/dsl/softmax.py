@@ -26,6 +26,7 @@ reduction holds.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -74,7 +75,15 @@ def exp2_poly(x: Float32) -> Float32:
     return bits.bitcast(Float32)
 
 
-def score_scales(softmax_scale: Float32, softcap: Float32, has_softcap: bool):
+class ScoreScales(NamedTuple):
+    """``score_scales``: what the raw scores are multiplied by before softcap's tanh
+    (``score_scale``) and the exponent's scale (``scale_log2``)."""
+
+    score_scale: Float32
+    scale_log2: Float32
+
+
+def score_scales(softmax_scale: Float32, softcap: Float32, has_softcap: bool) -> ScoreScales:
     """(score_scale, scale_log2) of Note [base-2 online softmax], softcap folded in.
 
     Without softcap the scores stay unscaled (score_scale = 1) and the exponent applies
@@ -82,8 +91,8 @@ def score_scales(softmax_scale: Float32, softcap: Float32, has_softcap: bool):
     (score_scale = softmax_scale / softcap), and the exponent needs only softcap * log2(e).
     """
     if has_softcap:
-        return softmax_scale / softcap, softcap * LOG2_E
-    return Float32(1.0), softmax_scale * LOG2_E
+        return ScoreScales(softmax_scale / softcap, softcap * LOG2_E)
+    return ScoreScales(Float32(1.0), softmax_scale * LOG2_E)
 
 
 def softcap_scores(acc: cute.Tensor, score_scale: Float32, derivative: bool = False):
