@@ -124,5 +124,26 @@ def empty_rows(seqlen_q: int, seqlen_k: int, causal: bool, window) -> torch.Tens
     return lo > hi
 
 
+def unseen_keys(seqlen_q: int, seqlen_k: int, causal: bool, window) -> torch.Tensor:
+    """(seqlen_k,) bool: keys that no query row sees (their dK and dV are exactly 0).
+
+    Key j is seen by the queries i with j + sq - sk - right <= i <= j + sq - sk + left (the
+    same rule as ``empty_rows``, solved for i); it is unseen when none of them is in
+    [0, seqlen_q). Written independently of the reference on purpose.
+    """
+    left, right = window
+    if causal:
+        right = 0
+    j = torch.arange(seqlen_k)
+    shift = seqlen_q - seqlen_k
+    lo = torch.zeros_like(j) if right is None else (j + shift - right).clamp(min=0)
+    hi = (
+        torch.full_like(j, seqlen_q - 1)
+        if left is None
+        else (j + shift + left).clamp(max=seqlen_q - 1)
+    )
+    return lo > hi
+
+
 def cu_seqlens(lens) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")

@@ -328,6 +328,46 @@ def test_plans_are_reused_and_values_still_checked(fake_gpu):
         flash_attn_func(q_off, k, v, causal=True)
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
+def test_plans_are_per_window(fake_gpu, varlen):
+    """Two local windows of one signature and one compile key (local, causal off) get their own
+    plans: each launch passes its own window."""
+    from cute_fa import interface
+
+    if varlen:
+        cu = torch.tensor([0, 16, 40], dtype=torch.int32)
+        q, k = torch.randn(40, 4, 64).bfloat16(), torch.randn(40, 2, 64).bfloat16()
+
+        def call(window):
+            flash_attn_varlen_func(q, k, k, cu_seqlens_q=cu, cu_seqlens_k=cu, window_size=window)
+    else:
+        q, k, v = cpu_qkv()
+
+        def call(window):
+            flash_attn_func(q, k, v, window_size=window)
+
+    for window in [(64, 0), (32, 32), (64, 0)]:
+        call(window)
+    assert [launch["scalars"][2:4] for launch in fake_gpu.launches] == [(64, 0), (32, 32), (64, 0)]
+    assert len(interface._plans) == 2 and fake_gpu.configs[0] == fake_gpu.configs[1]
+
+
+def test_learnable_sink_on_another_device_fails_before_any_work(fake_gpu):
+    """With the device check passing for q, k, v (fake_gpu), a sink on another device is the
+    one error, raised before a launch."""
+    q, k, v = cpu_qkv()
+    sink = torch.zeros(q.shape[2], device="meta")
+    with pytest.raises(ValueError, match="learnable_sink is on meta, q on cpu"):
+        flash_attn_func(q, k, v, learnable_sink=sink)
+    cu = torch.tensor([0, 16, 32], dtype=torch.int32)
+    with pytest.raises(ValueError, match="learnable_sink is on meta, q on cpu"):
+        flash_attn_varlen_func(
+            q.flatten(0, 1), k[:, :16].flatten(0, 1), v[:, :16].flatten(0, 1),
+            cu_seqlens_q=cu, cu_seqlens_k=cu, learnable_sink=sink,
+        )  # fmt: skip
+    assert fake_gpu.launches == []
+
+
 def test_rows_past_seqused_q_are_zero(fake_gpu):
     fake_gpu.write = False
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
@@ -388,7 +428,10 @@ def test_gpu_runs_on_the_current_stream():
 
 @pytest.mark.gpu
 def test_gpu_seqused_q_rows_are_zero():
-    lens = [5, 9]
+    """Sequences of 5 and 9 queries (and keys), 2 and 9 of the queries used: rows 2-4 are 0 with
+    LSE -inf, the used rows match attention_varlen_ref."""
+    from cute_fa.reference import attention_varlen_ref, check_close
+
     cu = torch.tensor([0, 5, 14], dtype=torch.int32, device="cuda")
     q = torch.randn(14, 4, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(14, 4, 64, device="cuda", dtype=torch.bfloat16)
@@ -396,8 +439,13 @@ def test_gpu_seqused_q_rows_are_zero():
     out, lse = flash_attn_varlen_func(
         q, k, k, cu_seqlens_q=cu, cu_seqlens_k=cu, seqused_q=used_q, return_lse=True
     )
-    assert sum(lens) == out.shape[0]
     assert (out[2:5] == 0).all() and torch.isneginf(lse[:, 2:5]).all()
+    out_ref, lse_ref = attention_varlen_ref(q, k, k, cu, cu, seqused_q=used_q)
+    out_pt, lse_pt = attention_varlen_ref(
+        q, k, k, cu, cu, seqused_q=used_q, upcast=False, reorder_ops=True
+    )
+    check_close(out, out_ref, out_pt)
+    check_close(lse, lse_ref, lse_pt, atol=1e-4, name="lse")
 
 
 def test_backward_kernels_are_looked_up_once_per_request(monkeypatch):

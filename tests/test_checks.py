@@ -151,6 +151,18 @@ def test_stride_not_multiple_of_8():
         flash_attn_func(q, k, v)
 
 
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_head_stride_not_multiple_of_8(name):
+    """Heads padded to 68 elements: q's strides are (4352, 272, 68, 1). Batch and sequence
+    strides are multiples of 8, so only the head stride's check rejects it."""
+    tensors = dict(zip("qkv", qkv(h=4, hk=4), strict=True))
+    seqlen = tensors[name].shape[1]
+    tensors[name] = torch.zeros(2, seqlen, 4, 68, dtype=torch.bfloat16)[..., :64]
+    assert tensors[name].stride() == (seqlen * 272, 272, 68, 1)
+    with pytest.raises(ValueError, match=rf"{name}.stride\(2\) = 68 is not a multiple of 8"):
+        flash_attn_func(tensors["q"], tensors["k"], tensors["v"])
+
+
 def test_views_with_good_strides_pass_the_layout_checks():
     qkv_packed = torch.randn(2, 16, 3, 4, 64).bfloat16()
     q, k, v = qkv_packed.unbind(2)

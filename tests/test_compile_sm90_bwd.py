@@ -149,7 +149,12 @@ COMPILE_CASES = [
 @pytest.mark.parametrize("d, dtype, causal, deterministic, flags", COMPILE_CASES)
 def test_sm90_bwd_compiles_for_sm90a(d: int, dtype: str, causal: bool, deterministic, flags):
     config = _config(d, dtype, causal=causal, deterministic=deterministic, **flags)
-    info = _compile(config)
+    _check_sass(config, _compile(config))
+
+
+def _check_sass(config: BwdConfig, info: dict) -> None:
+    """The SASS facts of the module docstring for the main kernel of ``config``."""
+    d, causal, deterministic = config.head_dim, config.causal, config.deterministic
     counts, sass = info["sass_counts"], info["sass_text"]
     spills = counts["LDL"] + counts["STL"]
     print(
@@ -215,7 +220,8 @@ def test_sm90_bwd_compiles_for_sm90a(d: int, dtype: str, causal: bool, determini
 
 def test_compiles_through_the_backward_path(monkeypatch) -> None:
     """CUTE_FA_BWD_ARCH=90: the torch side's compile key and compile function reach the sm90
-    main kernel (and keep the sm80 pre/postprocess)."""
+    main kernel (and keep the sm80 pre/postprocess): the cubin inside the TVM-FFI function
+    holds FlashAttentionBackwardSm90 with the SASS facts of the direct compile above."""
     from cute_fa.backward import BWD_ARCH_ENV, bwd_config, bwd_kernel_classes, compile_bwd
 
     monkeypatch.setenv(BWD_ARCH_ENV, "90")
@@ -223,7 +229,38 @@ def test_compiles_through_the_backward_path(monkeypatch) -> None:
     pre_cls, main_cls, post_cls = bwd_kernel_classes(config.arch)
     assert main_cls.__name__ == "FlashAttentionBackwardSm90"
     assert pre_cls.arch == 80 and post_cls.arch == 80
-    assert compile_bwd(config) is not None
+    info = _cubin_of_tvm_ffi(compile_bwd(config))
+    assert "FlashAttentionBackwardSm90" in info["kernel"], info["kernel"]
+    _check_sass(config, info)
+
+
+def _cubin_of_tvm_ffi(compiled) -> dict:
+    """``inspect_cubin`` of the device code in a TVM-FFI compiled function: its exported object
+    file embeds the cubin as an ELF image of machine EM_CUDA (190), cut here at the end of its
+    last section or header table."""
+    import struct
+
+    from cute_fa.sass import inspect_cubin
+
+    with tempfile.TemporaryDirectory(prefix="cute-fa-export-") as d:
+        path = f"{d}/module.o"
+        compiled.export_to_c(path, function_name="bwd")
+        with open(path, "rb") as f:
+            obj = f.read()
+    start = obj.find(b"\x7fELF", 1)
+    while start >= 0 and struct.unpack_from("<H", obj, start + 0x12)[0] != 190:
+        start = obj.find(b"\x7fELF", start + 1)
+    assert start >= 0, "no cubin in the exported object file"
+    phoff, shoff = struct.unpack_from("<QQ", obj, start + 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", obj, start + 0x36)
+    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    for i in range(shnum):
+        header = start + shoff + i * shentsize
+        (kind,) = struct.unpack_from("<I", obj, header + 4)
+        offset, size = struct.unpack_from("<QQ", obj, header + 0x18)
+        if kind != 8:  # SHT_NOBITS takes no room in the file
+            end = max(end, offset + size)
+    return inspect_cubin(obj[start : start + end])
 
 
 def test_sm90_bwd_q_stages_switch(monkeypatch) -> None:

@@ -139,6 +139,17 @@ def test_visible_mask_bottom_right_aligned():
     assert m.tolist() == [[False, False, False], [True, False, False], [False, True, False]]
 
 
+@pytest.mark.parametrize("causal,window", WINDOWS, ids=[f"{c}-{w}" for c, w in WINDOWS])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (3, 5), (5, 3), (4, 4), (0, 3), (3, 0)])
+def test_gpu_support_mask_bookkeeping_matches_visible_mask(sq, sk, causal, window):
+    """The GPU tests' independent counts of rows that see no key and keys no row sees."""
+    from gpu_support import empty_rows, unseen_keys
+
+    visible = visible_mask(sq, sk, window[0], 0 if causal else window[1])
+    assert torch.equal(empty_rows(sq, sk, causal, window), ~visible.any(dim=1))
+    assert torch.equal(unseen_keys(sq, sk, causal, window), ~visible.any(dim=0))
+
+
 def test_varlen_ref_matches_per_sequence():
     lens_q, lens_k = [3, 0, 5], [4, 2, 5]
     cu_q = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
