@@ -359,18 +359,22 @@ class FlashAttentionForwardSm90(AttentionKernel):
     arch = 90
 
     def __init__(self, config: FwdConfig):
-        super().__init__(config)
-        self.num_consumers = fwd_num_consumers(config.tile_m)
+        super().__init__(config)  # tile_m, tile_n, num_warps
+        self.num_consumers = fwd_num_consumers(self.tile_m)
         self.wg_m = SM90_FWD_WG_M  # query rows of one consumer warpgroup
         self.num_threads = WARPGROUP * (1 + self.num_consumers)
-        self.kv_stages = fwd_kv_stages(config)
-        self.defer_rescale = bool(config.tuning.defer_rescale)
         self.regs_producer, self.regs_consumer = SM90_FWD_REGS[self.num_consumers]
-        self.num_ctas = config.tuning.num_ctas  # persistent grid; 0: one CTA a tile
-        self.tma_store = config.tuning.tma_store  # O leaves by one TMA store a consumer
-        self.q_stages = fwd_q_stages(config)
-        self.exp2_poly = config.tuning.exp2_poly  # 0: every exponential on MUFU
-        self.rescale_threshold = float(config.tuning.rescale_threshold)  # 0: O rescaled every block
+        # The tuning choices of the compile key (config.tuning), read here only.
+        tuning = config.tuning
+        self.kv_stages = fwd_kv_stages(config)  # two K/V stages
+        self.q_stages = fwd_q_stages(config)  # 2 on a persistent grid where it fits, else 1
+        self.num_ctas = tuning.num_ctas  # persistent grid; 0: one CTA a tile
+        self.pingpong = tuning.pingpong  # consumers take turns issuing their GEMMs
+        self.overlap = tuning.overlap  # softmax of block n while O += P V[n + 1] runs
+        self.defer_rescale = bool(tuning.defer_rescale)  # O rescale, P conversion before P V
+        self.exp2_poly = tuning.exp2_poly  # 0: every exponential on MUFU
+        self.rescale_threshold = float(tuning.rescale_threshold)  # 0: O rescaled every block
+        self.tma_store = tuning.tma_store  # O leaves by one TMA store a consumer
 
     can_implement = staticmethod(fwd_can_implement)
 
@@ -878,7 +882,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
     def start_turn(self, consumer: Int32):
         """Wait until the previous consumer (round robin) has issued its GEMMs (pingpong;
         nothing with config.pingpong off)."""
-        if cutlass.const_expr(self.config.tuning.pingpong):
+        if cutlass.const_expr(self.pingpong):
             pipeline.NamedBarrier(
                 barrier_id=int(Barrier.SCHEDULER_WG1) + consumer, num_threads=2 * WARPGROUP
             ).arrive_and_wait()
@@ -887,7 +891,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
     def end_turn(self, consumer: Int32):
         """Hand the tensor cores to the next consumer, (consumer + 1) % num_consumers
         (nothing with config.pingpong off)."""
-        if cutlass.const_expr(self.config.tuning.pingpong):
+        if cutlass.const_expr(self.pingpong):
             next_consumer = consumer + 1
             if next_consumer == self.num_consumers:
                 next_consumer = 0
@@ -971,7 +975,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         # S is complete after this wait; O += P V (when issued) may still run during the
         # softmax below, which leaves acc_O alone until it has completed (config.overlap off:
         # both have completed).
-        warpgroup.wait_group(0 if is_first or not self.config.tuning.overlap else 1)
+        warpgroup.wait_group(0 if is_first or not self.overlap else 1)
         pipeline_k.consumer_release(k_state)
 
         if cutlass.const_expr(self.has_softcap):
