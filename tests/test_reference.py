@@ -198,11 +198,16 @@ def test_check_close_passes_within_twice_the_baseline():
 
 
 def test_check_close_default_atol_is_a_few_ulps():
-    ref = torch.ones(10)
+    ref = torch.ones(100)
     eps = torch.finfo(torch.bfloat16).eps
-    check_close((ref + eps).bfloat16(), ref, ref.bfloat16())  # exact baseline, 1 ulp off: ok
-    with pytest.raises(AssertionError):
+    one_off = ref.clone()
+    one_off[3] += eps
+    check_close(one_off.bfloat16(), ref, ref.bfloat16())  # exact baseline, 1 ulp off once: ok
+    with pytest.raises(AssertionError, match="max"):
         check_close(ref + 10 * eps, ref, ref.bfloat16())
+    # 1 ulp off in every element, where the baseline is exact: a bias, not rounding (RMS rule).
+    with pytest.raises(AssertionError, match="rms"):
+        check_close((ref + eps).bfloat16(), ref, ref.bfloat16())
 
 
 def test_check_close_infinities_and_nan():
