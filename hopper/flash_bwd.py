@@ -128,9 +128,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
     in cute_fa/backward.py); the sm80 backward runs the rest. tests/test_bwd_sm90_gpu.py and
     tests/test_bwd_gpu.py check its gradients on an H200 (d 64 to 256, bf16/fp16, causal,
     windows, softcap, MHA/GQA, varlen with empty sequences and NaN past seqused, lengths
-    0..1000); on the H200 (2026-12-02, docs/performance.md) it measured 1.01-1.15x SDPA
-    CUDNN's backward at d64, 1.00-1.07x at d128, 1.22-1.37x at d192, 1.10-1.27x at d256
-    (dense, standard grid; d96 1.10-1.19x in an earlier run).
+    0..1000); its measurements are in docs/performance.md.
     tests/test_compile_sm90_bwd.py cross-compiles it for sm_90a and reads its SASS (HGMMA, no
     spills, no stack). It takes the backward protocol of ``bwd_fake_args`` and reuses
     the sm80 preprocess (delta, dQaccum zeroing) and postprocess (dQ conversion) kernels as they
@@ -306,9 +304,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         3. cp.async.bulk.wait_group 0 (without .read: both reduce-adds' writes are complete and
            visible to the issuing thread); fence.proxy.async.global (those async-proxy writes
            ordered before the generic operations that follow); __syncwarp; lane 0:
-           red.release.gpu.add 1. One increment a block, after both halves. (A relaxed read
-           and increment with fence.acq_rel.gpu after / before them, as before, measured 3-7
-           points of det/default less at d64 / d128 8k: a MEMBAR.ALL.GPU more.)
+           red.release.gpu.add 1. One increment a block, after both halves (acquire loads and
+           a release increment: no fence.acq_rel.gpu, whose MEMBAR.ALL.GPU measured slower).
       A CTA of key block n waits only for the increments of key blocks first_key_block(m) ..
       n - 1 of the same (batch, head), CTAs of lower index that the hardware started first
       (causal: the grid is (heads, batch, key blocks), ``bwd_grid``), and their turns never
@@ -317,17 +314,14 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       when they are a whole block ahead of its turn (one sdQ buffer). Walking downward, every
       key block starts at the same last query blocks, so key block n waits for n - 1's
       reduce-adds (a wavefront), not for n - 1 to reach m.
-    SASS (tests/test_compile_sm90_bwd.py): one warpgroup.arrive per GEMM group (S^T, dP^T,
-      dV + dK, dQ: 4 a step; no ptxas serialization), no spills, no stack, at every head dim
-      and flag set it accepts except d 128 causal with softcap (2 spill instructions, an 8-byte
-      stack: the 1 - tanh^2 tile; its GPU tests pass);
-      dQ leaves by UTMAREDG (no REDG atomics). With dQ split along d its accumulator is
-      64 x d/2 fp32 (d/4 registers a thread), so dQ is issued while dV and dK (and their 16-bit
-      P^T / dS^T registers) are in flight without ptxas serializing the WGMMAs (C7512); with
-      the full 64 x d accumulator d 128 did not fit. Deterministic mode adds only warp 1's
-      handshake: the LDG.E.STRONG.GPU spin (acquire loads), one MEMBAR.ALL.GPU (the release),
-      two FENCE.VIEW.ASYNC.G and one REDG.E.ADD.S32.STRONG.GPU (the increment); the consumers'
-      code, registers (168 at launch) and the absence of spills are unchanged.
+    SASS (what tests/test_compile_sm90_bwd.py asserts): one warpgroup.arrive per GEMM group
+      (S^T, dP^T, dV + dK, dQ; no ptxas serialization), no spills and no stack (the exceptions
+      are listed there); dQ leaves by UTMAREDG (no REDG atomics). With dQ split along d its
+      accumulator is 64 x d/2 fp32 (d/4 registers a thread), so dQ is issued while dV and dK
+      (and their 16-bit P^T / dS^T registers) are in flight without ptxas serializing the
+      WGMMAs (C7512); with the full 64 x d accumulator d 128 did not fit. Deterministic mode
+      adds only warp 1's handshake (acquire-load spin, release increment, async-proxy fences);
+      the consumers' code is unchanged.
     A learnable sink needs nothing here: the torch layer applies it to the forward's (out,
       LSE) and hands this kernel the matching dO and dLSE (Note [learnable sink] in
       cute_fa/interface.py).

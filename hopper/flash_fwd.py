@@ -180,9 +180,10 @@ class FlashAttentionForwardSm90(AttentionKernel):
     """Exact attention forward, FA3 design (sm90a only).
 
     Dispatch routes an sm90 device here for what ``can_implement`` accepts (the rest runs the
-    sm80 kernel; ``CUTE_FA_FWD_ARCH=80`` forces that family). Checked on an H200 by
+    sm80 kernel; ``CUTE_FA_FWD_ARCH=80`` forces that family). Checked on an sm90 GPU by
     tests/test_fwd_gpu.py and compute-sanitizer memcheck/racecheck; SASS facts on the CPU by
-    tests/test_compile_sm90.py.
+    tests/test_compile_sm90.py. Measurements of every tuning choice: docs/performance.md and
+    hopper/support.py.
 
     Scope so far: bf16 or fp16; (head_dim, head_dim_v) in (64, 64), (96, 96), (128, 128),
     (192, 192), (192, 128), (256, 256); dense or varlen (cu_seqlens_q / cu_seqlens_k, each on its
@@ -238,8 +239,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
       config.overlap = False (CUTE_FA_SM90_FWD_OVERLAP=0): wait_group 0 instead of 1 after
       the issue, so the softmax of block n waits for O += P V[n + 1] too (no intra-warpgroup
       overlap). Default for d 64 causal calls of up to 1k rows on the persistent grid without
-      turns (``support.SM90_FWD_OVERLAP_OFF_DEFAULT``: +2-4 % there on the H200), where a
-      tile has so few key blocks that the overlap's prologue and drain outweigh it.
+      turns (``support.SM90_FWD_OVERLAP_OFF_DEFAULT``), where a tile has so few key blocks
+      that the overlap's prologue and drain outweigh it.
     Pingpong ([turn] ... [/turn]), round robin over the consumers: consumer c waits on named
       barrier SCHEDULER_WG1 + c (256 threads: its own 128, which wait, and the 128 of consumer
       c - 1 mod num_consumers, which arrive) before issuing its GEMMs, and arrives on the
@@ -253,9 +254,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
       config.pingpong = False (CUTE_FA_SM90_FWD_PINGPONG=0; not with seqused_k, whose V-tail
       zeroing the turns order) drops the turns: each consumer issues as soon as its operands
       are ready. Default for d 64 causal calls on the persistent grid with two consumers
-      (``support.SM90_FWD_PINGPONG_OFF_DEFAULT``: +1-4 % there on the H200), where a
-      consumer's softmax outlasts the other's GEMMs and a turn mostly makes a ready consumer
-      wait.
+      (``support.SM90_FWD_PINGPONG_OFF_DEFAULT``), where a consumer's softmax outlasts the
+      other's GEMMs and a turn mostly makes a ready consumer wait.
     Shared memory (swizzled WGMMA layouts written by TMA: 128-byte swizzle, 64-byte where the
     contiguous extent is 96 elements)
       sQ  (64, d, num_consumers * q_stages): one 64-row slice per consumer and Q stage (stage
@@ -286,7 +286,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
       EPILOGUE_WG1 + c (128 threads), 16-byte stores of rows < seqlen_q (gcd(dv / 8, 128)
       threads a row; dv 96: 4 threads of 3 vectors); LSE from the quad leaders. Rows that see
       no key: O = 0, LSE = -inf. config.tma_store (CUTE_FA_SM90_FWD_TMA_STORE=1; dense query
-      rows, dv == d; 0.93-1.06 on the H200): a fence.proxy.async after the smem writes, then
+      rows, dv == d; not a default): a fence.proxy.async after the smem writes, then
       thread 0 issues one TMA store of the (64, dv) box (rows past the tensor's end are
       clipped) and waits until it has read the slice (cp.async.bulk.wait_group.read 0)
       before its warp releases the Q stage.
@@ -306,35 +306,24 @@ class FlashAttentionForwardSm90(AttentionKernel):
       zeroes those keys of the first visited block's V stage (``zero_v_tail``; its docstring
       has the ordering argument) before any consumer's P V GEMM reads it. Their scores are
       masked by select, so NaN in K does no harm.
-    Intra-warpgroup overlap in the SASS of d 128 (the CuTe DSL's CUDA 12 build; its CUDA 13
-      build, which the GPU machine of docs/performance.md runs, schedules differently, see
-      below): between wgmma wait_group 1 and
-      0 sit the row max reductions, the scaling FFMAs and a few of the EX2 (unmasked loop: 4 of
-      66, masked loop: 5 of 66, the 2 of the rescale factors included); the other EX2 run after
-      the P V GEMM has completed. ptxas places the wait (WARPGROUP.DEPBAR) right after the last
-      SHFL before it, and the P conversions, which write the registers the in-flight P V reads,
-      need it early. config.defer_rescale (CUTE_FA_SM90_FWD_DEFER_RESCALE=1) changes
-      the step: P stays fp32 in acc_S (kept across steps) and the rescale factors in ``corr``;
-      the O rescale and the P conversion of block j run at the start of the next step (or of
-      the last P V), before its turn; one shuffle of the row sums (``after_exponentials``)
-      anchors the wait after every exponential. SASS: 66 of 66 EX2 inside the window in both
-      loops of d 128, 42 of 42 at d 256 with 80 keys (causal: 58-66 of 66, 40-42 of 42; d 64
-      with three consumers: 64 and 66 of 66). The wait itself
-      stays in the step: a commit group still in flight at the loop's back edge makes ptxas
-      serialize every WGMMA. Default at d 64 only (``support.SM90_FWD_DEFER_RESCALE_DEFAULT``:
-      measured faster there, slower at d 128 and d 256). Those SASS counts are of the CUDA 12
-      build: ptxas of the CUDA 13 build (the H200 measurements) puts the wait before the
-      exponentials anyway (unmasked / masked loops: d 128 0 and 1 of 66, d 256 5 and 15 of 34
-      (64 keys; CUDA 12: 34 and 32), d 64 with three consumers 0 and 0, d 64 causal with two
-      consumers 0 and 0; an ncu profile
-      of that last kernel on the H200 showed the same), so the deferred rescale measured there
-      moved the O rescale and the P conversion but not the exponentials.
+    Intra-warpgroup overlap: between wgmma wait_group 1 and 0 sit the row max reductions, the
+      scaling FFMAs and, as ptxas schedules them, some of the EX2; the rest run after the P V
+      GEMM has completed. ptxas places the wait (WARPGROUP.DEPBAR) right after the last SHFL
+      before it, and the P conversions, which write the registers the in-flight P V reads,
+      need it early. config.defer_rescale (CUTE_FA_SM90_FWD_DEFER_RESCALE=1) changes the step:
+      P stays fp32 in acc_S (kept across steps) and the rescale factors in ``corr``; the O
+      rescale and the P conversion of block j run at the start of the next step (or of the
+      last P V), before its turn; one shuffle of the row sums (``after_exponentials``) anchors
+      the wait after every exponential under the DSL's CUDA 12 build (its CUDA 13 build's
+      ptxas still moves the wait ahead of them; tests/test_compile_sm90.py counts the EX2 in
+      the window). The wait itself stays in the step: a commit group still in flight at the
+      loop's back edge makes ptxas serialize every WGMMA. Default at d 64 only
+      (``support.SM90_FWD_DEFER_RESCALE_DEFAULT``).
     Exponentials on the FMA pipe (config.exp2_poly = k, CUTE_FA_SM90_FWD_EXP2_POLY): in the
       unmasked loop every k-th exponential of a thread's row is a polynomial (Note [exp2 on the
       FMA pipe] in cute_fa/dsl/softmax.py) instead of MUFU.EX2, which at d 64 is as busy as
-      the tensor cores (hopper/support.py). SASS of d 64, 128 rows, k = 8: the unmasked loop
-      has 58 MUFU.EX2 instead of 66 and 456 instructions instead of 399. Off by default: on
-      the H200 k = 8 measured 2-10 % slower at d 64 (docs/performance.md, Log 2026-12-01).
+      the tensor cores (hopper/support.py); the unmasked loop has tile_n / 2 / k fewer
+      MUFU.EX2 (the compile test counts them). Off by default.
     Rescale threshold (config.rescale_threshold = t, CUTE_FA_SM90_FWD_RESCALE_THRESHOLD): a
       row's max moves only by more than t (log2 units) and a warp skips the O rescale when none
       of its rows moved (Note [rescale threshold] in cute_fa/dsl/softmax.py). Default 8 at d 256,
@@ -913,10 +902,10 @@ class FlashAttentionForwardSm90(AttentionKernel):
         """Scheduling anchor for the wgmma wait_group 0 that follows (defer_rescale).
 
         ptxas places a WARPGROUP.DEPBAR no earlier than the last SHFL before it in program
-        order, and otherwise as early as it can (the d128 SASS without this: 4 of 66 MUFU.EX2
-        of the unmasked loop before the wait). One butterfly shuffle of each row's partial sum,
-        which depends on every exponential of the row, added times 0, puts all of them before
-        the wait (66 of 66). x + a * 0 is x: a is the partial sum of the same row in the
+        order, and otherwise as early as it can (without this, most MUFU.EX2 of a step come
+        after the wait). One butterfly shuffle of each row's partial sum, which depends on
+        every exponential of the row, added times 0, puts all of them before the wait (CUDA 12
+        build's ptxas). x + a * 0 is x: a is the partial sum of the same row in the
         neighbouring lane of the quad, finite and >= 0 (sums of exp2 of values <= 0); the
         compiler cannot fold it (a * 0 is NaN for an infinite a).
         """
