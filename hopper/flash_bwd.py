@@ -124,7 +124,7 @@ def dq_barrier(first: Barrier, consumer) -> pipeline.NamedBarrier:
 class FlashAttentionBackwardSm90(AttentionKernel):
     """Exact attention backward (dQ, dK, dV), FA3 design (sm90a only).
 
-    Dispatched on sm_90a wherever ``can_implement`` accepts the call (Note [backward dispatch]
+    Planned on sm_90a wherever ``can_implement`` accepts the call (Note [backward dispatch]
     in cute_fa/backward.py); the sm80 backward runs the rest. tests/test_bwd_sm90_gpu.py and
     tests/test_bwd_gpu.py check its gradients on an H200 (d 64 to 256, bf16/fp16, causal,
     windows, softcap, MHA/GQA, varlen with empty sequences and NaN past seqused, lengths
@@ -255,7 +255,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
                                          column half).
       sQ (tile_m, d, q_stages),          K-major B of S^T / dP^T; viewed (d, tile_m) MN-major as
       sdO (tile_m, dv, q_stages)         the B of dK / dV. q_stages = 2 (1 at d 256;
-                                         CUTE_FA_SM90_BWD_Q_STAGES=3 where it fits).
+                                         tuning.q_stages = 3 where it fits).
       sLSE, sdPsum (tile_m, q_stages)    fp32: LSE * log2 e and delta of the block's rows.
       sdS (tile_m, tile_n, 2)            16-bit dS, K-major A of dQ.
       sP (tile_m, tile_n), split d       16-bit P^T of the block, laid out as an sdS buffer
@@ -324,7 +324,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       the consumers' code is unchanged.
     A learnable sink needs nothing here: the torch layer applies it to the forward's (out,
       LSE) and hands this kernel the matching dO and dLSE (Note [learnable sink] in
-      cute_fa/interface.py).
+      cute_fa/api.py).
     Not yet: pingpong between the consumers; a
       second sdQ buffer (deterministic mode would hold the consumers less). Tried and dropped
       (docs/performance.md Log): the next block's S^T / dP^T issued behind this block's dQ (a

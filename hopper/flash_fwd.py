@@ -179,8 +179,8 @@ class ScoreRows(NamedTuple):
 class FlashAttentionForwardSm90(AttentionKernel):
     """Exact attention forward, FA3 design (sm90a only).
 
-    Dispatch routes an sm90 device here for what ``can_implement`` accepts (the rest runs the
-    sm80 kernel; ``CUTE_FA_FWD_ARCH=80`` forces that family). Checked on an sm90 GPU by
+    Planning routes an sm90 device here for what ``can_implement`` accepts (the rest runs the
+    sm80 kernel; the setting ``CUTE_FA_FWD_ARCH=80`` forces that family). Checked on an sm90 GPU by
     tests/test_fwd_gpu.py and compute-sanitizer memcheck/racecheck; SASS facts on the CPU by
     tests/test_compile_sm90.py. Measurements of every tuning choice: docs/performance.md and
     hopper/support.py.
@@ -193,20 +193,19 @@ class FlashAttentionForwardSm90(AttentionKernel):
     Tile: tile_m = 64 * num_consumers query rows, one 64-row slice per consumer warpgroup:
     192 (three consumers) for d 64 without a window or softcap, causal only from 4096 query
     rows (measured faster, ``support.SM90_FWD_3WG_DEFAULT``), 128 (two) otherwise;
-    CUTE_FA_SM90_FWD_TILE_M picks 128 or 192 where it fits (``support.fwd_tile_ms``: what fits
-    160 registers a consumer thread; d 128 with 64 or 80 keys, CUTE_FA_SM90_FWD_TILE_N).
-    tile_n from ``support.fwd_tile`` (128 for d <= 128, 112 for d 192, 64 for d 256: what fits
-    Q plus two K/V stages in 227 KiB, and at d 256 measured faster than the 80 that fit; the
-    reasons are there).
+    the tuning field ``tile_m`` picks 128 or 192 where it fits (``support.fwd_tile_ms``: what
+    fits 160 registers a consumer thread; d 128 with 64 or 80 keys, field ``tile_n``).
+    tile_n by default from ``support.SM90_FWD_TILE_N`` (128 for d <= 128, 112 for d 192, 64 for
+    d 256: what fits Q plus two K/V stages in 227 KiB; the reasons are there).
 
     Grid and work split
       A tile is tile_m (128 or 192) query rows of one (head, batch); its CTA visits the tile's
       key blocks from the last to the first (the one that cuts the seqlen tail or the causal
       diagonal comes first).
-      One CTA a tile (config.num_ctas == 0): grid = (ceil(max_seqlen_q / tile_m), num_heads,
+      One CTA a tile (tuning.num_ctas == 0): grid = (ceil(max_seqlen_q / tile_m), num_heads,
       batch) (varlen q: batch = len(cu_seqlens_q) - 1). Causal grids run query blocks in
       reverse (longest rows first).
-      Persistent (config.num_ctas = the device's SMs; dispatch picks it for dense calls without
+      Persistent (tuning.num_ctas = the device's SMs; planning picks it for dense calls without
       a window or seqused at d <= 128 up to 2k query rows, causal 8k (d 64: 128 rows below
       4k, 192 rows from 4k), and at d 192 / 256 for causal calls of 1k-8k rows,
       ``support.fwd_tuned``):
@@ -236,7 +235,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
       after the last block:  [turn] O += P V[n_min] [/turn]
       S = Q K^T is WGMMA SS (both operands in smem); O += P V is WGMMA RS (P from registers,
       the C fragment reinterpreted as the A fragment, no data movement).
-      config.overlap = False (CUTE_FA_SM90_FWD_OVERLAP=0): wait_group 0 instead of 1 after
+      tuning.overlap = False: wait_group 0 instead of 1 after
       the issue, so the softmax of block n waits for O += P V[n + 1] too (no intra-warpgroup
       overlap). Default for d 64 causal calls of up to 1k rows on the persistent grid without
       turns (``support.SM90_FWD_OVERLAP_OFF_DEFAULT``), where a tile has so few key blocks
@@ -251,7 +250,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
       (2,) 0, 1, ... and a barrier never sees a second arrival before its wait; the last
       consumer's last arrival on SCHEDULER_WG1 (and its first, when the CTA visits no block)
       is never waited for.
-      config.pingpong = False (CUTE_FA_SM90_FWD_PINGPONG=0; not with seqused_k, whose V-tail
+      tuning.pingpong = False (not with seqused_k, whose V-tail
       zeroing the turns order) drops the turns: each consumer issues as soon as its operands
       are ready. Default for d 64 causal calls on the persistent grid with two consumers
       (``support.SM90_FWD_PINGPONG_OFF_DEFAULT``), where a consumer's softmax outlasts the
@@ -277,15 +276,14 @@ class FlashAttentionForwardSm90(AttentionKernel):
                    K[n] is released once S = Q K[n]^T has completed.
       pipeline_v:  producer -> every consumer, kv_stages, 4 * num_consumers arrivals;
                    V[n] is released one step later, once O += P V[n] has completed.
-      kv_stages = 2; config.kv_stages = 3 (CUTE_FA_SM90_FWD_KV_STAGES=3, ``support.fwd_tuned``)
-      gives 3 where they fit in shared memory (d 64 to 128 at 128 keys; 225 KiB at d 128).
+      kv_stages = 2 (``support.fwd_kv_stages``).
     P -> 16-bit registers: converted 8 values at a time (``convert_in_chunks``), so the
       compiler emits packed pair conversions for every tile_n and ptxas keeps the P V WGMMAs
       in one batch (no C7519 serialization; tests/test_compile_sm90.py counts the fences).
     Epilogue (per consumer): O / l once, O -> 16-bit -> its slice of sQ, named barrier
       EPILOGUE_WG1 + c (128 threads), 16-byte stores of rows < seqlen_q (gcd(dv / 8, 128)
       threads a row; dv 96: 4 threads of 3 vectors); LSE from the quad leaders. Rows that see
-      no key: O = 0, LSE = -inf. config.tma_store (CUTE_FA_SM90_FWD_TMA_STORE=1; dense query
+      no key: O = 0, LSE = -inf. tuning.tma_store (dense query
       rows, dv == d; not a default): a fence.proxy.async after the smem writes, then
       thread 0 issues one TMA store of the (64, dv) box (rows past the tensor's end are
       clipped) and waits until it has read the slice (cp.async.bulk.wait_group.read 0)
@@ -310,7 +308,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
       scaling FFMAs and, as ptxas schedules them, some of the EX2; the rest run after the P V
       GEMM has completed. ptxas places the wait (WARPGROUP.DEPBAR) right after the last SHFL
       before it, and the P conversions, which write the registers the in-flight P V reads,
-      need it early. config.defer_rescale (CUTE_FA_SM90_FWD_DEFER_RESCALE=1) changes the step:
+      need it early. tuning.defer_rescale changes the step:
       P stays fp32 in acc_S (kept across steps) and the rescale factors in ``corr``; the O
       rescale and the P conversion of block j run at the start of the next step (or of the
       last P V), before its turn; one shuffle of the row sums (``after_exponentials``) anchors
@@ -319,12 +317,12 @@ class FlashAttentionForwardSm90(AttentionKernel):
       the window). The wait itself stays in the step: a commit group still in flight at the
       loop's back edge makes ptxas serialize every WGMMA. Default at d 64 only
       (``support.SM90_FWD_DEFER_RESCALE_DEFAULT``).
-    Exponentials on the FMA pipe (config.exp2_poly = k, CUTE_FA_SM90_FWD_EXP2_POLY): in the
+    Exponentials on the FMA pipe (tuning.exp2_poly = k): in the
       unmasked loop every k-th exponential of a thread's row is a polynomial (Note [exp2 on the
       FMA pipe] in cute_fa/dsl/softmax.py) instead of MUFU.EX2, which at d 64 is as busy as
       the tensor cores (hopper/support.py); the unmasked loop has tile_n / 2 / k fewer
       MUFU.EX2 (the compile test counts them). Off by default.
-    Rescale threshold (config.rescale_threshold = t, CUTE_FA_SM90_FWD_RESCALE_THRESHOLD): a
+    Rescale threshold (tuning.rescale_threshold = t): a
       row's max moves only by more than t (log2 units) and a warp skips the O rescale when none
       of its rows moved (Note [rescale threshold] in cute_fa/dsl/softmax.py). Default 8 at d 256,
       off elsewhere (``support.SM90_FWD_RESCALE_THRESHOLD_DEFAULT``).
@@ -710,7 +708,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
     ) -> ConsumerStates:
         """Consumer warpgroup, one tile: its 64 query rows against every visited key block,
         then store; returns the advanced states. ``work.views.mO_tma``: this (head, batch)'s
-        TMA coordinates of O with config.tma_store, else None."""
+        TMA coordinates of O with tuning.tma_store, else None."""
         wg_m, tile_n, dv = self.wg_m, self.tile_n, self.tile_hdimv
         sQ, sK, sV = smem_tiles
         q_state, k_state, v_state = states
@@ -870,7 +868,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
     @cute.jit
     def start_turn(self, consumer: Int32):
         """Wait until the previous consumer (round robin) has issued its GEMMs (pingpong;
-        nothing with config.pingpong off)."""
+        nothing with tuning.pingpong off)."""
         if cutlass.const_expr(self.pingpong):
             pipeline.NamedBarrier(
                 barrier_id=int(Barrier.SCHEDULER_WG1) + consumer, num_threads=2 * WARPGROUP
@@ -879,7 +877,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
     @cute.jit
     def end_turn(self, consumer: Int32):
         """Hand the tensor cores to the next consumer, (consumer + 1) % num_consumers
-        (nothing with config.pingpong off)."""
+        (nothing with tuning.pingpong off)."""
         if cutlass.const_expr(self.pingpong):
             next_consumer = consumer + 1
             if next_consumer == self.num_consumers:
@@ -962,7 +960,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
             warpgroup.commit_group()
         self.end_turn(consumer)
         # S is complete after this wait; O += P V (when issued) may still run during the
-        # softmax below, which leaves acc_O alone until it has completed (config.overlap off:
+        # softmax below, which leaves acc_O alone until it has completed (tuning.overlap off:
         # both have completed).
         warpgroup.wait_group(0 if is_first or not self.overlap else 1)
         pipeline_k.consumer_release(k_state)

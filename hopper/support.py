@@ -54,8 +54,7 @@ SM90_FWD_REGS = {2: (24, 240), 3: (24, 160)}
 # + O 32 (the SASS peaks at R157); 144 keys spill (52 LDL/STL). d 96 spills at 128 keys (78),
 # causal even at 96 keys. d 128 holds at most 80 keys (S 40 + P 20 + O 64; 0 spills at 64 and
 # 80, causal too; 96 keys spill 26, 112 keys 104), fewer than its default 128, so three
-# consumers there are a tuning choice only (CUTE_FA_SM90_FWD_TILE_M=192 with
-# CUTE_FA_SM90_FWD_TILE_N=64 or 80).
+# consumers there are a tuning choice only (tile_m 192 with tile_n 64 or 80).
 SM90_FWD_TILE_M_3WG = 192
 SM90_FWD_3WG_MAX_TILE_N = {64: 128, 128: 80}
 # Features whose extra registers do not fit three consumers at d 64 / 128 keys: a window
@@ -73,52 +72,39 @@ SM90_FWD_3WG_DEFAULT = (64,)
 SM90_FWD_3WG_CAUSAL_MIN_SEQLEN = 4096
 
 
-# Tuning override: CUTE_FA_SM90_FWD_TILE_N=<keys> (a multiple of 16, at most 256) replaces the
-# key block of every head dim, so a benchmark can compare tiles; the shared-memory check of
-# fwd_can_implement still applies. Read when a launch plan is made.
-# Tuning switch: CUTE_FA_SM90_FWD_TILE_M=192 runs three consumer warpgroups (192 query rows a
-# CTA) for the head dims of SM90_FWD_3WG_MAX_TILE_N (d 64); the other head dims keep 128 rows.
-# =128 forces two consumers. Unset: SM90_FWD_3WG_DEFAULT decides. Read when a launch plan is
-# made.
-
-
-# Tuning switch: CUTE_FA_SM90_FWD_KV_STAGES=2|3, the stages of the K and V rings. 3 applies where
-# Q and three K/V stages fit in shared memory (fwd_kv_stages; d 64 to 128 at 128 keys: 225 KiB at
-# d 128), else the ring keeps 2. Unset: 2 (SM90_FWD_KV_STAGES). Read when a launch plan is made.
-# Tuning switch: CUTE_FA_SM90_FWD_DEFER_RESCALE=1 moves the rescale of O and the conversion of P
+# The fields of Sm90FwdTuning (cute_fa/config.py; docs/tuning.md) and their defaults. ``tile_n``
+# (a multiple of 16 up to 256) and ``tile_m`` (128 or 192, where three consumers fit
+# SM90_FWD_3WG_MAX_TILE_N) default to the tables above; fwd_can_implement checks a tile asked
+# for. Three K/V stages were measured no faster and removed (docs/log/sm90-forward.md).
+#
+# ``defer_rescale`` moves the rescale of O and the conversion of P
 # to 16 bits of key block j from the end of its step to just before O += P_j V_j is issued (the
 # start of the next step, or the last P V). Between wgmma wait_group 1 and 0 nothing then writes
 # the registers the in-flight P V GEMM reads (P) or accumulates (O), so ptxas can keep the
-# exponentials of block j before the wait (flash_fwd.py, class docstring). =2: the same, with
-# the wait in a branch whose warp-uniform condition depends on every row sum, which keeps the
-# exponentials before it under the CUDA 13 build's ptxas too (=1 holds only under CUDA 12's).
-# =0: the order of the other head dims. Unset: SM90_FWD_DEFER_RESCALE_DEFAULT (mode 1). Read
-# when a launch plan is made.
-# Head dims that defer the rescale when the switch is unset. On the H200 (bf16, standard grid,
+# exponentials of block j before the wait (flash_fwd.py, class docstring; under the CUDA 12
+# build's ptxas). A variant with the wait in a vote-guarded branch measured 0.98 and was
+# removed. Head dims that defer the rescale by default. On the H200 (bf16, standard grid,
 # the switch as a peer in one process, docs/performance.md, Log 2026-12-01): d 64 +0 to +3 %
 # non-causal and +1 to +7 % causal (2k and 4k +6-7 %; a second run +1-3 %, inside that run's
 # noise); d 128 -9 to +0 % at 512-8k; d 256 -8 to +1 %.
 SM90_FWD_DEFER_RESCALE_DEFAULT = (64,)
-# Tuning switch: CUTE_FA_SM90_FWD_EXP2_POLY=<k> (2, 4, 8 or 16) computes every k-th exponential
+# ``exp2_poly`` = k (2, 4, 8 or 16) computes every k-th exponential
 # of each thread's row in the unmasked key blocks with a polynomial on the FMA pipe
 # (cute_fa/dsl/softmax.py, Note [exp2 on the FMA pipe]) instead of MUFU.EX2. Why: MUFU runs 16
 # lanes a clock an SM, the tensor cores 4096 FLOPs, so at d 64 (256 FLOPs a score in the two
 # GEMMs) the exponentials need as many MUFU clocks as the GEMMs need tensor clocks, and a
 # consumer's softmax (66 MUFU.EX2 a thread at 128 keys: 528 clocks of its SMSP's MUFU) takes
 # longer than the other consumer's GEMMs (512 clocks). A polynomial exponential is 8 FMA / ALU
-# instructions in place of one MUFU.EX2. =0 or unset: MUFU for all. Read when a launch plan is
-# made.
-# Tuning switch: CUTE_FA_SM90_FWD_RESCALE_THRESHOLD=<t> (4 or 8, log2 units): a row's running
+# instructions in place of one MUFU.EX2. 0 (the default): MUFU for all.
+# ``rescale_threshold`` = t (4 or 8, log2 units): a row's running
 # max moves only when a block's max exceeds it by more than t, and a warp skips the O rescale
 # (d / 2 multiplies a thread and block) unless one of its rows moved (Note [rescale threshold]
 # in cute_fa/dsl/softmax.py; FA4 uses 8). Why: at d 256 the rescale is 128 FMUL a thread and
-# block against ~220 other softmax instructions; at d 128 64 against ~350. =0: the max follows
-# every move and O is multiplied every block. Unset: SM90_FWD_RESCALE_THRESHOLD_DEFAULT of the
-# head dim (8 at d 256, else 0). Read when a launch plan is made.
-# The threshold by head dim when the switch is unset. On the H200 (bf16, standard grid, the
-# threshold as a peer in the same run, docs/performance.md, Log 2026-12-01): d 256 at 64 keys
-# +2 to +9 % (at 80 keys +0 to +9 %), d 128 -1 to +2 % (not taken), d 64 not measured (its
-# rescale is 32 multiplies a thread and block).
+# block against ~220 other softmax instructions; at d 128 64 against ~350. 0: the max follows
+# every move and O is multiplied every block. The threshold by head dim by default, measured on
+# the H200 (bf16, standard grid, the threshold as a peer in the same run, docs/log/
+# sm90-forward.md, 2026-12-01): d 256 at 64 keys +2 to +9 % (at 80 keys +0 to +9 %), d 128 -1
+# to +2 % (not taken), d 64 not measured (its rescale is 32 multiplies a thread and block).
 SM90_FWD_RESCALE_THRESHOLD_DEFAULT = {256: 8}
 
 # A persistent grid launches one CTA an SM, each looping over its share of the tiles (Note
@@ -150,27 +136,24 @@ SM90_FWD_RESCALE_THRESHOLD_DEFAULT = {256: 8}
 # 0.99 and 1.06 at 16k. So they follow the rule above (causal up to 8192 rows): d 64 causal
 # calls run 128 rows persistent below 4096 rows, 192 rows persistent from 4096 to 8192, and
 # 192 rows one CTA a tile above.
-# Switch: CUTE_FA_SM90_FWD_PERSISTENT=1 for every call that fits, =0 for none, =2 for every call
-# that fits with a dynamic schedule: each CTA takes its next work unit from a global counter
-# (atomicAdd; Note [persistent tiles]), so SMs that run ahead take more units (measured 0.93-1.02
-# of the default on the H200: not a default).
-# Read when a launch plan is made.
+# ``num_ctas`` > 0 asks for a persistent grid for every call that fits, 0 for none (planning
+# puts the device's SM count there). A dynamic schedule (CTAs taking their next work unit from
+# a global counter) measured 0.93-1.02 of the static one and was removed.
 SM90_FWD_PERSISTENT_MAX_SEQLEN = 2048
 SM90_FWD_PERSISTENT_MAX_SEQLEN_CAUSAL = 8192
 SM90_FWD_PERSISTENT_ONE_Q_STAGE_CAUSAL = (1024, 8192)
 # CTAs of a persistent grid when the device is not known (precompile for sm_90a): the SMs of an
-# H100 SXM or H200. A plan for a device puts that device's count in the config (interface).
+# H100 SXM or H200. A plan for a device puts that device's count in the config (cute_fa/ops.py).
 SM90_SMS = 132
 # Q stages of a persistent grid: two where they fit next to the K/V ring (the next tile's Q
 # loads while this one runs; its O is staged in this one's Q stage), else one.
 SM90_FWD_PERSISTENT_Q_STAGES = 2
 
-# Tuning switch: CUTE_FA_SM90_FWD_PINGPONG=0 drops the turns of the consumer warpgroups (named
-# barriers SCHEDULER_WG1 + c, hopper/flash_fwd.py): each issues its GEMMs as soon as its own
-# operands are ready, and the warp schedulers interleave the consumers as they come. =1: the
-# turns (FA3's pingpong). Unset: SM90_FWD_PINGPONG_OFF_DEFAULT below. Never off with seqused_k,
-# whose V-tail zeroing the turns order (``zero_v_tail``). Read when a launch plan is made.
-# Where the turns are off when the switch is unset: d 64 causal calls on the persistent grid with
+# ``pingpong`` False drops the turns of the consumer warpgroups (named barriers SCHEDULER_WG1 +
+# c, hopper/flash_fwd.py): each issues its GEMMs as soon as its own operands are ready, and the
+# warp schedulers interleave the consumers as they come. True: the turns (FA3's pingpong).
+# Never off with seqused_k, whose V-tail zeroing the turns order (``zero_v_tail``).
+# Where the turns are off by default: d 64 causal calls on the persistent grid with
 # two consumers (128 rows: below 4096 query rows). On the H200 (bf16, standard grid, the switch
 # as a peer in one process, docs/performance.md, Log 2026-12-02), three runs: +2 / +3 / +3 % at
 # 512, +4 / +1 / +2 % at 1k, +3 / +3 / +2 % at 2k. Not elsewhere: d 64 causal 4k (192 rows) -4 /
@@ -178,11 +161,10 @@ SM90_FWD_PERSISTENT_Q_STAGES = 2
 # d 256 -4 to +1 %. At d 64 a consumer's softmax (66 exponentials a thread) takes longer than
 # the other consumer's GEMMs, so a turn mostly makes a consumer whose operands are ready wait.
 SM90_FWD_PINGPONG_OFF_DEFAULT = (64,)
-# Tuning switch: CUTE_FA_SM90_FWD_OVERLAP=0 turns the intra-warpgroup overlap off: a consumer
-# waits for both GEMMs of its step (S = Q K[j]^T and O += P V[j + 1]) before the softmax of
-# block j, instead of only for S (hopper/flash_fwd.py, ``step``). =1: the overlap. Unset: the
-# overlap, except SM90_FWD_OVERLAP_OFF_DEFAULT below. Read when a launch plan is made.
-# Where the overlap is off when the switch is unset: head dim -> longest query sequence, for
+# ``overlap`` False turns the intra-warpgroup overlap off: a consumer waits for both GEMMs of
+# its step (S = Q K[j]^T and O += P V[j + 1]) before the softmax of block j, instead of only
+# for S (hopper/flash_fwd.py, ``step``).
+# Where the overlap is off by default: head dim -> longest query sequence, for
 # causal calls on the persistent grid with two consumers and no turns (d 64 causal below 4096
 # rows, SM90_FWD_PINGPONG_OFF_DEFAULT). On the H200 (bf16, standard grid, the switch as a peer
 # in one process, docs/performance.md, Log 2026-12-02), three runs: +2 / +2 / +4 % at 512,
@@ -191,23 +173,12 @@ SM90_FWD_PINGPONG_OFF_DEFAULT = (64,)
 # visits at most 8 key blocks, half of them on the diagonal: the overlap's prologue (the first
 # S issued ahead) and its drain are a large part of so few steps.
 SM90_FWD_OVERLAP_OFF_DEFAULT = {64: 1024}
-# Tuning switch: CUTE_FA_SM90_FWD_TMA_STORE=1: each consumer's O leaves by one TMA store from
-# its shared-memory slice (FA3's epilogue) instead of 16-byte stores by its 128 threads. Dense
-# query calls with dv == d only (a varlen box would cross into the next sequence; the O tile
-# is staged in the Q slice's layout); elsewhere the switch changes nothing. =0 or unset: the
-# 16-byte stores. Read when a launch plan is made.
-# Tuning switch: CUTE_FA_SM90_FWD_P_SMEM=1: each consumer writes its 16-bit P to a shared-memory
-# slice (stmatrix; + tile_m * tile_n * 2 bytes) and O += P V reads it there (an SS WGMMA)
-# instead of from registers (RS, FA3's choice). The deferred rescale is then off (it keeps P in
-# fp32 registers until the P V issue). Where the slices do not fit next to Q and K/V, nothing
-# changes. =0 or unset: P from registers. Read when a launch plan is made.
-# Tuning switch: CUTE_FA_SM90_FWD_Q_RMEM=1: each consumer loads its 64 x d slice of Q into
-# registers once a tile (ldmatrix; d / 4 registers a thread) and S = Q K^T becomes an RS WGMMA,
-# so each key block reads only K from shared memory for S (at d 128: 64 of the 80 KiB a
-# consumer's two GEMMs read a block). Two consumers (128 rows) and head dims up to
-# SM90_FWD_Q_RMEM_MAX_D only: three consumers' 160 registers spill (d 64: 48 LDL / STL), and
-# d 256 would need 64 more registers next to O's 128. Measured on the H200 (d 128, two runs):
-# 0.93-1.00 of Q from shared memory, so off. Read when a launch plan is made.
+# ``tma_store`` True: each consumer's O leaves by one TMA store from its shared-memory slice
+# (FA3's epilogue) instead of 16-byte stores by its 128 threads. Dense query calls with dv == d
+# only (a varlen box would cross into the next sequence; the O tile is staged in the Q slice's
+# layout); elsewhere it is not taken. Off by default (0.93-1.06 in three runs).
+# P through shared memory (an SS P V WGMMA; 0.87-0.99) and Q in registers (an RS S = Q K^T;
+# 0.93-1.00) were measured and removed (docs/log/sm90-forward.md).
 
 # Each choice above is a field of Sm90FwdTuning (cute_fa/config.py), part of the compile key,
 # so a kernel compiled under one setting is never served under another.
@@ -452,10 +423,10 @@ def bwd_split_d(head_dim: int) -> bool:
     return head_dim > SM90_BWD_SPLIT_D_ABOVE
 
 
-# Tuning switch: CUTE_FA_SM90_BWD_Q_STAGES=2|3, the Q / dO (and LSE / delta) stages of the sm90
+# Sm90BwdTuning.q_stages (2 or 3), the Q / dO (and LSE / delta) stages of the sm90
 # backward where they fit in shared memory (3: d 64 at 64 rows, d 96, d 128 (226.5 KiB of 227);
-# not d 64 at 128 rows, d 192 or d 256), else the default. Unset: SM90_BWD_Q_STAGES (1 at
-# d 256). Read when a launch plan is made; a field of the compile key (BwdConfig.q_stages).
+# not d 64 at 128 rows, d 192 or d 256), else the default. 0 (the default): SM90_BWD_Q_STAGES
+# (1 at d 256). Three measured 0.98-1.01 at d 128.
 
 
 def bwd_q_stages(config: BwdConfig) -> int:

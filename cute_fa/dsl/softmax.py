@@ -8,7 +8,7 @@ and one MUFU.EX2 give ``p = exp2(s * scale_log2 - m * scale_log2)``, which equal
 ``-inf`` (every key masked so far) uses 0 in place of ``m * scale_log2`` so that no ``-inf - -inf``
 NaN appears: its ``p`` are all ``exp2(-inf) = 0`` and its sum stays 0. The max of the unscaled
 scores is the max of the scaled ones only for ``scale_log2 >= 0``: the interface runs a negative
-softmax_scale on ``-q`` (Note [softmax_scale the kernels take] in cute_fa/interface.py). After
+softmax_scale on ``-q`` (Note [softmax_scale the kernels take] in cute_fa/checks.py). After
 the first block the accumulator and the row sum are multiplied by ``exp2((m_old - m_new) *
 scale_log2)`` every block (1 for rows whose max did not move; skipped only with a rescale
 threshold, Note [rescale threshold]). At the end
