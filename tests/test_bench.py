@@ -287,3 +287,25 @@ def test_rounds_option():
     assert bench.build_parser().parse_args(["--rounds", "3"]).rounds == 3
     with pytest.raises(SystemExit):
         bench.build_parser().parse_args(["--rounds", "0"])
+
+
+def test_fa4_peer_is_unavailable_without_flash_attn_cute(monkeypatch):
+    """FA4 is a default peer; where ``flash_attn.cute`` does not import it reads n/a."""
+    import sys
+
+    assert "fa4" in bench.DEFAULT_PEERS and bench.impl_label("fa4") == "FA4"
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import fails as if not installed
+    with pytest.raises(bench.ImplUnavailable, match="fa4"):
+        bench.Impl("fa4").forward_fn(None, None, None, causal=False)
+
+
+def test_table_has_the_fa4_ratio():
+    case = bench.Case(128, 4096, False, 4, 16)
+    ms = bench.attention_flops(4, 16, 4096, 4096, 128, False) / 500e12 * 1e3
+    results = [
+        bench.Result("fwd", case, "cute_fa", ms),
+        bench.Result("fwd", case, "fa4", ms * 1.25),
+    ]
+    table = bench.format_table(results, "fwd", ["cute_fa", "fa4"])
+    header, _, last = table.splitlines()[1:]
+    assert "cute_fa/FA4" in header and last.split()[-1] == "1.25"

@@ -39,15 +39,16 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-IMPLS = ("cute_fa", "flash", "cudnn", "flex", "cute_fa_det")
+IMPLS = ("cute_fa", "flash", "cudnn", "flex", "fa4", "cute_fa_det")
 IMPL_LABELS = {
+    "fa4": "FA4",  # flash_attn.cute of flash-attn-4 (FA4's CuTe-DSL kernels), where installed
     "cute_fa": "cute_fa",
     "cute_fa_det": "cute_fa det",  # deterministic=True (only the backward differs)
     "flash": "SDPA FLASH",
     "cudnn": "SDPA CUDNN",
     "flex": "FlexAttention",
 }
-DEFAULT_PEERS = ("cute_fa", "flash", "cudnn", "flex")
+DEFAULT_PEERS = ("cute_fa", "flash", "cudnn", "flex", "fa4")
 # A tuning variant of cute_fa (or cute_fa_det) in the same run: "cute_fa:SETTING[:SETTING]" with
 # SETTING a typed tuning field, family.field=value (cute_fa/tuned.py; e.g.
 # cute_fa:sm90_fwd.rescale_threshold=8), or one of the process-wide settings that pick a kernel
@@ -335,6 +336,18 @@ class Impl:
                 return softcap * torch.tanh(score / softcap)
 
             return lambda: flex(q, k, v, block_mask=block_mask, score_mod=capped)
+        if self.name == "fa4":
+            try:
+                from flash_attn.cute import flash_attn_func as fa4_func
+            except ImportError as e:  # not installed (pip install flash-attn-4): 'n/a'
+                raise ImplUnavailable(f"fa4: flash_attn.cute is not importable ({e})") from e
+            window_size = window if window is not None else (None, None)
+
+            def run():
+                result = fa4_func(q, k, v, causal=causal, window_size=window_size, softcap=softcap)
+                return result[0] if isinstance(result, tuple) else result
+
+            return run
         raise ValueError(f"unknown implementation {self.name!r}")
 
     def _flex(self, batch: int, seqlen_q: int, seqlen_k: int, causal: bool, device, window=None):
@@ -624,7 +637,12 @@ def format_table(results: list[Result], mode: str, impl_names: list[str]) -> str
     header = ["d", "seqlen", "causal", "batch", "heads"] + [impl_label(n) for n in impl_names]
     ratios = [
         (a, b)
-        for a, b in (("cute_fa", "flash"), ("cute_fa", "cudnn"), ("cute_fa_det", "cute_fa"))
+        for a, b in (
+            ("cute_fa", "flash"),
+            ("cute_fa", "cudnn"),
+            ("cute_fa", "fa4"),
+            ("cute_fa_det", "cute_fa"),
+        )  # fmt: skip
         if a in impl_names and b in impl_names
     ]
     header += ["det/default" if a == "cute_fa_det" else f"{a}/{b.upper()}" for a, b in ratios]
