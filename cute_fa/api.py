@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import torch
 
+from . import tuned
 from .checks import (
     check_learnable_sink,
     check_tensor,
@@ -72,6 +73,8 @@ class _FlashAttnForward(torch.autograd.Function):
     Gradients are not materialised (``set_materialize_grads(False)``): an unused ``lse`` gives
     ``dlse = None`` and costs nothing; a used one folds into the backward's delta (Note
     [gradient of the LSE] in cute_fa/backward.py). Only ``out`` unused gives ``dout`` zeros.
+    The backward runs under the ``cute_fa.tuning`` overrides that were active at the forward
+    (autograd may run it on a worker thread, which does not see the caller's context).
     """
 
     @staticmethod
@@ -88,6 +91,7 @@ class _FlashAttnForward(torch.autograd.Function):
             max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
             deterministic,
         )  # fmt: skip
+        ctx.tuning = tuned.snapshot()
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -100,7 +104,8 @@ class _FlashAttnForward(torch.autograd.Function):
             dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
             *ctx.params,
         )  # fmt: skip
-        dq, dk, dv = bwd_impl(*args) if eager_cuda(dout) else bwd_op(*args)
+        with tuned.restored(ctx.tuning):
+            dq, dk, dv = bwd_impl(*args) if eager_cuda(dout) else bwd_op(*args)
         return dq, dk, dv, *([None] * 12)
 
 

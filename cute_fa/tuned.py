@@ -86,6 +86,22 @@ def tuning(**families: Any):
         _overrides.reset(token)
 
 
+def snapshot() -> tuple:
+    """The active overrides, to re-enter elsewhere (``restored``): autograd may run a
+    backward on its own worker thread, which does not see the caller's context."""
+    return _overrides.get()
+
+
+@contextlib.contextmanager
+def restored(overrides: tuple):
+    """The overrides of a ``snapshot`` for the block (replacing the current ones)."""
+    token = _overrides.set(overrides)
+    try:
+        yield
+    finally:
+        _overrides.reset(token)
+
+
 def override_fields(family: str) -> dict[str, Any]:
     """The fields the active ``tuning`` blocks set for ``family``."""
     for name, fields in _overrides.get():

@@ -478,3 +478,29 @@ def test_backward_kernels_are_looked_up_once_per_request(monkeypatch):
     assert [c.deterministic for c in run(deterministic=True)] == [False, True]
     monkeypatch.setenv(settings.BWD_ARCH, "80")
     assert [c.arch for c in run()] == [90, 90, 80]
+
+
+def test_backward_runs_under_the_forwards_tuning(monkeypatch):
+    """The autograd backward re-enters the ``cute_fa.tuning`` overrides active at the forward
+    (autograd may run it on a worker thread that does not see the caller's context); here it
+    runs after the block has closed."""
+    import cute_fa
+    from cute_fa import api, tuned
+
+    seen = []
+
+    def fake_fwd(q, k, v, *args):
+        return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    def fake_bwd(dout, q, k, v, *args):
+        seen.append(tuned.override_fields("sm90_bwd"))
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(api, "fwd_op", fake_fwd)
+    monkeypatch.setattr(api, "bwd_op", fake_bwd)
+    monkeypatch.setattr(api, "bwd_impl", fake_bwd)
+    q, k, v = (t.requires_grad_() for t in cpu_qkv())
+    with cute_fa.tuning(sm90_bwd={"q_stages": 3}):
+        out, _ = flash_attn_func(q, k, v)
+    out.sum().backward()
+    assert seen == [{"q_stages": 3}] and tuned.override_fields("sm90_bwd") == {}
