@@ -1,5 +1,5 @@
 """Helpers shared by the GPU test modules: seeding, memory poisoning, independent mask
-bookkeeping and cu_seqlens construction."""
+bookkeeping, cu_seqlens construction and the compile keys of the kernels that ran."""
 
 from __future__ import annotations
 
@@ -147,3 +147,15 @@ def unseen_keys(seqlen_q: int, seqlen_k: int, causal: bool, window) -> torch.Ten
 
 def cu_seqlens(lens) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+
+
+def fwd_plan_configs() -> list:
+    """The compile keys of the kernels that the forward launch plans made so far launch
+    (``cute_fa.ops._plans``; plans with nothing to launch left out). A plan holds its compiled
+    kernel, the object ``cute_fa.compile.fwd_cache()`` keeps under that key, so a test that
+    empties ``_plans`` before a call reads here which kernel the call ran."""
+    from cute_fa import ops
+    from cute_fa.compile import fwd_cache
+
+    keys = {id(kernel): key for key, kernel in fwd_cache()._memory.items()}
+    return [keys[id(plan.kernel)] for plan in ops._plans.values() if plan.kernel is not None]

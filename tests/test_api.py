@@ -332,7 +332,6 @@ def test_plans_are_reused_and_values_still_checked(fake_gpu):
 def test_plans_are_per_window(fake_gpu, varlen):
     """Two local windows of one signature and one compile key (local, causal off) get their own
     plans: each launch passes its own window."""
-
     if varlen:
         cu = torch.tensor([0, 16, 40], dtype=torch.int32)
         q, k = torch.randn(40, 4, 64).bfloat16(), torch.randn(40, 2, 64).bfloat16()

@@ -23,14 +23,20 @@ bf16 batched d in {64, 96, 128, 192, 256} x {no mask, causal, local} = 15; softc
 {64, 128, 256} and local d128 = 4; fp16: causal d64 and no-mask d128 = 2; varlen (cu_seqlens q
 and k): d128 x {no mask, causal, local} and causal d64 = 4; seqused: varlen causal seqused_k and
 varlen seqused_q at d128 = 2; both seqused with NaN past them: d in {64, 128, 256} x {no mask,
-causal} = 6. 33 in all.
+causal} = 6. 33 in all; on an sm90 GPU the tests of the sm80 kernel's 99 KiB tile, of its
+chain order and of a tuning override add 9 more main kernels.
+
+Tuning fields of the backward (``cute_fa.tuning(sm80_bwd=...)`` / ``sm90_bwd=...``) and the
+process settings ``CUTE_FA_BWD_ARCH`` / ``CUTE_FA_BWD_DET_ORDER``: a test that sets one checks
+the main-kernel compile key its backward calls ran (``track_bwd_kernels``), and a tuning test
+runs autograd's backward on the calling thread (``on_this_thread``), except the test of the
+engine's own thread.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import random
 
 import pytest
@@ -38,6 +44,7 @@ import torch
 from gpu_support import cu_seqlens, empty_rows, poison_free_memory, seed, unseen_keys  # noqa: F401
 
 import cute_fa
+from cute_fa import settings
 from cute_fa.reference import attention_ref, check_close
 
 pytestmark = [
@@ -154,6 +161,34 @@ def run_bwd_and_check(
     return q, k, v, dout, grads
 
 
+def set_process_setting(monkeypatch, name: str, value: str) -> None:
+    """Set a process-wide setting (``cute_fa.settings``: CUTE_FA_BWD_ARCH, ...) for one test.
+    Forward launch plans are made under the settings of their first call: they are emptied
+    (the backward's kernels are kept per setting already)."""
+    monkeypatch.setenv(name, value)
+    monkeypatch.setattr(cute_fa.ops, "_plans", {})
+
+
+def on_this_thread():
+    """Run autograd's backward on the calling thread. The autograd engine may run the backward
+    of CUDA tensors on a thread of its own, which need not see this thread's ``cute_fa.tuning``
+    overrides (context variables; pytorch/pytorch#191777): tests of a kernel's tuning field
+    keep the backward here (``test_bwd_tuning_override_reaches_the_autograd_backward`` checks
+    the engine's own thread)."""
+    return torch.autograd.set_multithreading_enabled(False)
+
+
+def track_bwd_kernels(monkeypatch):
+    """Empty the backward's kernels kept per request (``cute_fa.backward._launch_kernels``) for
+    one test; returns a function that gives the main-kernel compile keys of the backward calls
+    made since: the kernels that ran."""
+    from cute_fa import backward
+
+    kept = {}
+    monkeypatch.setattr(backward, "_launch_kernels", kept)
+    return lambda: [found[0] for found in kept.values()]
+
+
 # ------------------------------------------------------------------------------------------
 # Batched sweeps
 
@@ -173,14 +208,47 @@ def test_bwd(d, causal, window, h_kv, seqlen_q, seqlen_k):
 @pytest.mark.parametrize("d", [96, 128], ids=["d96", "d128"])
 def test_bwd_sm80_small_smem_tile(monkeypatch, d, causal, window, seqlen_q, seqlen_k):
     """The sm80 backward's tile for 99 KiB of shared memory (sm_86 / sm_89 / sm_120a: 64 x 64,
-    8 warps; config.SM80_BWD_TILES_SMALL_SMEM), run here as the sm80 kernel with that tile."""
-    from cute_fa.config import SM80_BWD_TILES_SMALL_SMEM
+    8 warps; config.SM80_BWD_TILES_SMALL_SMEM), run here as the sm80 kernel
+    (``CUTE_FA_BWD_ARCH=80``) with that tile (``cute_fa.tuning(sm80_bwd=...)``); the kernel of
+    that compile key is the one that ran."""
+    from cute_fa.config import SM80_BWD_TILES_SMALL_SMEM, Tiles
 
-    tile_m, tile_n, warps = SM80_BWD_TILES_SMALL_SMEM[d]
-    monkeypatch.setenv("CUTE_FA_BWD_ARCH", "80")
-    monkeypatch.setenv("CUTE_FA_BWD_TILE", f"{tile_m}x{tile_n}w{warps}")
-    run_bwd_and_check(2, seqlen_q, seqlen_k, NHEADS, 2, d, causal=causal, window=window,
-                      softcap=15.0 if d == 128 else 0.0)  # fmt: skip
+    tiles = Tiles(*SM80_BWD_TILES_SMALL_SMEM[d])
+    set_process_setting(monkeypatch, settings.BWD_ARCH, "80")
+    ran = track_bwd_kernels(monkeypatch)
+    with cute_fa.tuning(sm80_bwd=tiles), on_this_thread():
+        run_bwd_and_check(2, seqlen_q, seqlen_k, NHEADS, 2, d, causal=causal, window=window,
+                          softcap=15.0 if d == 128 else 0.0)  # fmt: skip
+    (config,) = ran()
+    assert config.arch == 80 and config.tuning == tiles and config.head_dim == d, config.name
+
+
+def test_bwd_tuning_override_reaches_the_autograd_backward(monkeypatch):
+    """A ``cute_fa.tuning`` block around the forward and ``torch.autograd.grad``, as a user
+    writes it (the autograd engine free to run the backward on a thread of its own), reaches
+    the backward's planning: the kernel of the overridden field is the one that ran (the sm90
+    backward's three Q stages, else an sm80 backward tile that is not this GPU's default)."""
+    from cute_fa.config import Tiles, sm80_bwd_tile, target_for_capability
+
+    if _SM90:
+        fields, label = {"sm90_bwd": {"q_stages": 3}}, "q_stages=3"
+
+        def asked(config):
+            return config.arch == 90 and config.tuning.q_stages == 3
+    else:
+        tiles = Tiles(64, 64, 8)
+        if sm80_bwd_tile(128, target_for_capability(*torch.cuda.get_device_capability())) == tiles:
+            pytest.skip(f"{tiles.label} is this GPU's default sm80 backward tile at d128")
+        fields, label = {"sm80_bwd": tiles}, tiles.label
+
+        def asked(config):
+            return config.arch == 80 and config.tuning == tiles
+
+    ran = track_bwd_kernels(monkeypatch)
+    with cute_fa.tuning(**fields):
+        run_bwd_and_check(2, 1000, 1000, NHEADS, 2, 128, causal=True)
+    (config,) = ran()
+    assert asked(config), f"{config.name} ran, not {label}: the override missed the backward"
 
 
 SOFTCAP_CASES = [(64, True, (None, None)), (128, True, (None, None)), (256, True, (None, None)),
@@ -215,7 +283,7 @@ def test_bwd_fp16(d, causal, seqlen_q, seqlen_k):
 _SM90 = (
     torch.cuda.is_available()
     and torch.cuda.get_device_capability()[0] == 9
-    and os.environ.get("CUTE_FA_BWD_ARCH", "").strip() != "80"
+    and settings.forced_bwd_arch() != 80
 )
 DV_SEQLENS = [(1, 1), (113, 203), (1000, 1000), (17, 1000), (1000, 17)]
 
@@ -434,13 +502,18 @@ def assert_same_bytes_again(q, k, v, dout, grads, runs, **kwargs):
 def test_bwd_deterministic_chain_order(causal, monkeypatch):
     """The sm80 kernel's chain order (turns in key-block order, every key block downward), which
     deterministic calls without a window take when a head's key blocks may not all be resident
-    at once, or with CUTE_FA_BWD_DET_ORDER=chain (set here): correct and the same bytes on
-    every run."""
-    monkeypatch.setenv("CUTE_FA_BWD_DET_ORDER", "chain")
+    at once, or with CUTE_FA_BWD_DET_ORDER=chain (set here, with CUTE_FA_BWD_ARCH=80: an sm90
+    GPU runs deterministic calls on the sm90 kernel): correct, the same bytes on every run,
+    and the chain-order kernel (deterministic, not coresident) the one that ran."""
+    set_process_setting(monkeypatch, settings.BWD_DET_ORDER, "chain")
+    set_process_setting(monkeypatch, settings.BWD_ARCH, "80")
+    ran = track_bwd_kernels(monkeypatch)
     q, k, v, dout, grads = run_bwd_and_check(
         2, 1000, 700, NHEADS, 2, 128, causal=causal, deterministic=True
     )
     assert_same_bytes_again(q, k, v, dout, grads, 1, causal=causal)
+    (config,) = ran()
+    assert config.arch == 80 and config.deterministic and not config.det_coresident, config.name
 
 
 @pytest.mark.parametrize("causal,window", [MASKS[1], MASKS[2]])
@@ -684,7 +757,7 @@ def test_cuda_graph_varlen_fwd_bwd():
 
 
 # ------------------------------------------------------------------------------------------
-# learnable_sink (Note [learnable sink] in cute_fa/interface.py)
+# learnable_sink (Note [learnable sink] in cute_fa/api.py)
 
 
 def _sink_grads(q, k, v, sink, dout, upcast, **kwargs):

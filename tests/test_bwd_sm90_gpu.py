@@ -53,18 +53,15 @@ def _main_kernel(config):
 def sm90_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False):
     """(dq, dk, dv) through preprocess (sm80), the sm90 main kernel and postprocess (sm80);
     ``deterministic``: dQ added in key-block order through zeroed semaphores."""
-    from cute_fa.hopper.support import bwd_tile
-
     from cute_fa.compile import bwd_post_cache, bwd_pre_cache
-    from cute_fa.config import BwdConfig
-    from cute_fa.planning import post_config, pre_config
+    from cute_fa.planning import bwd_config, post_config, pre_config
 
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
     b, sq, h, d = q.shape
     sk, h_kv = k.shape[1], k.shape[2]
-    tile_m, tile_n, num_warps = bwd_tile(d, causal)
-    config = BwdConfig(90, "sm_90a", dtype, d, d, tile_m, tile_n, num_warps, causal=causal,
-                       deterministic=deterministic)  # fmt: skip
+    # The sm90 kernel's compile key with its built-in tuning (no tuned table).
+    config = bwd_config("sm_90a", dtype, d, d, causal=causal, deterministic=deterministic, arch=90)
+    tile_m = config.tile_m
     pre = bwd_pre_cache().get(pre_config(config, False))  # the sm80 pre/postprocess kernels
     post = bwd_post_cache().get(post_config(config))  # (row-major dQaccum for sm90)
     delta = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
@@ -158,20 +155,23 @@ def test_sm90_bwd_deterministic_more_ctas_than_fit(causal):
 @pytest.mark.parametrize("deterministic", [False, True], ids=["", "det"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_sm90_bwd_three_q_stages(monkeypatch, causal, deterministic, seqlen_q, seqlen_k):
-    """CUTE_FA_SM90_BWD_Q_STAGES=3 at d128 (226.5 KiB of shared memory): gradients through the
-    public API against the reference, with the three-stage kernel the one that ran."""
-    from cute_fa.hopper.support import Q_STAGES_ENV
+    """``cute_fa.tuning(sm90_bwd={"q_stages": 3})`` at d128 (226.5 KiB of shared memory):
+    gradients through the public API against the reference, with the three-stage kernel the
+    one that ran (autograd's backward on this thread, where the override holds)."""
+    from test_bwd_gpu import on_this_thread, track_bwd_kernels
 
-    from cute_fa.compile import bwd_cache
-
-    monkeypatch.setenv(Q_STAGES_ENV, "3")
+    if cute_fa.settings.forced_bwd_arch() == 80:
+        pytest.skip("CUTE_FA_BWD_ARCH=80 runs the sm80 backward")
+    ran = track_bwd_kernels(monkeypatch)
     q, k, v = (
         torch.randn(2, s, 4, 128, device="cuda", dtype=torch.bfloat16).requires_grad_()
         for s in (seqlen_q, seqlen_k, seqlen_k)
     )
-    out, _ = cute_fa.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
+    with cute_fa.tuning(sm90_bwd={"q_stages": 3}), on_this_thread():
+        out, _ = cute_fa.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
     check_grads(grads, q, k, v, dout, causal=causal)
-    ran = [c for c in bwd_cache().keys() if getattr(c, "q_stages", 0) == 3]
-    assert any(c.causal == causal and c.deterministic == deterministic for c in ran), ran
+    (config,) = ran()
+    assert config.arch == 90 and config.tuning.q_stages == 3, config.name
+    assert config.causal == causal and config.deterministic == deterministic, config.name

@@ -349,3 +349,134 @@ def test_sm90_persistent_grid_choice(monkeypatch):
     # The persistent config is its own compile key and an sm90 kernel implements it.
     cls, config = planning.fwd_plan((9, 0), req(), short)
     assert "persistent" in config.name and cls.can_implement(config)[0]
+
+
+# --------------------------------------------------------------------------------------------
+# The GPU suite's tuning cases, planned here: each asks for a kernel that planning gives it.
+
+
+def _sm90_tuning_cases():
+    """(id, fields, request fields, seqlen_q) of every sm90 forward tuning case of
+    tests/test_fwd_gpu.py (imported here: without CUDA its tests only skip)."""
+    import test_fwd_gpu as gpu
+
+    dtypes = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+    cases = []
+
+    def add(name, fields, d, seqlen_q, mask, softcap=0.0, dtype=torch.bfloat16, dv=None):
+        causal, window = gpu.SWITCH_MASKS[mask]
+        problem = dict(dtype=dtypes[dtype], head_dim=d, head_dim_v=dv or d, causal=causal,
+                       local=window != (None, None), has_softcap=softcap > 0)  # fmt: skip
+        cases.append(pytest.param(fields, problem, seqlen_q, id=f"{name}-{len(cases)}"))
+
+    for seqlen_q in (4096, 4500, 5000):
+        add("default-3wg-persistent", {}, 64, seqlen_q, "causal")
+    for seqlen_q in (1000, 800, 777):
+        add("3wg-persistent", {"tile_m": 192, "num_ctas": 1}, 64, seqlen_q, "causal")
+    for d, dv, seqlen_q, _ in gpu.PERSISTENT_CASES:
+        for mask in ("full", "causal"):
+            for softcap in (0.0, 15.0):
+                add("persistent", {"num_ctas": 1}, d, seqlen_q, mask, softcap, dv=dv)
+    for d, seqlen_q, _, mask, softcap, dtype, every, _ in gpu.EXP2_POLY_CASES:
+        add("poly", {"exp2_poly": every}, d, seqlen_q, mask, softcap, dtype)
+    for d, seqlen_q, _, mask, fields in gpu.DEFER_CASES + gpu.SCHEDULE_SWITCH_CASES:
+        add("fields", fields, d, seqlen_q, mask)
+    for d, seqlen_q, _, mask, softcap, dtype, threshold, _, fields in gpu.RESCALE_THRESHOLD_CASES:
+        add("threshold", {"rescale_threshold": threshold, **fields}, d, seqlen_q, mask, softcap,
+            dtype)  # fmt: skip
+    return cases
+
+
+@pytest.mark.parametrize("fields,problem,seqlen_q", _sm90_tuning_cases())
+def test_gpu_suite_sm90_tuning_cases_plan_their_fields(monkeypatch, fields, problem, seqlen_q):
+    """Each sm90 forward tuning case of tests/test_fwd_gpu.py, planned as its call is on an
+    sm90 device (the overrides, the query length, one CTA an SM when persistent): the sm90
+    kernel implements it and its key holds every field the case asks for (what the GPU test
+    asserts of the kernel that ran); the GPU suite's own persistent-grid cases have several
+    work units a CTA."""
+    import test_fwd_gpu as gpu
+
+    import cute_fa
+
+    monkeypatch.delenv(settings.FWD_ARCH, raising=False)
+    monkeypatch.setattr(gpu, "sm_count", lambda: 132)
+    with cute_fa.tuning(sm90_fwd=fields):
+        cls, config = planning.fwd_plan((9, 0), FwdRequest(**problem), seqlen_q)
+    if config.tuning.num_ctas:
+        config = config.with_tuning(num_ctas=132)  # as cute_fa.ops makes the plan
+    assert cls.arch == 90 and cls.can_implement(config) == (True, "")
+    gpu.assert_fields(config, fields)
+    if fields == {"num_ctas": 1}:  # test_fwd_persistent_grid: batch 6 x 16 heads
+        m_blocks = -(-seqlen_q // config.tile_m)
+        units = 6 * 16 * (-(-m_blocks // 2) if problem["causal"] else m_blocks)
+        assert units > 1.4 * 132
+
+
+def test_gpu_suite_sm90_tuning_cases_are_not_defaults():
+    """Each sm90 tuning case of the GPU suite runs a kernel that its call does not get by
+    default, except where a case checks a field on a shape whose default has it already: the
+    built-in default itself, the persistent grid at d <= 128 (up to 2k rows), the rescale
+    threshold 8 of d256."""
+    import cute_fa
+
+    for case in _sm90_tuning_cases():
+        fields, problem, seqlen_q = case.values
+        with cute_fa.tuning(sm90_fwd=fields):
+            _, config = planning.fwd_plan((9, 0), FwdRequest(**problem), seqlen_q)
+        _, default = planning.fwd_plan((9, 0), FwdRequest(**problem), seqlen_q)
+        d = problem["head_dim"]
+        expected_default = (
+            not fields
+            or (fields == {"num_ctas": 1} and d <= 128)
+            or (fields == {"rescale_threshold": 8} and d == 256)
+        )
+        assert (config == default) == expected_default, (case.id, config.name)
+
+
+def test_gpu_suite_tuned_table_entry_plans_its_tile():
+    """tests/test_tuned_gpu.py's table (d128: 112 keys a block) gives its call (bf16, 1000 query
+    rows, no mask) the sm90 kernel with 112 keys on the persistent grid, the built-in key
+    otherwise unchanged; the causal class keeps 128."""
+    import test_tuned_gpu as gpu
+
+    from cute_fa import tuned
+
+    key = tuned.TableKey("NVIDIA H200", 132, 13000, "4.8.1", "0.1.0")
+    table = tuned.Table(key, gpu.ENTRIES)
+    request = FwdRequest("bf16", gpu.D, gpu.D)
+    cls, config = planning.fwd_plan((9, 0), request, 1000, table)
+    _, default = planning.fwd_plan((9, 0), request, 1000)
+    assert cls.arch == 90 and cls.can_implement(config) == (True, "")
+    assert default.tile_n == gpu.DEFAULT_TILE_N and default.tuning.num_ctas
+    assert config == default.with_tuning(tile_n=gpu.TABLE_TILE_N)
+    causal = FwdRequest("bf16", gpu.D, gpu.D, causal=True)
+    assert planning.fwd_plan((9, 0), causal, 1000, table)[1].tile_n == gpu.DEFAULT_TILE_N
+
+
+def test_gpu_suite_backward_tuning_cases(monkeypatch):
+    """The backward GPU tests' tuning: the sm80 kernel's 99 KiB tiles (CUTE_FA_BWD_ARCH=80 with
+    an sm80_bwd override) on sm_90a, with each mask and softcap; three Q stages of the sm90
+    kernel at d128; the sm80 chain order under CUTE_FA_BWD_DET_ORDER=chain (the coresident
+    order otherwise, 700 keys on 132 SMs)."""
+    import cute_fa
+    from cute_fa.config import SM80_BWD_TILES_SMALL_SMEM, Tiles, sm80_bwd_tile
+    from cute_fa.planning import bwd_config, coresident_fits
+
+    monkeypatch.setenv(settings.BWD_ARCH, "80")
+    for d, tile in SM80_BWD_TILES_SMALL_SMEM.items():
+        assert sm80_bwd_tile(d, "sm_90a") != Tiles(*tile)  # the override changes the kernel
+        for flags in (dict(), dict(causal=True), dict(local=True)):
+            with cute_fa.tuning(sm80_bwd=Tiles(*tile)):
+                config = bwd_config("sm_90a", "bf16", d, d, has_softcap=d == 128, **flags)
+            assert config.arch == 80 and config.tuning == Tiles(*tile)
+    config = bwd_config("sm_90a", "bf16", 128, 128, causal=True, deterministic=True)
+    assert config.arch == 80 and coresident_fits(config, 700, 132)
+    monkeypatch.setenv(settings.BWD_DET_ORDER, "chain")
+    assert not coresident_fits(config, 700, 132)
+    monkeypatch.delenv(settings.BWD_ARCH)
+    for causal in (False, True):
+        for deterministic in (False, True):
+            with cute_fa.tuning(sm90_bwd={"q_stages": 3}):
+                config = bwd_config("sm_90a", "bf16", 128, 128, causal=causal,
+                                    deterministic=deterministic)  # fmt: skip
+            assert config.arch == 90 and config.tuning.q_stages == 3

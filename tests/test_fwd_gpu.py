@@ -21,6 +21,9 @@ failure); ``CUTE_FA_TEST_SEED=<seed>`` replays a run.
 Kernel families: on an sm90 GPU dispatch picks the sm90 forward for what it implements and the
 sm80 forward for the rest; run the module a second time with ``CUTE_FA_FWD_ARCH=80`` to cover
 the sm80 kernel on every case (``CUTE_FA_FWD_ARCH=90`` with ``-k`` restricts it to the sm90 one).
+The sm90 tuning cases (``run_sm90_case``: a field of ``Sm90FwdTuning`` set with
+``cute_fa.tuning(sm90_fwd=...)``) skip under ``CUTE_FA_FWD_ARCH=80`` and off sm90; each checks
+that the compile key of the kernel its call launched holds the fields it asked for.
 
 Compile configs this module touches (a new one costs a compile of a few seconds; the rest of
 the cases reuse compiled kernels, since sequence lengths, batch and head counts are dynamic):
@@ -28,12 +31,15 @@ bf16 batched: d in {64, 96, 128, 192, 256} x {no mask, causal, local} x softcap 
 bf16 varlen (cu_seqlens q and k): d in {64, 128} x {no mask, causal, local} = 6, plus softcap 1,
 seqused_k 2, seqused_q 1; bf16 varlen d in {96, 192, 256} x {no mask, causal, local} = 9;
 bf16 d 192 x dv 128: {no mask, causal, local} x softcap {off, on} = 6; fp16: d in {64, 128} x
-{no mask, causal} = 4. About 59 in all.
+{no mask, causal} = 4. About 59 requests (on sm90 the query length picks among a few keys of
+one request: 128 or 192 rows, the persistent grid). The sm90 tuning cases add 57 keys, 43 of
+which no call plans by default (tests/test_dispatch.py plans every case on the CPU).
 
 Compiling them one after another is most of a cold run. To compile them in parallel first
 (into a cache directory the tests then read; --target defaults to this machine's GPU, and the
-kernels are those dispatch picks there, the backward's included; CUTE_FA_FWD_ARCH=80 runs need
-``--arch sm80``):
+kernels are those dispatch picks there, with this GPU's tuned table, the backward's included;
+CUTE_FA_FWD_ARCH=80 runs need ``--arch sm80``); precompile knows no overrides, so the tuning
+cases compile their own keys as they run:
 
     export CUTE_FA_CACHE_DIR=/tmp/cute-fa-cache
     python -m cute_fa precompile --jobs 16 --dtypes bf16 \
@@ -51,9 +57,16 @@ import random
 
 import pytest
 import torch
-from gpu_support import cu_seqlens, empty_rows, poison_free_memory, seed  # noqa: F401
+from gpu_support import (  # noqa: F401
+    cu_seqlens,
+    empty_rows,
+    fwd_plan_configs,
+    poison_free_memory,
+    seed,
+)
 
 import cute_fa
+from cute_fa import settings
 from cute_fa.reference import attention_ref, check_close
 
 pytestmark = [
@@ -194,7 +207,7 @@ def test_fwd_fp16(d, causal, seqlen_q, seqlen_k):
 
 
 # Query lengths around multiples of 64, 128 and 192: the rows of one consumer warpgroup and of
-# a CTA of two or three of them (CUTE_FA_SM90_FWD_TILE_M=192 runs d64 with 192 rows).
+# a CTA of two or three of them (the sm90 forward runs d64 non-causal with 192 rows).
 TILE_EDGE_SEQLENS = [(191, 191), (192, 192), (193, 193), (320, 257), (385, 385), (577, 130)]
 
 
@@ -319,87 +332,117 @@ def test_fwd_deterministic_run_to_run():
     assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
 
 
-# (d, dv, seqlen_q, seqlen_k): several tiles a CTA at batch 6 x 16 heads. Causal with
-# seqlen_q > seqlen_k has tiles that see no key (d256: all but the last row); 800 rows are an
-# odd number of query blocks (a causal pair of one tile).
+# ------------------------------------------------------------------------------------------
+# sm90 forward tuning fields (``cute_fa.tuning(sm90_fwd=...)``, Sm90FwdTuning): each case runs
+# the kernel of a non-default field against attention_ref, and checks that the compile key of
+# the kernel its call launched holds the field (``fwd_plan_configs``).
+
+
+def require_sm90_forward() -> None:
+    """Skip unless dispatch runs the sm90 forward here (an sm90 GPU, CUTE_FA_FWD_ARCH not 80)."""
+    if torch.cuda.get_device_capability()[0] != 9 or settings.forced_fwd_arch() == 80:
+        pytest.skip("an sm90 forward tuning field (an sm90 GPU, CUTE_FA_FWD_ARCH unset or 90)")
+
+
+# The mask arguments of the tuning cases' mask names.
+SWITCH_MASKS = {"full": (False, (None, None)), "causal": (True, (None, None)),
+                "win64_0": (False, (64, 0))}  # fmt: skip
+
+
+def sm_count() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def assert_fields(config, fields: dict) -> None:
+    """``config`` (the compile key of the kernel that ran) holds the tuning ``fields`` asked:
+    ``num_ctas`` > 0 asks for the persistent grid, which planning gives one CTA an SM."""
+    assert config.arch == 90, config.name
+    for name, value in fields.items():
+        want = (sm_count() if value else 0) if name == "num_ctas" else value
+        assert getattr(config.tuning, name) == want, f"{name}={value!r} asked; ran {config.name}"
+
+
+def run_sm90_case(monkeypatch, fields, d, seqlen_q, seqlen_k, mask, softcap, dtype, spread,
+                  h_kv, repeat=False):  # fmt: skip
+    """One forward call under ``cute_fa.tuning(sm90_fwd=fields)`` ({}: the defaults), checked
+    against attention_ref; returns the compile key of the kernel the call launched, after
+    checking that it holds ``fields``. Launch plans are emptied first, so that the call's own
+    plan is the only one. ``spread`` multiplies q (wider scores); ``repeat``: a second call
+    gives the same bytes."""
+    require_sm90_forward()
+    monkeypatch.setattr(cute_fa.ops, "_plans", {})
+    causal, window = SWITCH_MASKS[mask]
+    q, k, v = _qkv(2, seqlen_q, seqlen_k, NHEADS, h_kv, d, dtype, softcap)
+    q = (q.float() * spread).to(dtype)
+    poison_free_memory(_reserve_for((2, seqlen_q, NHEADS, d), dtype, (2, NHEADS, seqlen_q)))
+    kw = dict(causal=causal, window_size=window, softcap=softcap, return_lse=True)
+    with cute_fa.tuning(sm90_fwd=fields):
+        out, lse = cute_fa.flash_attn_func(q, k, v, **kw)
+        again = cute_fa.flash_attn_func(q, k, v, **kw) if repeat else None
+    (config,) = fwd_plan_configs()
+    assert_fields(config, fields)
+    check_against_ref(out, lse, q, k, v, causal=causal, window=window, softcap=softcap)
+    if again is not None:
+        assert torch.equal(out, again[0]) and torch.equal(lse, again[1]), "not run-to-run equal"
+    return config
+
+
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(4096, 4096), (4500, 4111), (5000, 6000)])
 def test_fwd_three_consumers_persistent_causal_default(monkeypatch, seqlen_q, seqlen_k):
-    """d64 causal calls of 4096 to 8192 query rows: dispatch's default plan is 192 rows on the
-    persistent grid (hopper/support.py); against attention_ref."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("an sm90 forward default")
-    from cute_fa.hopper.support import PERSISTENT_ENV, TILE_M_ENV
-
-    monkeypatch.delenv(TILE_M_ENV, raising=False)
-    monkeypatch.delenv(PERSISTENT_ENV, raising=False)
-    config = run_sm90_switch_case(monkeypatch, {}, 64, seqlen_q, seqlen_k, "causal", 0.0,
-                                  torch.bfloat16, 1.0, NHEADS)  # fmt: skip
-    assert config.tile_m == 192 and config.num_ctas, config.name
-
-
-PERSISTENT_CASES = [(64, 64, 1000, 777), (96, 96, 800, 800), (128, 128, 1000, 777),
-                    (192, 128, 700, 300), (256, 256, 1000, 1)]  # fmt: skip
+    """d64 causal calls of 4096 to 8192 query rows: planning's built-in default is 192 rows on
+    the persistent grid (hopper/support.py; the tuned table off, so that only the built-in
+    defaults count); against attention_ref."""
+    monkeypatch.setenv(settings.TUNED, "0")
+    config = run_sm90_case(monkeypatch, {}, 64, seqlen_q, seqlen_k, "causal", 0.0,
+                           torch.bfloat16, 1.0, NHEADS)  # fmt: skip
+    assert config.tile_m == 192 and config.tuning.num_ctas == sm_count(), config.name
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 777), (800, 800), (777, 1000)])
 def test_fwd_persistent_three_consumers_causal(monkeypatch, seqlen_q, seqlen_k):
-    """d64 causal with 192 rows on the persistent grid (pairs of tiles), which only
-    CUTE_FA_SM90_FWD_TILE_M=192 with CUTE_FA_SM90_FWD_PERSISTENT=1 selects: against
-    attention_ref and bitwise equal across two runs."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("an sm90 forward switch")
-    from cute_fa.hopper.support import PERSISTENT_ENV, TILE_M_ENV
-
-    config = run_sm90_switch_case(monkeypatch, {TILE_M_ENV: "192", PERSISTENT_ENV: "1"}, 64,
-                                  seqlen_q, seqlen_k, "causal", 0.0, torch.bfloat16, 1.0,
-                                  NHEADS)  # fmt: skip
-    assert config.tile_m == 192 and config.num_ctas, config.name
+    """d64 causal with 192 rows on the persistent grid (pairs of tiles), which below 4096 rows
+    only ``tile_m=192`` with ``num_ctas`` selects: against attention_ref and bitwise equal
+    across two runs."""
+    run_sm90_case(monkeypatch, {"tile_m": 192, "num_ctas": 1}, 64, seqlen_q, seqlen_k,
+                  "causal", 0.0, torch.bfloat16, 1.0, NHEADS, repeat=True)  # fmt: skip
 
 
-@pytest.mark.parametrize("schedule", ["1", "2", "1q"], ids=["static", "dynamic", "static-qrmem"])
+# (d, dv, seqlen_q, seqlen_k): several tiles a CTA at batch 6 x 16 heads. Causal with
+# seqlen_q > seqlen_k has tiles that see no key (d256: all but the last row); 800 rows are an
+# odd number of query blocks (a causal pair of one tile).
+PERSISTENT_CASES = [(64, 64, 1000, 777), (96, 96, 800, 800), (128, 128, 1000, 777),
+                    (192, 128, 700, 300), (256, 256, 1000, 1)]  # fmt: skip
+
+
 @pytest.mark.parametrize("softcap", [0.0, 15.0], ids=["nocap", "cap15"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(
     "d,dv,seqlen_q,seqlen_k", PERSISTENT_CASES, ids=[f"d{c[0]}x{c[1]}" for c in PERSISTENT_CASES]
 )
-def test_fwd_persistent_grid(monkeypatch, d, dv, seqlen_q, seqlen_k, causal, softcap, schedule):
-    """CUTE_FA_SM90_FWD_PERSISTENT=1 (one CTA an SM looping over tiles; causal: over pairs of
-    tiles) and =2 (the same units taken from a counter, a dynamic schedule): several work units
-    a CTA, against attention_ref, bitwise equal across two runs, and the plan really is
-    persistent (and dynamic with =2); "1q": the static grid with CUTE_FA_SM90_FWD_Q_RMEM=1
-    (Q reloaded into registers for every tile of a CTA; taken where it fits: two consumers,
-    d <= 128)."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the persistent grid is an sm90 forward switch")
-    from cute_fa import planning
-    from cute_fa.compile import fwd_cache
-
-    monkeypatch.setenv("CUTE_FA_SM90_FWD_PERSISTENT", schedule[0])
-    monkeypatch.setenv("CUTE_FA_SM90_FWD_Q_RMEM", "1" if schedule == "1q" else "0")
-    monkeypatch.setattr(cute_fa.ops, "_plans", {})  # plans made before read no switch
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+def test_fwd_persistent_grid(monkeypatch, d, dv, seqlen_q, seqlen_k, causal, softcap):
+    """``num_ctas`` > 0 (one CTA an SM looping over tiles; causal: over pairs of tiles) where
+    the default is one CTA a tile for some of these calls: several work units a CTA, against
+    attention_ref, bitwise equal across two runs, and the kernel that ran is persistent."""
+    require_sm90_forward()
+    monkeypatch.setattr(cute_fa.ops, "_plans", {})
     b, h, h_kv = 6, 16, 4
     q, k, v = _qkv(b, seqlen_q, seqlen_k, h, h_kv, d, torch.bfloat16, softcap)
     v = torch.randn(b, seqlen_k, h_kv, dv, device="cuda", dtype=torch.bfloat16)
     poison_free_memory(_reserve_for((b, seqlen_q, h, dv), torch.bfloat16, (b, h, seqlen_q)))
     kw = dict(causal=causal, softcap=softcap, return_lse=True)
-    out, lse = cute_fa.flash_attn_func(q, k, v, **kw)
-    _, config = planning.fwd_plan((9, 0), cute_fa.checks.check_metadata(
-        q, k, v, None, None, None, None, causal=causal, local=False, softcap=softcap
-    ).request, seqlen_q)  # fmt: skip
-    assert config.num_ctas and config.dynamic_tiles == (schedule == "2"), config.name
-    # Q in registers with two consumers up to d 128 (d 64 non-causal runs three: not taken).
-    assert config.q_rmem == (schedule == "1q" and d <= 128 and config.tile_m == 128), config.name
-    assert config.replace(num_ctas=sms) in fwd_cache()._memory, "the persistent kernel did not run"
+    with cute_fa.tuning(sm90_fwd={"num_ctas": 1}):
+        out, lse = cute_fa.flash_attn_func(q, k, v, **kw)
+        out2, lse2 = cute_fa.flash_attn_func(q, k, v, **kw)
+    (config,) = fwd_plan_configs()
+    assert_fields(config, {"num_ctas": 1})
     m_blocks = -(-seqlen_q // config.tile_m)
     units = b * h * (-(-m_blocks // 2) if causal else m_blocks)
-    assert units > 1.4 * sms, f"{units} work units: too few for several a CTA"
+    assert units > 1.4 * sm_count(), f"{units} work units: too few for several a CTA"
     check_against_ref(out, lse, q, k, v, causal=causal, softcap=softcap)
-    out2, lse2 = cute_fa.flash_attn_func(q, k, v, **kw)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
-# (d, seqlen_q, seqlen_k, mask, softcap, dtype, k, score spread): CUTE_FA_SM90_FWD_EXP2_POLY=k.
+# (d, seqlen_q, seqlen_k, mask, softcap, dtype, k, score spread): ``exp2_poly=k``.
 # A spread of 4 multiplies q, so that scores span ~100 units of log2 (the clamp at -126 and
 # the rounding of large negative exponents are exercised); 4224 causal rows run 192 rows a CTA.
 EXP2_POLY_CASES = [
@@ -414,96 +457,61 @@ EXP2_POLY_CASES = [
 ]
 
 
-# The mask arguments of the switch tests' mask names.
-SWITCH_MASKS = {"full": (False, (None, None)), "causal": (True, (None, None)),
-                "win64_0": (False, (64, 0))}  # fmt: skip
-
-
-def run_sm90_switch_case(monkeypatch, switches, d, seqlen_q, seqlen_k, mask, softcap, dtype,
-                         spread, h_kv):  # fmt: skip
-    """One forward call with sm90 tuning switches set (``switches``: name -> value), checked
-    against attention_ref; returns the config dispatch plans for the call. Launch plans are
-    reset so that the switches are read; ``spread`` multiplies q (wider scores)."""
-    from cute_fa import planning
-
-    for name, value in switches.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(cute_fa.ops, "_plans", {})  # plans made before read no switch
-    causal, window = SWITCH_MASKS[mask]
-    q, k, v = _qkv(2, seqlen_q, seqlen_k, NHEADS, h_kv, d, dtype, softcap)
-    q = (q.float() * spread).to(dtype)
-    poison_free_memory(_reserve_for((2, seqlen_q, NHEADS, d), dtype, (2, NHEADS, seqlen_q)))
-    kw = dict(causal=causal, window_size=window, softcap=softcap, return_lse=True)
-    out, lse = cute_fa.flash_attn_func(q, k, v, **kw)
-    _, config = planning.fwd_plan((9, 0), cute_fa.checks.check_metadata(
-        q, k, v, None, None, None, None, causal=causal, local=window != (None, None),
-        softcap=softcap,
-    ).request, seqlen_q)  # fmt: skip
-    check_against_ref(out, lse, q, k, v, causal=causal, window=window, softcap=softcap)
-    return config
-
-
 @pytest.mark.parametrize(
     "d,seqlen_q,seqlen_k,mask,softcap,dtype,every,spread", EXP2_POLY_CASES,
     ids=[f"d{c[0]}-{c[1]}x{c[2]}-{c[3]}-poly{c[6]}-{str(c[5])[6:]}" for c in EXP2_POLY_CASES],
 )  # fmt: skip
 def test_fwd_exp2_poly(monkeypatch, d, seqlen_q, seqlen_k, mask, softcap, dtype, every, spread):
-    """CUTE_FA_SM90_FWD_EXP2_POLY=k (every k-th exponential of an unmasked block by a
-    polynomial, Note [exp2 on the FMA pipe]): against attention_ref at the usual tolerance,
-    with the switch really in the kernel that ran."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the polynomial exponentials are an sm90 forward switch")
-    from cute_fa.compile import fwd_cache
-
-    switches = {"CUTE_FA_SM90_FWD_EXP2_POLY": str(every)}
-    config = run_sm90_switch_case(monkeypatch, switches, d, seqlen_q, seqlen_k, mask, softcap,
-                                  dtype, spread, h_kv=2)  # fmt: skip
-    assert config.exp2_poly == every, config.name
-    assert any(c.exp2_poly == every and c.head_dim == d for c in fwd_cache()._memory), (
-        "no kernel with the switch ran"
-    )
+    """``exp2_poly=k`` (every k-th exponential of an unmasked block by a polynomial, Note [exp2
+    on the FMA pipe]): against attention_ref at the usual tolerance, with the field in the
+    kernel that ran."""
+    config = run_sm90_case(monkeypatch, {"exp2_poly": every}, d, seqlen_q, seqlen_k, mask,
+                           softcap, dtype, spread, h_kv=2)  # fmt: skip
+    assert f"poly{every}" in config.name, config.name
 
 
-ROWS_192 = {"CUTE_FA_SM90_FWD_TILE_M": "192"}
-DEFER2_CASES = [(64, 1000, 777, "causal", {}), (64, 1000, 1000, "full", ROWS_192),
-                (128, 777, 1000, "full", {}), (256, 1000, 1000, "causal", {})]  # fmt: skip
+# (d, seqlen_q, seqlen_k, mask, fields): the deferred rescale against each head dim's default
+# (on at d64, off elsewhere: SM90_FWD_DEFER_RESCALE_DEFAULT), with two and three consumers.
+DEFER_CASES = [(64, 1000, 777, "causal", {"defer_rescale": False}),
+               (64, 1000, 1000, "full", {"defer_rescale": False, "tile_m": 192}),
+               (128, 777, 1000, "full", {"defer_rescale": True}),
+               (256, 1000, 1000, "causal", {"defer_rescale": True})]  # fmt: skip
 
 
-@pytest.mark.parametrize("d,seqlen_q,seqlen_k,mask,extra", DEFER2_CASES,
-                         ids=[f"d{c[0]}-{c[1]}x{c[2]}-{c[3]}" + ("-192rows" if c[4] else "")
-                              for c in DEFER2_CASES])  # fmt: skip
-def test_fwd_defer_rescale_vote_guarded_wait(monkeypatch, d, seqlen_q, seqlen_k, mask, extra):
-    """CUTE_FA_SM90_FWD_DEFER_RESCALE=2 (the deferred rescale with its P V wait in a
-    vote-guarded branch, ``wait_pv_after_exponentials``): against attention_ref, with the mode
-    in the kernel that ran."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("an sm90 forward switch")
-    switches = {"CUTE_FA_SM90_FWD_DEFER_RESCALE": "2", **extra}
-    config = run_sm90_switch_case(monkeypatch, switches, d, seqlen_q, seqlen_k, mask, 0.0,
-                                  torch.bfloat16, 4.0, h_kv=2)  # fmt: skip
-    assert config.defer_rescale == 2 and "defer2" in config.name, config.name
+@pytest.mark.parametrize("d,seqlen_q,seqlen_k,mask,fields", DEFER_CASES,
+                         ids=[f"d{c[0]}-{c[1]}x{c[2]}-{c[3]}-defer{int(c[4]['defer_rescale'])}"
+                              + ("-192rows" if "tile_m" in c[4] else "")
+                              for c in DEFER_CASES])  # fmt: skip
+def test_fwd_defer_rescale(monkeypatch, d, seqlen_q, seqlen_k, mask, fields):
+    """``defer_rescale`` (the O rescale and the P conversion of a key block just before its
+    P V GEMM is issued) turned from each head dim's default: against attention_ref, with the
+    field in the kernel that ran."""
+    run_sm90_case(monkeypatch, fields, d, seqlen_q, seqlen_k, mask, 0.0, torch.bfloat16, 4.0,
+                  h_kv=2)  # fmt: skip
 
 
-NO_PINGPONG = {"CUTE_FA_SM90_FWD_PINGPONG": "0"}
-NO_OVERLAP = {"CUTE_FA_SM90_FWD_OVERLAP": "0"}
-TMA_STORE = {"CUTE_FA_SM90_FWD_TMA_STORE": "1"}
-P_SMEM = {"CUTE_FA_SM90_FWD_P_SMEM": "1"}
-Q_RMEM = {"CUTE_FA_SM90_FWD_Q_RMEM": "1"}
-PERSISTENT = {"CUTE_FA_SM90_FWD_PERSISTENT": "1"}
-# (d, seqlen_q, seqlen_k, mask, switches): pingpong off; three consumers at d128 (64 / 80 keys);
+NO_PINGPONG = {"pingpong": False}
+ROWS_192 = {"tile_m": 192}
+NO_OVERLAP = {"overlap": False}
+TMA_STORE = {"tma_store": True}
+PERSISTENT = {"num_ctas": 1}
+ONE_CTA_A_TILE = {"num_ctas": 0}
+# (d, seqlen_q, seqlen_k, mask, fields): pingpong off; three consumers at d128 (64 / 80 keys);
 # the intra-warpgroup overlap off; O by TMA store (17 rows: a box past the end of the tensor;
-# 1000 x 300 causal: tiles that see no key store zeros); P through shared memory; Q in
-# registers.
+# 1000 x 300 causal: tiles that see no key store zeros; d128 1000 x 777 runs the persistent
+# grid by default, so its TMA store runs there). d64 causal calls of up to 1k rows run without
+# turns and without the overlap by default (on the persistent grid): their cases here ask for
+# one CTA a tile, where both are on by default.
 SCHEDULE_SWITCH_CASES = [
-    (64, 1000, 777, "causal", NO_PINGPONG),
+    (64, 1000, 777, "causal", {**NO_PINGPONG, **ONE_CTA_A_TILE}),
     (64, 1000, 1000, "full", {**NO_PINGPONG, **ROWS_192}),
     (128, 777, 1000, "full", NO_PINGPONG),
     (128, 1000, 1000, "causal", {**NO_PINGPONG, **PERSISTENT}),
     (256, 1000, 1000, "causal", NO_PINGPONG),
-    (128, 1000, 777, "full", {**ROWS_192, "CUTE_FA_SM90_FWD_TILE_N": "80"}),
-    (128, 1000, 1000, "causal", {**ROWS_192, "CUTE_FA_SM90_FWD_TILE_N": "80", **PERSISTENT}),
-    (128, 777, 1000, "causal", {**ROWS_192, "CUTE_FA_SM90_FWD_TILE_N": "64"}),
-    (64, 1000, 777, "causal", NO_OVERLAP),
+    (128, 1000, 777, "full", {**ROWS_192, "tile_n": 80}),
+    (128, 1000, 1000, "causal", {**ROWS_192, "tile_n": 80, **PERSISTENT}),
+    (128, 777, 1000, "causal", {**ROWS_192, "tile_n": 64}),
+    (64, 1000, 777, "causal", {**NO_OVERLAP, **ONE_CTA_A_TILE}),
     (128, 1000, 1000, "full", NO_OVERLAP),
     (256, 777, 1000, "causal", NO_OVERLAP),
     (128, 1000, 777, "full", TMA_STORE),
@@ -512,56 +520,29 @@ SCHEDULE_SWITCH_CASES = [
     (64, 1000, 777, "causal", TMA_STORE),
     (64, 1000, 1000, "full", {**TMA_STORE, **ROWS_192}),
     (256, 777, 1000, "causal", TMA_STORE),
-    (128, 1000, 1000, "full", {**TMA_STORE, "CUTE_FA_SM90_FWD_PERSISTENT": "2"}),
-    (128, 1000, 777, "full", P_SMEM),
-    (64, 1000, 777, "causal", P_SMEM),
-    (64, 1000, 1000, "full", {**P_SMEM, **ROWS_192}),
-    (256, 777, 1000, "causal", P_SMEM),
-    (128, 1000, 1000, "win64_0", P_SMEM),
-    (128, 1000, 777, "full", Q_RMEM),
-    (128, 17, 1000, "full", Q_RMEM),
-    (128, 1000, 1000, "causal", Q_RMEM),
-    (64, 1000, 777, "causal", Q_RMEM),
-    (96, 777, 1000, "full", Q_RMEM),
-    (128, 1000, 1000, "win64_0", Q_RMEM),
-    (128, 1000, 1000, "full", {**Q_RMEM, "CUTE_FA_SM90_FWD_PERSISTENT": "2"}),
 ]
 
 
-@pytest.mark.parametrize("d,seqlen_q,seqlen_k,mask,switches", SCHEDULE_SWITCH_CASES,
-                         ids=[f"d{c[0]}-{c[1]}x{c[2]}-{c[3]}-" + "-".join(
-                             f"{k.rsplit('_', 1)[-1].lower()}{v}" for k, v in c[4].items())
-                             for c in SCHEDULE_SWITCH_CASES])  # fmt: skip
-def test_fwd_schedule_switches(monkeypatch, d, seqlen_q, seqlen_k, mask, switches):
-    """CUTE_FA_SM90_FWD_PINGPONG=0 (no consumer turns), CUTE_FA_SM90_FWD_TILE_M=192 at d128
-    with 64 or 80 keys, CUTE_FA_SM90_FWD_OVERLAP=0, CUTE_FA_SM90_FWD_TMA_STORE=1 and
-    CUTE_FA_SM90_FWD_P_SMEM=1, CUTE_FA_SM90_FWD_Q_RMEM=1: against attention_ref, with the
-    switches in the kernel that ran."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("sm90 forward switches")
-    config = run_sm90_switch_case(monkeypatch, switches, d, seqlen_q, seqlen_k, mask, 0.0,
-                                  torch.bfloat16, 4.0, h_kv=2)  # fmt: skip
-    if "CUTE_FA_SM90_FWD_PINGPONG" in switches:
-        assert not config.pingpong and "nopingpong" in config.name, config.name
-    if "CUTE_FA_SM90_FWD_TILE_M" in switches:
-        keys = int(switches.get("CUTE_FA_SM90_FWD_TILE_N", 128))
-        assert (config.tile_m, config.tile_n) == (192, keys), config.name
-    if "CUTE_FA_SM90_FWD_PERSISTENT" in switches:
-        assert config.num_ctas, config.name
-    if "CUTE_FA_SM90_FWD_OVERLAP" in switches:
-        assert not config.overlap and "nooverlap" in config.name, config.name
-    if "CUTE_FA_SM90_FWD_TMA_STORE" in switches:
-        assert config.tma_store and "tmastore" in config.name, config.name
-    if "CUTE_FA_SM90_FWD_P_SMEM" in switches:
-        assert config.p_smem and not config.defer_rescale, config.name
-    if switches.get("CUTE_FA_SM90_FWD_PERSISTENT") == "2":
-        assert config.dynamic_tiles, config.name
-    if "CUTE_FA_SM90_FWD_Q_RMEM" in switches:
-        assert config.q_rmem and "qrmem" in config.name, config.name
+def fields_id(fields: dict) -> str:
+    return "-".join(f"{name}{int(value)}" for name, value in fields.items())
 
 
-# (d, seqlen_q, seqlen_k, mask, softcap, dtype, threshold, score spread, other switches).
-DEFER_AND_POLY4 = {"CUTE_FA_SM90_FWD_DEFER_RESCALE": "1", "CUTE_FA_SM90_FWD_EXP2_POLY": "4"}
+@pytest.mark.parametrize("d,seqlen_q,seqlen_k,mask,fields", SCHEDULE_SWITCH_CASES,
+                         ids=[f"d{c[0]}-{c[1]}x{c[2]}-{c[3]}-{fields_id(c[4])}"
+                              for c in SCHEDULE_SWITCH_CASES])  # fmt: skip
+def test_fwd_schedule_switches(monkeypatch, d, seqlen_q, seqlen_k, mask, fields):
+    """``pingpong=False`` (no consumer turns), ``tile_m=192`` at d128 with 64 or 80 keys,
+    ``overlap=False``, ``tma_store=True``, alone or with a persistent grid or three consumers:
+    against attention_ref, with the fields in the kernel that ran."""
+    config = run_sm90_case(monkeypatch, fields, d, seqlen_q, seqlen_k, mask, 0.0,
+                           torch.bfloat16, 4.0, h_kv=2)  # fmt: skip
+    labels = {"pingpong": "nopingpong", "overlap": "nooverlap", "tma_store": "tmastore"}
+    for name in fields.keys() & labels.keys():
+        assert labels[name] in config.name, config.name
+
+
+# (d, seqlen_q, seqlen_k, mask, softcap, dtype, threshold, score spread, other fields).
+DEFER_AND_POLY4 = {"defer_rescale": True, "exp2_poly": 4}
 RESCALE_THRESHOLD_CASES = [
     (64, 1000, 777, "full", 0.0, torch.bfloat16, 8, 1.0, {}),
     (64, 4224, 4224, "causal", 0.0, torch.bfloat16, 8, 4.0, {}),
@@ -575,23 +556,19 @@ RESCALE_THRESHOLD_CASES = [
 
 
 @pytest.mark.parametrize(
-    "d,seqlen_q,seqlen_k,mask,softcap,dtype,threshold,spread,switches", RESCALE_THRESHOLD_CASES,
+    "d,seqlen_q,seqlen_k,mask,softcap,dtype,threshold,spread,fields", RESCALE_THRESHOLD_CASES,
     ids=[f"d{c[0]}-{c[1]}x{c[2]}-{c[3]}-thr{c[6]}-{str(c[5])[6:]}-x{c[7]:g}"
-         + ("-switches" if c[8] else "") for c in RESCALE_THRESHOLD_CASES],
+         + (f"-{fields_id(c[8])}" if c[8] else "") for c in RESCALE_THRESHOLD_CASES],
 )  # fmt: skip
 def test_fwd_rescale_threshold(
-    monkeypatch, d, seqlen_q, seqlen_k, mask, softcap, dtype, threshold, spread, switches
+    monkeypatch, d, seqlen_q, seqlen_k, mask, softcap, dtype, threshold, spread, fields
 ):
-    """CUTE_FA_SM90_FWD_RESCALE_THRESHOLD=t (a row max moves only by more than t in log2
-    units; O rescaled only when a row of the warp moved; Note [rescale threshold]): against
-    attention_ref, with the switch in the kernel that ran. A spread of 4 makes row maxima move
-    by more than t often; at 1 they mostly stay."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the rescale threshold is an sm90 forward switch")
-    switches = {"CUTE_FA_SM90_FWD_RESCALE_THRESHOLD": str(threshold), **switches}
-    config = run_sm90_switch_case(monkeypatch, switches, d, seqlen_q, seqlen_k, mask, softcap,
-                                  dtype, spread, h_kv=3)  # fmt: skip
-    assert config.rescale_threshold == threshold, config.name
+    """``rescale_threshold=t`` (a row max moves only by more than t in log2 units; O rescaled
+    only when a row of the warp moved; Note [rescale threshold]): against attention_ref, with
+    the field in the kernel that ran. A spread of 4 makes row maxima move by more than t
+    often; at 1 they mostly stay."""
+    run_sm90_case(monkeypatch, {"rescale_threshold": threshold, **fields}, d, seqlen_q,
+                  seqlen_k, mask, softcap, dtype, spread, h_kv=3)  # fmt: skip
 
 
 def test_poison_reaches_output():
