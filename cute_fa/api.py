@@ -91,7 +91,9 @@ class _FlashAttnForward(torch.autograd.Function):
             max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
             deterministic,
         )  # fmt: skip
-        ctx.tuning = tuned.snapshot()
+        # (Traced by torch.compile, the graph carries no Python context: its backward runs
+        # under whatever overrides are active when it runs.)
+        ctx.tuning = None if torch.compiler.is_compiling() else tuned.snapshot()
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -104,8 +106,11 @@ class _FlashAttnForward(torch.autograd.Function):
             dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
             *ctx.params,
         )  # fmt: skip
-        with tuned.restored(ctx.tuning):
-            dq, dk, dv = bwd_impl(*args) if eager_cuda(dout) else bwd_op(*args)
+        if ctx.tuning is None:
+            dq, dk, dv = bwd_op(*args)
+        else:
+            with tuned.restored(ctx.tuning):
+                dq, dk, dv = bwd_impl(*args) if eager_cuda(dout) else bwd_op(*args)
         return dq, dk, dv, *([None] * 12)
 
 
