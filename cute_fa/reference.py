@@ -280,7 +280,7 @@ def check_close(
     ``rms(out - out_ref) <= 2 * rms(out_pt - out_ref) + rms_atol``.
 
     ``out_ref`` is the fp32 ground truth, ``out_pt`` the same math in the kernel's input dtype.
-    ``atol`` defaults to ``ulp_atol(out_ref, dtype)``: 2-4 ulps of the lower-precision dtype
+    ``atol`` (given: also the RMS rule's) defaults to ``ulp_atol(out_ref, dtype)``: 2-4 ulps of the lower-precision dtype
     among ``out``/``out_pt`` at the largest finite magnitude of this ``out_ref``, or at 2**-6 if
     that is smaller (no floor of 1.0; Note [check_close's atol]). Infinities must match exactly
     (an LSE of -inf for a row that sees no key); NaN anywhere in ``out`` fails. Raises
@@ -305,6 +305,7 @@ def check_close(
             f"got {float(x[first])}, reference {float(ref[first])}"
         )
     finite = ~inf_ref
+    explicit_atol = atol is not None
     if atol is None:
         low = min((out.dtype, out_pt.dtype), key=lambda t: torch.finfo(t).bits)
         atol = ulp_atol(ref, low)
@@ -325,6 +326,8 @@ def check_close(
     low = min((out.dtype, out_pt.dtype), key=lambda t: torch.finfo(t).bits)
     rms_ref = _rms(torch.where(finite, ref, torch.zeros_like(ref)))
     rms_atol = RMS_ULPS * torch.finfo(low).eps * max(rms_ref, MAGNITUDE_FLOOR)
+    if explicit_atol:  # the caller's absolute bound (e.g. an fp32 LSE) holds for the RMS too
+        rms_atol = max(rms_atol, atol)
     rms_err, rms_base = _rms(err), _rms(base)
     rms_allowed = BASELINE_FACTOR * rms_base + rms_atol
     if not rms_err <= rms_allowed:

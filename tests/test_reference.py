@@ -224,3 +224,13 @@ def test_check_close_infinities_and_nan():
 def test_check_close_shape_mismatch():
     with pytest.raises(AssertionError, match="shape"):
         check_close(torch.zeros(3), torch.zeros(4), torch.zeros(4))
+
+
+def test_check_close_explicit_atol_bounds_the_rms_rule_too():
+    """An fp32 tensor whose baseline is exact (an LSE: the kernel-precision baseline computes
+    it in fp32) passes within the caller's atol by both rules; past it, it fails."""
+    ref = torch.linspace(1.0, 9.0, 1000)
+    noisy = ref + 1e-6 * torch.randn(1000)
+    check_close(noisy, ref, ref.clone(), atol=1e-4, name="lse")
+    with pytest.raises(AssertionError, match="lse: max"):
+        check_close(ref + 2e-4, ref, ref.clone(), atol=1e-4, name="lse")
