@@ -10,6 +10,9 @@ features at once, plus a few others. The cubin must hold HMMA (mma.sync), LDSM (
 LDGSTS (cp.async), no HGMMA, at most 255 registers; its spills (LDL + STL instructions) and stack
 are printed (``pytest -rP`` shows them) and held to ``SPILL_BUDGET``: the 8-warp tiles sit at
 the 255-register cap, and d96/d128 with many features spill a few words (4-8 LDL+STL).
+
+The default run compiles a representative set; the rest is marked ``exhaustive``
+(``python -m pytest -m exhaustive``).
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ from cute_fa.ampere import (
 )
 from cute_fa.hopper import support as sm90_support
 from cute_fa.hopper.support import SM90_BWD_HEAD_DIMS
-from cute_fa.sass import inspect_cubin
 
-from cute_fa.config import BwdConfig, sm80_bwd_tile
+from cute_fa import planning, settings
+from cute_fa.config import BwdConfig, Sm90BwdTuning, Tiles, TuningError, sm80_bwd_tile
+from cute_fa.tools.sass import inspect_cubin
 
 pytestmark = pytest.mark.compile
+EXHAUSTIVE = pytest.mark.exhaustive
 
 HEAD_DIMS = (64, 96, 128, 192, 256)
 
@@ -56,14 +61,22 @@ MAIN_FLAG_SETS = {
     "coresident_varlen": {"deterministic": True, "det_coresident": True, "varlen_q": True,
                           "varlen_k": True},
     "coresident_causal": {"deterministic": True, "det_coresident": True, "causal": True},
+    "local_softcap": {"local": True, "has_softcap": True},
 }  # fmt: skip
+# (d, flag set); those of MAIN_DEFAULT run by default: plain (d 64: 128 x 128), causal with
+# softcap and varlen at d 128 and d 256, a window with softcap, deterministic with a window.
 MAIN_CASES = [(d, "causal_softcap_varlen") for d in HEAD_DIMS] + [
     (128, "local_seqused"),
     (128, "deterministic_local_varlen"),
     (128, "coresident_varlen"),
     (64, "coresident_causal"),
     (64, "plain"),
+    (96, "local_softcap"),
 ]
+MAIN_DEFAULT = {
+    (64, "plain"), (128, "causal_softcap_varlen"), (256, "causal_softcap_varlen"),
+    (96, "local_softcap"), (128, "deterministic_local_varlen"),
+}  # fmt: skip
 
 
 def _cubin(kernel, args: tuple, target: str) -> bytes:
@@ -96,8 +109,13 @@ def _check_elementwise(info: dict) -> None:
 # Pre/postprocess
 
 
+# Head dims of the pre/postprocess compiled by default (the others: exhaustive).
+PREPOST_DEFAULT = (64, 256)
+PREPOST_DIMS = [d if d in PREPOST_DEFAULT else pytest.param(d, marks=EXHAUSTIVE) for d in HEAD_DIMS]
+
+
 @pytest.mark.parametrize("has_dlse", [False, True], ids=["nodlse", "dlse"])
-@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("d", PREPOST_DIMS)
 def test_preprocess_compiles(d: int, has_dlse: bool) -> None:
     config = BwdPreConfig(80, "sm_90a", "bf16", d, d, has_dlse)
     info = inspect_cubin(_cubin(Pre(config), Pre.fake_args(config), config.target))
@@ -110,7 +128,7 @@ def test_preprocess_compiles(d: int, has_dlse: bool) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("d", PREPOST_DIMS)
 def test_postprocess_compiles(d: int, dtype: str) -> None:
     config = BwdPostConfig(80, "sm_90a", dtype, d)
     info = inspect_cubin(_cubin(Post(config), Post.fake_args(config), config.target))
@@ -119,8 +137,17 @@ def test_postprocess_compiles(d: int, dtype: str) -> None:
     assert _count(sass, r"LDG\.E(?!\.128)") == 0 and _count(sass, r"STG\.E(?!\.128)") == 0
 
 
-@pytest.mark.parametrize("varlen_q", [False, True])
-@pytest.mark.parametrize("d,tile_m", [(64, 64), (128, 64), (256, 64), (64, 128)])
+@pytest.mark.parametrize(
+    "d,tile_m,varlen_q",
+    [
+        (64, 64, False), (256, 64, True), (64, 128, True),
+        pytest.param(64, 64, True, marks=EXHAUSTIVE),
+        pytest.param(128, 64, False, marks=EXHAUSTIVE),
+        pytest.param(128, 64, True, marks=EXHAUSTIVE),
+        pytest.param(256, 64, False, marks=EXHAUSTIVE),
+        pytest.param(64, 128, False, marks=EXHAUSTIVE),
+    ],
+)  # fmt: skip
 def test_postprocess_of_fragment_order_compiles(d: int, tile_m: int, varlen_q: bool) -> None:
     """The sm80 backward's postprocess reads each thread's fragment values with one 32-bit load
     each (a warp's load covers 128 consecutive bytes: Note [dQ accumulator in fragment order])
@@ -195,10 +222,11 @@ def test_prepost_can_implement() -> None:
 def test_prepost_through_the_disk_cache(tmp_path) -> None:
     """The TVM-FFI compile and export of the pre/postprocess work without a GPU, and a second
     cache instance finds the entries on disk."""
-    from cute_fa.backward import compile_bwd_post, compile_bwd_pre, post_config, pre_config
     from cute_fa.cache import CompileCache, export_tvm_ffi, load_tvm_ffi
+    from cute_fa.compile import compile_bwd_post, compile_bwd_pre
+    from cute_fa.planning import post_config, pre_config
 
-    config = BwdConfig(80, "sm_90a", "bf16", 128, 128, 64, 128, 8, causal=True)
+    config = BwdConfig(80, "sm_90a", "bf16", 128, 128, Tiles(64, 128, 8), causal=True)
     for compile_fn, key in (
         (compile_bwd_pre, pre_config(config, has_dlse=True)),
         (compile_bwd_post, post_config(config)),
@@ -213,18 +241,20 @@ def test_prepost_keys_ignore_masks_and_tiles() -> None:
     """One preprocess compile serves every mask variant and tile of a head dim; the sm80
     postprocess depends only on what fixes the fragment order (tile_m, warps, varlen_q), the
     sm90 backward's on nothing but the head dim and dtype."""
-    from cute_fa.backward import post_config, pre_config
+    from cute_fa.planning import post_config, pre_config
 
-    a = BwdConfig(80, "sm_90a", "bf16", 128, 128, 64, 128, 8)
-    b = a.replace(causal=True, has_softcap=True, varlen_q=True, tile_n=64)
+    a = BwdConfig(80, "sm_90a", "bf16", 128, 128, Tiles(64, 128, 8))
+    b = a.replace(causal=True, has_softcap=True, varlen_q=True).with_tuning(tile_n=64)
     assert pre_config(a, False) == pre_config(b, False) != pre_config(a, True)
-    assert post_config(a) == post_config(a.replace(causal=True, has_softcap=True, tile_n=64))
+    masks = a.replace(causal=True, has_softcap=True).with_tuning(tile_n=64)
+    assert post_config(a) == post_config(masks)
     assert post_config(a) != post_config(b) and post_config(b).varlen_q
     assert (post_config(a).tile_m, post_config(a).num_warps) == (64, 8)
-    c = a.replace(arch=90, tile_n=128, num_warps=12)
+    assert post_config(a.with_tuning(tile_m=128)) != post_config(a)
+    c = a.replace(arch=90, tuning=Sm90BwdTuning(64, 128))
     rows = post_config(c)
     assert (rows.arch, rows.tile_m, rows.num_warps, rows.varlen_q) == (80, 0, 0, False)
-    assert post_config(c.replace(varlen_q=True, tile_m=128)) == rows
+    assert post_config(c.replace(varlen_q=True).with_tuning(tile_m=128)) == rows
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,10 +268,9 @@ def _main_kernel_class():
 
 
 def _main_config(d: int, target: str, dtype: str = "bf16", **flags) -> BwdConfig:
-    tile_m, tile_n, num_warps = sm80_bwd_tile(d, target)
     return BwdConfig(
         arch=80, target=target, dtype=dtype, head_dim=d, head_dim_v=d,
-        tile_m=tile_m, tile_n=tile_n, num_warps=num_warps, **flags,
+        tuning=sm80_bwd_tile(d, target), **flags,
     )  # fmt: skip
 
 
@@ -275,21 +304,29 @@ def _check_main(config: BwdConfig) -> None:
     assert spills <= budget, f"{spills} LDL/STL (stack {info['stack']} B), budget {budget}"
 
 
-@pytest.mark.parametrize("d,flags", MAIN_CASES, ids=[f"d{d}-{f}" for d, f in MAIN_CASES])
+@pytest.mark.parametrize(
+    "d,flags",
+    [
+        pytest.param(d, f, id=f"d{d}-{f}", marks=() if (d, f) in MAIN_DEFAULT else EXHAUSTIVE)
+        for d, f in MAIN_CASES
+    ],
+)
 def test_main_kernel_compiles_for_sm90a(d: int, flags: str) -> None:
     _check_main(_main_config(d, "sm_90a", **MAIN_FLAG_SETS[flags]))
 
 
+@pytest.mark.exhaustive
 def test_main_kernel_compiles_for_sm80_fp16() -> None:
     _check_main(_main_config(128, "sm_80", dtype="fp16", causal=True))
 
 
-def test_bwd_config_uses_the_tile_table() -> None:
-    from cute_fa.backward import bwd_config
+def test_bwd_config_uses_the_tile_table(monkeypatch) -> None:
+    from cute_fa.planning import bwd_config
 
+    monkeypatch.delenv(settings.BWD_ARCH, raising=False)
     for d in HEAD_DIMS:
         config = bwd_config("sm_80", "bf16", d, d, causal=True)
-        assert (config.tile_m, config.tile_n, config.num_warps) == sm80_bwd_tile(d, "sm_80")
+        assert config.tuning == sm80_bwd_tile(d, "sm_80")
         # On sm_90a the sm90 kernel serves every head dim with dv = d (Note [backward dispatch]).
         family = 90 if d in SM90_BWD_HEAD_DIMS else 80
         assert bwd_config("sm_90a", "bf16", d, d, causal=True).arch == family
@@ -300,17 +337,17 @@ def test_bwd_config_uses_the_tile_table() -> None:
 def test_coresident_order_is_chosen_where_a_head_fits_on_half_the_gpu(monkeypatch) -> None:
     """Deterministic sm80 calls take the coresident order (Note [deterministic dQ]) only
     without a window and with at most SMs / 2 key blocks; the sm90 kernel has no such mode."""
-    from cute_fa import backward, interface
-
-    monkeypatch.setattr(interface, "_sm_count", lambda device: 132)
+    monkeypatch.delenv(settings.BWD_DET_ORDER, raising=False)
+    monkeypatch.delenv(settings.BWD_ARCH, raising=False)
+    sms = 132
     det = _main_config(128, "sm_90a", deterministic=True)  # 128 keys a CTA
-    assert backward.coresident_fits(det, 66 * 128, None)
-    assert not backward.coresident_fits(det, 66 * 128 + 1, None)
-    assert not backward.coresident_fits(det.replace(deterministic=False), 128, None)
+    assert planning.coresident_fits(det, 66 * 128, sms)
+    assert not planning.coresident_fits(det, 66 * 128 + 1, sms)
+    assert not planning.coresident_fits(det.replace(deterministic=False), 128, sms)
     local = _main_config(128, "sm_90a", deterministic=True, local=True)
-    assert not backward.coresident_fits(local, 128, None)
-    sm90 = backward.bwd_config("sm_90a", "bf16", 128, 128, deterministic=True)
-    assert sm90.arch == 90 and not backward.coresident_fits(sm90, 128, None)
+    assert not planning.coresident_fits(local, 128, sms)
+    sm90 = planning.bwd_config("sm_90a", "bf16", 128, 128, deterministic=True)
+    assert sm90.arch == 90 and not planning.coresident_fits(sm90, 128, sms)
     ok, why = sm90_support.bwd_can_implement(sm90.replace(det_coresident=True))
     assert not ok and "sm80" in why
     with pytest.raises(ValueError, match="det_coresident"):
@@ -318,14 +355,14 @@ def test_coresident_order_is_chosen_where_a_head_fits_on_half_the_gpu(monkeypatc
     with pytest.raises(ValueError, match="det_coresident"):
         det.replace(det_coresident=True, deterministic=False)
     assert det.replace(det_coresident=True).name.endswith("_deterministic_coresident")
-    monkeypatch.setenv(backward.BWD_DET_ORDER_ENV, "chain")
-    assert not backward.coresident_fits(det, 128, None)
-    monkeypatch.setenv(backward.BWD_DET_ORDER_ENV, "sideways")
-    with pytest.raises(backward.SettingError, match="CUTE_FA_BWD_DET_ORDER"):
-        backward.coresident_fits(det, 128, None)
+    monkeypatch.setenv(settings.BWD_DET_ORDER, "chain")
+    assert not planning.coresident_fits(det, 128, sms)
+    monkeypatch.setenv(settings.BWD_DET_ORDER, "sideways")
+    with pytest.raises(settings.SettingError, match="CUTE_FA_BWD_DET_ORDER"):
+        planning.coresident_fits(det, 128, sms)
 
 
-@pytest.mark.parametrize("d", [96, 128])
+@pytest.mark.parametrize("d", [pytest.param(96, marks=EXHAUSTIVE), 128])
 def test_main_kernel_compiles_for_small_smem_targets(d: int) -> None:
     """99 KiB of shared memory (sm_86 / sm_89 / sm_120a): d96 and d128 take 64 keys a CTA."""
     _check_main(_main_config(d, "sm_86", causal=True, has_softcap=True, varlen_q=True,
@@ -335,7 +372,7 @@ def test_main_kernel_compiles_for_small_smem_targets(d: int) -> None:
 def test_small_smem_targets_get_a_backward_that_fits() -> None:
     from cute_fa.ampere.support import bwd_can_implement
 
-    from cute_fa.backward import bwd_config
+    from cute_fa.planning import bwd_config
 
     for target in ("sm_86", "sm_89", "sm_120a"):
         for d in (64, 96, 128):
@@ -345,4 +382,33 @@ def test_small_smem_targets_get_a_backward_that_fits() -> None:
         for d in (192, 256):
             with pytest.raises(NotImplementedError, match="shared memory"):
                 bwd_config(target, "bf16", d, d)
-    assert sm80_bwd_tile(128, "sm_80") == (64, 128, 8)  # big shared memory keeps the table's
+    assert sm80_bwd_tile(128, "sm_80") == Tiles(64, 128, 8)  # big shared memory keeps the table's
+
+
+# Values the sm80 tiles reject when they are built (TuningError, a ValueError), as
+# (tile_m, tile_n, num_warps).
+@pytest.mark.parametrize(
+    "tiles, needle",
+    [((64, 100, 8), "tile_n"), ((0, 128, 8), "tile_m"), ((64, 272, 8), "tile_n"),
+     ((64, 128, 6), "num_warps"), ((64, 128, 16), "num_warps"), ((64.0, 128, 8), "tile_m"),
+     ((False, 128, 8), "tile_m")],
+)  # fmt: skip
+def test_sm80_tiles_reject_malformed_values(tiles: tuple, needle: str) -> None:
+    with pytest.raises(TuningError, match=needle):
+        Tiles(*tiles)
+
+
+def test_sm80_bwd_tile_override_is_checked_by_the_kernel(monkeypatch) -> None:
+    """A tile the tuning accepts but the kernel cannot run (too much shared memory, more
+    accumulators than the warps hold) is declined with its reason, never compiled."""
+    import cute_fa
+
+    monkeypatch.delenv(settings.BWD_ARCH, raising=False)
+    with cute_fa.tuning(sm80_bwd={"tile_m": 64, "tile_n": 64, "num_warps": 4}):
+        assert planning.bwd_config("sm_80", "bf16", 128, 128).tuning == Tiles(64, 64, 4)
+    with cute_fa.tuning(sm80_bwd={"tile_n": 256}):
+        with pytest.raises(NotImplementedError, match="FlashAttentionBackwardSm80"):
+            planning.bwd_config("sm_80", "bf16", 256, 256)
+    with cute_fa.tuning(sm80_bwd={"num_warps": 6}):
+        with pytest.raises(TuningError, match="num_warps"):
+            planning.bwd_config("sm_80", "bf16", 128, 128)

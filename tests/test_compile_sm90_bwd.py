@@ -21,23 +21,28 @@ import pytest
 from cute_fa.hopper.support import (
     SM90_BWD_HEAD_DIMS,
     bwd_can_implement,
+    bwd_config,
+    bwd_default_tuning,
+    bwd_q_stages,
     bwd_smem_bytes,
     bwd_split_d,
-    bwd_tile,
 )
 
-from cute_fa.config import SMEM_CAPACITY, BwdConfig
+import cute_fa
+from cute_fa import settings
+from cute_fa.config import SMEM_CAPACITY, BwdConfig, Sm90BwdTuning, Tiles, TuningError
 
+EXHAUSTIVE = pytest.mark.exhaustive
 WG_KEYS = 64  # keys of one consumer warpgroup's score tile
 
 
-def _config(d: int = 128, dtype: str = "bf16", **changes) -> BwdConfig:
-    tile_m, tile_n, num_warps = bwd_tile(
-        d, changes.get("causal", False), changes.get("has_softcap", False)
-    )
+def _config(d: int = 128, dtype: str = "bf16", q_stages: int = 0, **changes) -> BwdConfig:
+    """The sm90 backward's key for d (dv = d unless changed) and the flags: the default tuning
+    (``bwd_default_tuning``), with ``q_stages`` when given."""
+    tuning = changes.pop("tuning", None) or bwd_default_tuning(d, changes.get("has_softcap", False))
     values = dict(
         arch=90, target="sm_90a", dtype=dtype, head_dim=d, head_dim_v=d,
-        tile_m=tile_m, tile_n=tile_n, num_warps=num_warps,
+        tuning=tuning if not q_stages else Sm90BwdTuning(tuning.tile_m, tuning.tile_n, q_stages),
     )  # fmt: skip
     values.update(changes)
     return BwdConfig(**values)
@@ -50,13 +55,17 @@ def _config(d: int = 128, dtype: str = "bf16", **changes) -> BwdConfig:
         ({"target": "sm_100a"}, "sm_90a"),
         ({"head_dim": 80, "head_dim_v": 80}, "head_dim 80"),
         ({"head_dim_v": 64}, "head_dim_v"),
-        ({"tile_n": 64}, "tile"),
-        ({"num_warps": 8}, "tile"),
+        ({"tuning": Sm90BwdTuning(64, 64)}, "tile_n 64"),
+        ({"tuning": Sm90BwdTuning(64, 128), "head_dim": 256, "head_dim_v": 256}, "tile_n 128"),
+        ({"tuning": Sm90BwdTuning(96, 128)}, "tile_m 96"),
+        ({"tuning": Tiles(64, 128, 8)}, "not an Sm90BwdTuning"),
+        ({"tuning": Sm90BwdTuning(64, 64, q_stages=3), "head_dim": 192}, "shared memory"),
+        ({"det_coresident": True, "deterministic": True}, "sm80"),
     ],
 )
 def test_sm90_bwd_can_implement_rejects_with_reason(changes: dict, needle: str) -> None:
     ok, reason = bwd_can_implement(_config(**changes))
-    assert not ok and needle in reason
+    assert not ok and needle in reason, reason
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -67,6 +76,8 @@ def test_sm90_bwd_can_implement_accepts(d: int, dtype: str, causal: bool, determ
     config = _config(d, dtype, causal=causal, deterministic=deterministic)
     assert bwd_can_implement(config) == (True, "")
     assert bwd_smem_bytes(config) <= SMEM_CAPACITY["sm_90a"]
+    # The key planning builds is this one.
+    assert bwd_config(config) == config
 
 
 def test_sm90_bwd_kernel_rejects_at_construction() -> None:
@@ -79,9 +90,9 @@ def test_sm90_bwd_kernel_rejects_at_construction() -> None:
 def _compile(config: BwdConfig) -> dict:
     import cutlass.cute as cute
     from cute_fa.hopper.flash_bwd import FlashAttentionBackwardSm90
-    from cute_fa.sass import inspect_cubin
 
     from cute_fa.dsl.fake import bwd_fake_args
+    from cute_fa.tools.sass import inspect_cubin
 
     with tempfile.TemporaryDirectory(prefix="cute-fa-cubin-") as d:
         compiled = cute.compile(
@@ -94,54 +105,77 @@ def _compile(config: BwdConfig) -> dict:
     return inspect_cubin(cubin if isinstance(cubin, bytes) else cubin.encode("latin-1"))
 
 
+# (d, dtype, causal, deterministic, flags). Unmarked cases run by default: d 64 (128 query rows
+# a step), d 128 causal, deterministic, local with softcap, (192, 128) split d, d 256 with a
+# window, varlen and seqused, three Q / dO stages.
+VARLEN = {"varlen_q": True, "varlen_k": True}
+SEQUSED = {"seqused_q": True, "seqused_k": True}
 COMPILE_CASES = [
     pytest.param(64, "bf16", False, False, {}, id="d64"),
-    pytest.param(64, "bf16", True, False, {}, id="d64-causal"),
-    pytest.param(96, "bf16", False, False, {}, id="d96"),
-    pytest.param(96, "bf16", True, True, {}, id="d96-causal-det"),
-    pytest.param(128, "bf16", False, False, {}, id="d128"),
+    pytest.param(64, "bf16", True, False, {}, id="d64-causal", marks=EXHAUSTIVE),
+    pytest.param(96, "bf16", False, False, {}, id="d96", marks=EXHAUSTIVE),
+    pytest.param(96, "bf16", True, True, {}, id="d96-causal-det", marks=EXHAUSTIVE),
+    pytest.param(128, "bf16", False, False, {}, id="d128", marks=EXHAUSTIVE),
     pytest.param(128, "bf16", True, False, {}, id="d128-causal"),
-    pytest.param(128, "fp16", True, False, {}, id="d128-fp16-causal"),
-    pytest.param(64, "bf16", False, True, {}, id="d64-det"),
-    pytest.param(64, "bf16", True, True, {}, id="d64-causal-det"),
-    pytest.param(128, "bf16", False, True, {}, id="d128-det"),
-    pytest.param(128, "bf16", True, True, {}, id="d128-causal-det"),
-    pytest.param(192, "bf16", False, False, {}, id="d192"),
-    pytest.param(192, "bf16", True, False, {"has_softcap": True}, id="d192-causal-softcap"),
+    pytest.param(128, "fp16", True, False, {}, id="d128-fp16-causal", marks=EXHAUSTIVE),
+    pytest.param(64, "bf16", False, True, {}, id="d64-det", marks=EXHAUSTIVE),
+    pytest.param(64, "bf16", True, True, {}, id="d64-causal-det", marks=EXHAUSTIVE),
+    pytest.param(128, "bf16", False, True, {}, id="d128-det", marks=EXHAUSTIVE),
+    pytest.param(128, "bf16", True, True, {}, id="d128-causal-det", marks=EXHAUSTIVE),
+    pytest.param(192, "bf16", False, False, {}, id="d192", marks=EXHAUSTIVE),
+    pytest.param(
+        192, "bf16", True, False, {"has_softcap": True}, id="d192-causal-softcap", marks=EXHAUSTIVE
+    ),  # fmt: skip
     pytest.param(192, "bf16", False, False, {"head_dim_v": 128}, id="d192-dv128"),
-    pytest.param(192, "fp16", False, True, {"head_dim_v": 128, "local": True}, id="d192-dv128-det"),
-    pytest.param(256, "bf16", False, False, {}, id="d256"),
-    pytest.param(256, "bf16", True, False, {"has_softcap": True}, id="d256-causal-softcap"),
-    pytest.param(256, "fp16", True, True, {}, id="d256-fp16-causal-det"),
+    pytest.param(
+        192,
+        "fp16",
+        False,
+        True,
+        {"head_dim_v": 128, "local": True},
+        id="d192-dv128-det",
+        marks=EXHAUSTIVE,
+    ),  # fmt: skip
+    pytest.param(256, "bf16", False, False, {}, id="d256", marks=EXHAUSTIVE),
+    pytest.param(
+        256, "bf16", True, False, {"has_softcap": True}, id="d256-causal-softcap", marks=EXHAUSTIVE
+    ),  # fmt: skip
+    pytest.param(256, "fp16", True, True, {}, id="d256-fp16-causal-det", marks=EXHAUSTIVE),
     pytest.param(
         256,
         "bf16",
         False,
         False,
-        {"local": True, "varlen_q": True, "varlen_k": True, "seqused_q": True, "seqused_k": True},
+        {"local": True, **VARLEN, **SEQUSED},
         id="d256-local-varlen-seqused",
     ),  # fmt: skip
-    pytest.param(128, "bf16", False, False, {"local": True}, id="d128-local"),
-    pytest.param(64, "bf16", False, True, {"local": True}, id="d64-local-det"),
-    pytest.param(64, "bf16", True, False, {"has_softcap": True}, id="d64-causal-softcap"),
-    pytest.param(128, "bf16", False, False, {"has_softcap": True}, id="d128-softcap"),
+    pytest.param(128, "bf16", False, False, {"local": True}, id="d128-local", marks=EXHAUSTIVE),
+    pytest.param(64, "bf16", False, True, {"local": True}, id="d64-local-det", marks=EXHAUSTIVE),
     pytest.param(
-        128, "bf16", True, False, {"varlen_q": True, "varlen_k": True}, id="d128-causal-varlen"
+        64, "bf16", True, False, {"has_softcap": True}, id="d64-causal-softcap", marks=EXHAUSTIVE
     ),  # fmt: skip
     pytest.param(
-        128, "bf16", False, True, {"varlen_q": True, "varlen_k": True}, id="d128-varlen-det"
+        128, "bf16", False, False, {"has_softcap": True}, id="d128-softcap", marks=EXHAUSTIVE
     ),  # fmt: skip
+    pytest.param(
+        128, "bf16", False, True, {"local": True, "has_softcap": True}, id="d128-local-softcap-det"
+    ),  # fmt: skip
+    pytest.param(128, "bf16", True, False, VARLEN, id="d128-causal-varlen", marks=EXHAUSTIVE),
+    pytest.param(128, "bf16", False, True, VARLEN, id="d128-varlen-det", marks=EXHAUSTIVE),
     pytest.param(
         128,
         "bf16",
         True,
         False,
-        {"varlen_q": True, "varlen_k": True, "seqused_q": True, "seqused_k": True},
+        {**VARLEN, **SEQUSED},
         id="d128-causal-varlen-seqused",
+        marks=EXHAUSTIVE,
     ),  # fmt: skip
-    # Three Q / dO stages (CUTE_FA_SM90_BWD_Q_STAGES=3) where they fit.
+    # Three Q / dO stages (the q_stages tuning field) where they fit.
     pytest.param(128, "bf16", False, False, {"q_stages": 3}, id="d128-q3"),
-    pytest.param(128, "bf16", True, True, {"q_stages": 3}, id="d128-causal-det-q3"),
+    pytest.param(
+        128, "bf16", True, True, {"q_stages": 3}, id="d128-causal-det-q3", marks=EXHAUSTIVE
+    ),  # fmt: skip
 ]
 
 
@@ -218,14 +252,17 @@ def _check_sass(config: BwdConfig, info: dict) -> None:
     )
 
 
+@pytest.mark.compile
 def test_compiles_through_the_backward_path(monkeypatch) -> None:
     """CUTE_FA_BWD_ARCH=90: the torch side's compile key and compile function reach the sm90
     main kernel (and keep the sm80 pre/postprocess): the cubin inside the TVM-FFI function
     holds FlashAttentionBackwardSm90 with the SASS facts of the direct compile above."""
-    from cute_fa.backward import BWD_ARCH_ENV, bwd_config, bwd_kernel_classes, compile_bwd
+    from cute_fa.compile import compile_bwd
+    from cute_fa.planning import bwd_config as plan_bwd_config
+    from cute_fa.planning import bwd_kernel_classes
 
-    monkeypatch.setenv(BWD_ARCH_ENV, "90")
-    config = bwd_config("sm_90a", "bf16", 64, 64, causal=True)
+    monkeypatch.setenv(settings.BWD_ARCH, "90")
+    config = plan_bwd_config("sm_90a", "bf16", 64, 64, causal=True)
     pre_cls, main_cls, post_cls = bwd_kernel_classes(config.arch)
     assert main_cls.__name__ == "FlashAttentionBackwardSm90"
     assert pre_cls.arch == 80 and post_cls.arch == 80
@@ -240,7 +277,7 @@ def _cubin_of_tvm_ffi(compiled) -> dict:
     last section or header table."""
     import struct
 
-    from cute_fa.sass import inspect_cubin
+    from cute_fa.tools.sass import inspect_cubin
 
     with tempfile.TemporaryDirectory(prefix="cute-fa-export-") as d:
         path = f"{d}/module.o"
@@ -263,25 +300,43 @@ def _cubin_of_tvm_ffi(compiled) -> dict:
     return inspect_cubin(obj[start : start + end])
 
 
-def test_sm90_bwd_q_stages_switch(monkeypatch) -> None:
-    """CUTE_FA_SM90_BWD_Q_STAGES: three stages where they fit in shared memory (d96, d128, d64
-    at 64 rows), the default elsewhere; part of the compile key; bad values raise."""
-    from cute_fa.hopper.support import Q_STAGES_ENV, bwd_q_stages, bwd_tuned
+def test_sm90_bwd_q_stages_tuning() -> None:
+    """The q_stages tuning field: three stages where they fit in shared memory (d96, d128, d64
+    at 64 rows), elsewhere the kernel declines the key and planning hands the call to the sm80
+    kernel; part of the compile key; bad values raise TuningError."""
+    from cute_fa.planning import bwd_config as plan_bwd_config
 
-    from cute_fa.config import SettingError
-
-    monkeypatch.delenv(Q_STAGES_ENV, raising=False)
-    assert bwd_tuned(_config(128)) == _config(128)
-    monkeypatch.setenv(Q_STAGES_ENV, "3")
+    assert bwd_config(_config(128)) == _config(128)  # the default: two stages
+    assert bwd_q_stages(_config(128)) == 2 and bwd_q_stages(_config(256)) == 1
     for d, fits in ((64, False), (96, True), (128, True), (192, False), (256, False)):
-        config = bwd_tuned(_config(d))
-        assert (bwd_q_stages(config) == 3) == fits, d
-        assert bwd_smem_bytes(config) <= SMEM_CAPACITY["sm_90a"]
-        assert bwd_can_implement(config) == (True, "")
-        assert ("_q3" in config.name) == fits
-    monkeypatch.setenv(Q_STAGES_ENV, "2")
-    assert bwd_q_stages(bwd_tuned(_config(256))) == 1  # two do not fit at d256
-    for bad in ("4", "three"):
-        monkeypatch.setenv(Q_STAGES_ENV, bad)
-        with pytest.raises(SettingError, match=Q_STAGES_ENV):
-            bwd_tuned(_config(128))
+        config = bwd_config(_config(d), {"q_stages": 3})
+        assert bwd_q_stages(config) == 3 and "_q3" in config.name
+        assert (bwd_smem_bytes(config) <= SMEM_CAPACITY["sm_90a"]) == fits, d
+        ok, reason = bwd_can_implement(config)
+        assert ok == fits and (fits or "shared memory" in reason), (d, reason)
+        with cute_fa.tuning(sm90_bwd={"q_stages": 3}):
+            planned = plan_bwd_config("sm_90a", "bf16", d, d)
+        assert planned.arch == (90 if fits else 80), d
+        assert planned == config or not fits
+    # d 64 at 64 query rows holds three stages.
+    config = bwd_config(_config(64), {"q_stages": 3, "tile_m": 64})
+    assert bwd_can_implement(config) == (True, "")
+    # Two stages do not fit at d 256.
+    ok, reason = bwd_can_implement(bwd_config(_config(256), {"q_stages": 2}))
+    assert not ok and "shared memory" in reason
+    for bad in (4, -1, "three"):
+        with pytest.raises(TuningError, match="q_stages"):
+            Sm90BwdTuning(q_stages=bad)
+        with pytest.raises(TuningError, match="q_stages"):
+            with cute_fa.tuning(sm90_bwd={"q_stages": bad}):
+                plan_bwd_config("sm_90a", "bf16", 128, 128)
+
+
+@pytest.mark.parametrize(
+    "fields, needle",
+    [({"tile_m": 72}, "tile_m"), ({"tile_n": 0}, "tile_n"), ({"tile_n": 512}, "tile_n"),
+     ({"tile_m": "64"}, "tile_m")],
+)  # fmt: skip
+def test_sm90_bwd_tuning_rejects_malformed_values(fields: dict, needle: str) -> None:
+    with pytest.raises(TuningError, match=needle):
+        Sm90BwdTuning(**fields)
