@@ -72,6 +72,7 @@ class Tiles:
     num_warps: int
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check_tile(self.tile_m, self.tile_n)
         if self.num_warps not in (4, 8):
             raise TuningError(f"num_warps must be 4 or 8, got {self.num_warps!r}")
@@ -107,6 +108,7 @@ class Sm90FwdTuning:
     tma_store: bool = False  # O leaves by one TMA store a consumer (dense rows, dv == d)
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check_tile(self.tile_m, self.tile_n)
         if self.tile_m not in (128, 192):
             raise TuningError(f"sm90 forward tile_m must be 128 or 192, got {self.tile_m!r}")
@@ -150,6 +152,7 @@ class Sm90BwdTuning:
     q_stages: int = 0  # Q / dO (and LSE / delta) stages; 0: two (one above d 192)
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check_tile(self.tile_m, self.tile_n)
         if self.q_stages not in (0, 1, 2, 3):
             raise TuningError(f"q_stages must be 0 (default), 1, 2 or 3, got {self.q_stages!r}")
@@ -174,6 +177,7 @@ class Sm100FwdTuning:
     tile_n: int = 128
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check_tile(self.tile_m, self.tile_n)
 
     @property
@@ -183,6 +187,24 @@ class Sm100FwdTuning:
     @property
     def label(self) -> str:
         return f"{self.tile_m}x{self.tile_n}w{self.num_warps}"
+
+
+def check_field_types(cls: type, values: dict) -> None:
+    """TuningError unless each of ``values`` has the declared type of ``cls``'s field of that
+    name: an int (not a bool) for int fields, a bool for bool fields (so ``pingpong="off"`` or
+    ``num_ctas=1.5`` never reach a kernel as something truthy)."""
+    types = {f.name: (f.type if isinstance(f.type, str) else f.type.__name__)
+             for f in dataclasses.fields(cls)}  # fmt: skip
+    for name, value in values.items():
+        want = types.get(name)
+        if want == "bool" and not isinstance(value, bool):
+            raise TuningError(f"{name} must be True or False, got {value!r}")
+        if want == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TuningError(f"{name} must be an int, got {value!r}")
+
+
+def _check_types(tuning) -> None:
+    check_field_types(type(tuning), dataclasses.asdict(tuning))
 
 
 def _check_tile(tile_m: int, tile_n: int) -> None:

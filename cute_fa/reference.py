@@ -279,9 +279,10 @@ def check_close(
     and the same of the root mean square of the errors (Note [the RMS rule]):
     ``rms(out - out_ref) <= 2 * rms(out_pt - out_ref) + rms_atol``.
 
-    ``out_ref`` is the fp32 ground truth, ``out_pt`` the same math in the kernel's input dtype.
-    ``atol`` (given: also the RMS rule's) defaults to ``ulp_atol(out_ref, dtype)``: 2-4 ulps of the lower-precision dtype
-    among ``out``/``out_pt`` at the largest finite magnitude of this ``out_ref``, or at 2**-6 if
+    ``out_ref`` is the fp32 ground truth, ``out_pt`` the baseline at the kernels' precision
+    (Note [the kernel-precision baseline]). ``atol`` (when given, the RMS rule's too) defaults
+    to ``ulp_atol(out_ref, dtype)``: 2-4 ulps of the lower-precision dtype among
+    ``out``/``out_pt`` at the largest finite magnitude of this ``out_ref``, or at 2**-6 if
     that is smaller (no floor of 1.0; Note [check_close's atol]). Infinities must match exactly
     (an LSE of -inf for a row that sees no key); NaN anywhere in ``out`` fails. Raises
     AssertionError with the worst element.

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 from . import settings
 from .cache import atomic_write
-from .config import TUNING_CLASSES
+from .config import TUNING_CLASSES, check_field_types
 
 FORMAT = 1  # version of the table file's layout
 
@@ -64,6 +64,7 @@ def _fields_of(family: str, value: Any) -> dict[str, Any]:
     unknown = sorted(set(value) - names)
     if unknown:
         raise TypeError(f"{family} has no field {', '.join(unknown)}; fields: {sorted(names)}")
+    check_field_types(cls, {k: v for k, v in value.items() if v is not None})
     return dict(value)
 
 

@@ -229,6 +229,7 @@ def fwd_config(
     persistent grid with two consumers (no turns at d 64; no overlap for short ones) apply
     only where the fields are not asked."""
     asked = dict(asked or {})
+    Sm90FwdTuning(**asked)  # every asked field checked (TuningError) before it is used
     d = base.head_dim
     tile_n = asked.get("tile_n", SM90_FWD_TILE_N.get(d, SM90_FWD_TILE[1]))
     tile_m = asked.get("tile_m")

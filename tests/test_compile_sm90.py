@@ -381,11 +381,8 @@ MALFORMED = [
     ("tile_n", 272), ("tile_n", "128"), ("tile_n", True), ("exp2_poly", 3), ("exp2_poly", "on"),
     ("exp2_poly", 32), ("rescale_threshold", 6), ("rescale_threshold", -4), ("num_ctas", -1),
 ]  # fmt: skip
-# Values the tuning accepts although they are not of the field's type; the CLI's
-# ``family.field=value`` takes only ints, true or false, but a dict given to ``cute_fa.tuning``
-# reaches the dataclass as is (the kernel would read "off" as true). Strict: once the dataclass
-# checks types these fail, and move to MALFORMED.
-MALFORMED_UNCHECKED = [
+# Values of another type than the field's (the kernel would read "off" as true).
+MALFORMED += [
     ("defer_rescale", 2), ("defer_rescale", "yes"), ("rescale_threshold", 8.0),
     ("pingpong", "off"), ("pingpong", 2), ("overlap", "no"), ("tma_store", "yes"),
     ("num_ctas", 1.5),
@@ -398,38 +395,15 @@ def test_sm90_fwd_tuning_rejects_malformed_values(field: str, value) -> None:
         Sm90FwdTuning(**{field: value})
 
 
-# What planning does with a field before the dataclass checks it: it compares tile_n with the
-# three-consumer limit (a str raises TypeError there) and reads num_ctas as "a persistent grid
-# or not" (a negative count asks for one). Strict: once planning checks first, these pass.
-_PLANNED_BEFORE_CHECKED = {
-    ("tile_n", "128"): "fwd_config compares tile_n before Sm90FwdTuning checks it (TypeError)",
-    ("num_ctas", -1): "fwd_config reads num_ctas as a yes / no and replaces it unchecked",
-}
-
-
-@pytest.mark.parametrize(
-    "field, value",
-    [
-        pytest.param(*fv, marks=pytest.mark.xfail(strict=True, reason=_PLANNED_BEFORE_CHECKED[fv]))
-        if fv in _PLANNED_BEFORE_CHECKED
-        else fv
-        for fv in MALFORMED
-    ],
-)
+@pytest.mark.parametrize("field, value", MALFORMED)
 def test_sm90_fwd_override_of_malformed_value_raises(field: str, value) -> None:
-    """Through ``cute_fa.tuning`` the error reaches the caller (planning never falls back to
-    the sm80 kernel on it)."""
+    """Through ``cute_fa.tuning`` the error reaches the caller, at the block or when planning
+    builds the tuning (it checks every asked field before using one; it never falls back to the
+    sm80 kernel on it)."""
     request = FwdRequest(dtype="bf16", head_dim=128, head_dim_v=128)
     with pytest.raises(TuningError, match=field):
         with cute_fa.tuning(sm90_fwd={field: value}):
             fwd_plan((9, 0), request)
-
-
-@pytest.mark.xfail(strict=True, reason="Sm90FwdTuning does not check the types of its fields")
-@pytest.mark.parametrize("field, value", MALFORMED_UNCHECKED)
-def test_sm90_fwd_tuning_rejects_values_of_another_type(field: str, value) -> None:
-    with pytest.raises(TuningError, match=field):
-        Sm90FwdTuning(**{field: value})
 
 
 @pytest.mark.parametrize("field", ["kv_stages", "p_smem", "q_rmem", "dynamic_tiles"])
