@@ -332,7 +332,7 @@ def test_plans_are_reused_and_values_still_checked(fake_gpu):
 def test_plans_are_per_window(fake_gpu, varlen):
     """Two local windows of one signature and one compile key (local, causal off) get their own
     plans: each launch passes its own window."""
-    from cute_fa import interface
+    from cute_fa import ops
 
     if varlen:
         cu = torch.tensor([0, 16, 40], dtype=torch.int32)
@@ -349,7 +349,7 @@ def test_plans_are_per_window(fake_gpu, varlen):
     for window in [(64, 0), (32, 32), (64, 0)]:
         call(window)
     assert [launch["scalars"][2:4] for launch in fake_gpu.launches] == [(64, 0), (32, 32), (64, 0)]
-    assert len(interface._plans) == 2 and fake_gpu.configs[0] == fake_gpu.configs[1]
+    assert len(ops._plans) == 2 and fake_gpu.configs[0] == fake_gpu.configs[1]
 
 
 def test_learnable_sink_on_another_device_fails_before_any_work(fake_gpu):
