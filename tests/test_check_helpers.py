@@ -99,6 +99,17 @@ def test_shapes_of_a_varlen_call():
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_check_metadata_names_a_non_tensor(name):
+    # (The API checks q, k, v first; check_metadata, which torch.compile's fake path runs
+    # too, names them the same way.)
+    args = dict(q=torch.zeros(1, 4, 2, 64), k=torch.zeros(1, 4, 2, 64), v=torch.zeros(1, 4, 2, 64))
+    args[name] = (1.0,)
+    with pytest.raises(TypeError) as info:
+        checks.check_metadata(args["q"], args["k"], args["v"], None, None, None, None)
+    assert str(info.value) == f"{name} must be a torch.Tensor, got tuple"
+
+
 def test_a_varlen_call_of_no_sequences_passes_the_checks():
     q = torch.zeros(0, 4, 64, dtype=torch.bfloat16)
     k = torch.zeros(0, 2, 64, dtype=torch.bfloat16)
@@ -131,7 +142,7 @@ def test_int32_vector_contiguity_matters_from_two_entries():
 def test_alignment_checks_only_tensors_with_elements():
     flat = torch.empty(16, dtype=torch.bfloat16)
     good = flat[:8]
-    checks.check_alignment(flat[1:1], good, good)  # empty, 2 bytes off: no data to misread
+    checks.check_alignment(flat[1:1], good, good)  # empty: no data to misread
     with pytest.raises(ValueError, match="q.data_ptr"):
         checks.check_alignment(flat[1:2], good, good)  # one element, 2 bytes off
 
