@@ -258,8 +258,10 @@ def test_rounds_time_peers_in_turns_and_report_the_median(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(bench, "_make_sets", lambda case, dtype, n, grad: [(None, None, None)])
-    monkeypatch.setattr(bench, "_to_layout", lambda sets, layout, grad: sets)
+    from cute_fa.tools.bench import grid
+
+    monkeypatch.setattr(grid, "_make_sets", lambda case, dtype, n, grad: [(None, None, None)])
+    monkeypatch.setattr(grid, "_to_layout", lambda sets, layout, grad: sets)
     turn_ms = {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 6.0, 4.0])}
 
     def fake_median_ms(fn, warmup, rep):
@@ -268,7 +270,7 @@ def test_rounds_time_peers_in_turns_and_report_the_median(monkeypatch):
         timed.append(name)
         return next(turn_ms[name])
 
-    monkeypatch.setattr(bench, "median_ms", fake_median_ms)
+    monkeypatch.setattr(grid, "median_ms", fake_median_ms)
     impls = [_FakeImpl("a", log), _FakeImpl("b", log), _FakeImpl("c", log, NotImplementedError),
              _FakeImpl("d", log, RuntimeError)]  # fmt: skip
     args = type("Args", (), {"rounds": 3, "warmup": 1.0, "rep": 1.0})()
