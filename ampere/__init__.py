@@ -7,7 +7,7 @@ do without that import.
 
 from __future__ import annotations
 
-import importlib
+from cute_fa.lazy import lazy_getattr
 
 _LAZY = {
     "FlashAttentionForwardSm80": ".flash_fwd",
@@ -21,9 +21,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
