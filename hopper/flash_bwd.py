@@ -285,7 +285,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       zeros.
     seqused: rows between seqused and the end of the tensor (or sequence) are not inputs and
       may hold NaN, and 0 * NaN in a GEMM would spread. seqused_k: each consumer zeroes its K
-      and V rows past seqlen_k in smem once (``zero_kv_tail``); seqused_q: the two consumers
+      and V rows past seqlen_k in smem once (``zero_kv_tail``; every consumer of every CTA
+      reaches its KV_TAIL barrier, with or without rows to zero); seqused_q: the two consumers
       zero the Q and dO rows past seqlen_q of the stage of the block holding seqlen_q
       (``zero_q_tail``) before either issues a GEMM on it.
     Deterministic dQ (config.deterministic; the sm80 kernel's protocol, Note [deterministic dQ]
@@ -848,8 +849,10 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         pipeline_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                                1))  # fmt: skip
         if cutlass.const_expr(self.config.seqused_k):
-            if keys_left < WG_KEYS:
-                self.zero_kv_tail(sK_c, sV_c, cutlass.max(keys_left, 0), consumer, tidx)
+            # Not under ``if keys_left < WG_KEYS``: every thread of the consumer(s) reaches the
+            # KV_TAIL barrier at one instruction (nothing to zero when all keys are valid).
+            valid = cutlass.min(cutlass.max(keys_left, 0), WG_KEYS)
+            self.zero_kv_tail(sK_c, sV_c, valid, consumer, tidx)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         # dQ: this consumer's d / 2 columns of K (all tile_n keys), its half of sdQ.
         sK_dq = cute.local_tile(sK[None, None, 0], (self.tile_n, d // self.num_consumers),
@@ -900,6 +903,10 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         self, sK_c: cute.Tensor, sV_c: cute.Tensor, valid: Int32, consumer: Int32, tidx: Int32
     ):
         """seqused_k: zero this consumer's K and V rows [valid, 64) (loaded, never released).
+        Called by every consumer thread of every CTA (valid = 64: nothing to zero), never under
+        a branch on seqlen_k: the KV_TAIL barrier is an aligned ``bar.sync``, which all of its
+        threads must reach at the same instruction (before, only a consumer whose keys cut
+        seqlen_k entered it, from a branch on the per-thread load of seqused_k[b]).
 
         Rows between seqused_k and the end of the tensor (or sequence) are not inputs and may
         hold NaN; their scores are masked (P = 0), but 0 * NaN in dP^T = V dO^T and in

@@ -9,7 +9,9 @@ to a cubin that holds WGMMA (``HGMMA``, the count of the five GEMMs of a step), 
 register reallocation of the warp roles (``USETMAXREG``), one ``WARPGROUP.ARRIVE`` per GEMM
 group (more means ptxas serialized the WGMMAs), no mma.sync, no spills and no stack; the
 deterministic variant adds only producer warp 1's semaphore handshake (a strong spin load, GPU-scope
-fences, async-proxy fences and one ``REDG`` increment). Registers are printed (``pytest -rP``).
+fences, async-proxy fences and one ``REDG`` increment); with seqused_k, no branch skips the
+consumers' KV_TAIL barrier (an aligned bar.sync every consumer thread must reach). Registers
+are printed (``pytest -rP``).
 """
 
 from __future__ import annotations
@@ -171,6 +173,7 @@ COMPILE_CASES = [
         id="d128-causal-varlen-seqused",
         marks=EXHAUSTIVE,
     ),  # fmt: skip
+    pytest.param(64, "bf16", False, False, {**VARLEN, "seqused_k": True}, id="d64-varlen-seqk"),
     # Three Q / dO stages (the q_stages tuning field) where they fit.
     pytest.param(128, "bf16", False, False, {"q_stages": 3}, id="d128-q3"),
     pytest.param(
@@ -243,6 +246,8 @@ def _check_sass(config: BwdConfig, info: dict) -> None:
     assert len(re.findall(r"\bLDSM", sass)) == (bodies * 2 * config.tile_m // 16 if split else 0)
     if not (config.seqused_q or config.seqused_k):
         assert "STS.U16" not in sass
+    if config.seqused_k:
+        _check_kv_tail_barrier_unconditional(sass)
     assert spills == 0 and info["stack"] == 0 and info["local"] == 0
     # 384 threads launch at <= 168 registers; setmaxnreg moves them to 24 / 240.
     assert info["regs"] <= 168
@@ -250,6 +255,50 @@ def _check_sass(config: BwdConfig, info: dict) -> None:
     assert re.search(r"USETMAXREG\.TRY_ALLOC\S*\s+\S+,\s*0xf0\b", sass), (
         "consumer setmaxnreg.inc 240"
     )
+
+
+_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_LABEL = re.compile(r"^(\.L_x_\d+):", re.M)
+
+
+def _kv_tail_region(sass: str) -> tuple[list[tuple[int, str]], tuple[int, str], int]:
+    """(the instructions from the consumers' K / V wait up to the KV_TAIL barrier, (address,
+    text) of the barrier, the address of the kernel's last EXIT), labels resolved to addresses
+    in branch texts. The wait is the first mbarrier try-wait after the consumers' setmaxnreg.inc,
+    the barrier the first BAR.SYNC after it (hopper/flash_bwd.py ``zero_kv_tail``)."""
+    lines = [(int(m.group(1), 16), m.group(2)) for m in _LINE.finditer(sass)]
+    labels = {}
+    for m in _LABEL.finditer(sass):
+        after = _LINE.search(sass, m.end())
+        labels[m.group(1)] = int(after.group(1), 16) if after else 1 << 62
+    lines = [
+        (a, re.sub(r"`\((\.L_x_\d+)\)", lambda m: f"0x{labels[m.group(1)]:x}", op))
+        for a, op in lines
+    ]
+    start = next(i for i, (_, op) in enumerate(lines) if op.startswith("USETMAXREG.TRY_ALLOC"))
+    wait = next(i for i in range(start, len(lines)) if "TRYWAIT" in lines[i][1])
+    bar = next(i for i in range(wait, len(lines)) if lines[i][1].startswith("BAR.SYNC"))
+    last_exit = max(a for a, op in lines if re.match(r"(@!?U?P\w+\s+)?EXIT\b", op))
+    return lines[wait:bar], lines[bar], last_exit
+
+
+def _check_kv_tail_barrier_unconditional(sass: str) -> None:
+    """seqused_k: every consumer thread reaches the KV_TAIL barrier (an aligned bar.sync) at
+    the same instruction: it is not predicated, and no branch between the K / V wait and it
+    jumps past it, other than into an out-of-line block after the kernel's last EXIT (the
+    try-wait's retry, which comes back). The defect this catches: the barrier sat under
+    ``if keys_left < 64`` on the per-thread load of seqused_k[b], and a consumer whose keys
+    did not cut seqlen_k branched over it (``@P0 BRA`` to the instruction after it)."""
+    region, (bar_addr, bar), last_exit = _kv_tail_region(sass)
+    # Its own id (8 + consumer, a register; split d: 8) and 128 threads (split d: 256).
+    assert re.fullmatch(r"BAR\.SYNC\S*\s+(R\d+|0x8), 0x(80|100)", bar), bar
+    for addr, op in region:
+        m = re.search(r"\bBRA\b.*\b0x([0-9a-f]+)$", op)
+        if m:
+            target = int(m.group(1), 16)
+            assert target <= bar_addr or target > last_exit, (
+                f"/*{addr:04x}*/ {op} skips the KV_TAIL barrier /*{bar_addr:04x}*/ {bar}"
+            )
 
 
 @pytest.mark.compile
