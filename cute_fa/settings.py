@@ -15,7 +15,7 @@ signature), the backward asks on every call.
 | ``CUTE_FA_CACHE_DIR`` | base folder of the disk cache and of the tuned tables |
 | ``CUTE_FA_LINKER`` | linker for disk-cache entries (default ``ld``); ``0``: object files only |
 | ``CUTE_FA_SKIP_CHECKS`` | ``1`` skips the value checks of cu_seqlens / seqused (a host sync) |
-| ``CUTE_FA_FWD_ARCH`` | ``80`` or ``90``: the forward uses only that kernel family (testing) |
+| ``CUTE_FA_FWD_ARCH`` | ``80``, ``90`` or ``100``: the forward uses only that family (testing) |
 | ``CUTE_FA_BWD_ARCH`` | ``80`` or ``90``: the backward's main kernel family (testing) |
 | ``CUTE_FA_BWD_DET_ORDER`` | ``chain``: deterministic sm80 backward calls keep key-block order |
 | ``CUTE_FA_TUNED`` | ``0`` ignores the per-GPU tuned table (built-in defaults only) |
@@ -90,7 +90,7 @@ def skip_value_checks() -> bool:
 
 def forced_fwd_arch() -> int | None:
     """The forward kernel family ``CUTE_FA_FWD_ARCH`` forces, or None."""
-    value = _choice(FWD_ARCH, ("80", "90"))
+    value = _choice(FWD_ARCH, ("80", "90", "100"))
     return int(value) if value else None
 
 

@@ -380,7 +380,7 @@ def _demo_cpu(targets: list[str], head_dims: list[int]) -> int:
         "no CUDA GPU here: cross-compiling the forward kernel each target dispatches to (bf16) "
         "and reading the cubins"
     )
-    ops = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "MUFU", "FFMA")
+    ops = ("HMMA", "HGMMA", "UTCHMMA", "LDSM", "LDGSTS", "UTMALDG", "MUFU", "FFMA")
     header = [
         "target",
         "kernel",
@@ -478,7 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="check against the reference (GPU) or inspect cubins (CPU)")
     p.add_argument("--cpu", action="store_true", help="cross-compile and inspect even on a GPU")
-    p.add_argument("--targets", type=_csv, default=["sm_80", "sm_90a"])
+    p.add_argument("--targets", type=_csv, default=["sm_80", "sm_90a", "sm_100a"])
     p.add_argument("--head-dims", type=_ints, default=[64, 128, 256])
     p.set_defaults(func=cmd_demo)
 
