@@ -297,3 +297,29 @@ def test_record_is_keyed_and_robust(device, monkeypatch):
     assert selftest.check(RefKernel(config), config, cpu) == ("pass", True)
     assert selftest.check(RefKernel(config), config, cpu) == ("pass", False)
     assert not path.exists()
+
+
+def test_selftest_command_without_a_gpu(monkeypatch, capsys):
+    from cute_fa.tools import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["selftest"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_selftest_command_lists_what_precompile_builds(monkeypatch):
+    """On a B200 the command checks the sm100 variants (and the sm80 ones for the rest)."""
+    import argparse
+
+    import cute_fa.device
+    from cute_fa.tools import selftest as tool
+
+    monkeypatch.delenv(settings.FWD_ARCH, raising=False)
+    monkeypatch.setattr(cute_fa.device, "capability", lambda _: (10, 0))
+    monkeypatch.setattr(cute_fa.device, "sm_count", lambda _: 148)
+    args = argparse.Namespace(head_dims=[64, 128, 256], dtypes=["bf16"], variants=["plain"])
+    variants, skipped = tool._variants(args, torch.device("cpu"))
+    assert [(label, c.arch) for label, c in variants] == [
+        ("bf16 d64 plain", 100), ("bf16 d128 plain", 100), ("bf16 d256 plain", 80)
+    ]  # fmt: skip
+    assert not skipped and all(selftest.needs_check(c) for _, c in variants[:2])
