@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import planning, tuned
+from . import planning, selftest, tuned
 from .backward import run_backward
 from .checks import (
     ALIGN_BYTES,
@@ -125,12 +125,12 @@ def _make_plan(
     # The tile may depend on the query length (dense: seqlen_q; varlen: this first call's
     # max_seqlen_q, which the plan then keeps for every call of its signature).
     seqlen_hint = max_seqlen_q if shapes.varlen_q else shapes.seqlen_q
-    _, config = planning.fwd_plan(
-        capability(device), shapes.request, seqlen_hint, tuned_table(device)
-    )
-    if getattr(config.tuning, "num_ctas", 0) and not no_work:  # persistent: one CTA an SM
-        config = config.with_tuning(num_ctas=sm_count(device))
+    plan_args = (capability(device), shapes.request, seqlen_hint, tuned_table(device))
+    _, config = planning.fwd_plan(*plan_args)
+    config = _for_device(config, device, no_work)
     kernel = None if no_work else _compiled_kernel(config)
+    if kernel is not None:
+        kernel, config = _self_checked(kernel, config, device, plan_args)
     wl, wr = kernel_window(local, window_left, window_right)
     plan = _Plan(
         kernel=kernel,
@@ -152,6 +152,36 @@ def _make_plan(
         lse_like=torch.empty(1, dtype=torch.float32, device=device).expand(lse_shape),
     )
     return plan, max_seqlen_q
+
+
+def _for_device(config, device, no_work: bool):
+    if getattr(config.tuning, "num_ctas", 0) and not no_work:  # persistent: one CTA an SM
+        config = config.with_tuning(num_ctas=sm_count(device))
+    return config
+
+
+def _self_checked(kernel, config, device, plan_args: tuple):
+    """(kernel, config) that may serve the call: ``config`` itself, or when its compiled kernel
+    fails the first-use self-check (``cute_fa.selftest``), the plan without its family (one
+    warning a process naming the variant and the error); SelfCheckError when no other family
+    implements the call."""
+    exclude: set[int] = set()
+    while selftest.needs_check(config):
+        error = selftest.failure(kernel, config, device)
+        if not error:
+            break
+        exclude.add(config.arch)
+        _, fallback, why = planning.try_plan(*plan_args, exclude=frozenset(exclude))
+        if fallback is None:
+            raise selftest.SelfCheckError(
+                f"cute_fa: {config.name} failed its first-use self-check on this GPU ({error}) "
+                f"and no other kernel implements the call ({why}); CUTE_FA_SELFTEST=0 runs it "
+                f"unchecked"
+            )
+        fallback = _for_device(fallback, device, False)
+        selftest.warn_fallback(config, error, fallback, device)
+        config, kernel = fallback, _compiled_kernel(fallback)
+    return kernel, config
 
 
 # Note [allocation templates]

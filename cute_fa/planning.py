@@ -3,11 +3,13 @@ backward.
 
 Forward: every GPU from sm80 up can run the sm80 kernel family (``cute_fa.ampere``), compiled
 for the device's own target (``config.target_for_capability``); an sm90 device first asks the
-sm90 family (``cute_fa.hopper``), whose ``can_implement`` takes what it does and leaves the
-rest to sm80. ``CUTE_FA_FWD_ARCH=80`` or ``90`` (``cute_fa.settings``) restricts dispatch to
-one family. A request no listed kernel implements raises ``NotImplementedError`` naming the
-feature, the architecture and each kernel's reason; nothing falls back silently to another
-library.
+sm90 family (``cute_fa.hopper``), an sm100 / sm103 device (capability 10.x) the sm100 family
+(``cute_fa.blackwell``), whose ``can_implement`` takes what it does and leaves the rest to sm80.
+``CUTE_FA_FWD_ARCH=80``, ``90`` or ``100`` (``cute_fa.settings``) restricts dispatch to one
+family; ``exclude`` leaves families out of one request (the first-use self-check's fallback,
+``cute_fa.selftest``). A request no listed kernel implements raises ``NotImplementedError``
+naming the feature, the architecture and each kernel's reason; nothing falls back silently to
+another library.
 
 Backward (Note [backward dispatch]): the sm90 main kernel on sm_90a where it implements the
 request, else the sm80 one; both with the sm80 preprocess and postprocess.
@@ -30,6 +32,7 @@ from dataclasses import dataclass, fields
 
 from . import settings, tuned
 from .ampere import support as sm80_support
+from .blackwell import support as sm100_support
 from .config import (
     TARGETS,
     BwdConfig,
@@ -112,27 +115,44 @@ SM80_FWD = KernelSpec(
 SM90_FWD = KernelSpec(
     "FlashAttentionForwardSm90", 90, "cute_fa.hopper.flash_fwd", sm90_support.fwd_can_implement
 )
-_FWD_SPECS = {80: SM80_FWD, 90: SM90_FWD}
+SM100_FWD = KernelSpec(
+    "FlashAttentionForwardSm100",
+    100,
+    "cute_fa.blackwell.flash_fwd",
+    sm100_support.fwd_can_implement,
+)
+_FWD_SPECS = {80: SM80_FWD, 90: SM90_FWD, 100: SM100_FWD}
 
 
 # Whether an sm90 device routes to the sm90 family without ``CUTE_FA_FWD_ARCH=90``.
 SM90_FWD_BY_DEFAULT = True
+# Whether an sm100 / sm103 device routes to the sm100 family without ``CUTE_FA_FWD_ARCH=100``.
+# That family has never run on a Blackwell GPU in this project: each of its compiled variants
+# passes the first-use self-check on the user's GPU before it serves a call, else the sm80
+# kernel serves it (``cute_fa.selftest``, docs/blackwell.md).
+SM100_FWD_BY_DEFAULT = True
 
 
-def fwd_kernel_classes(capability: tuple[int, int]) -> list[KernelSpec]:
-    """Forward kernels that may serve a device, best first."""
+def fwd_kernel_classes(
+    capability: tuple[int, int], exclude: frozenset[int] | tuple[int, ...] = ()
+) -> list[KernelSpec]:
+    """Forward kernels that may serve a device, best first; ``exclude``: families (80, 90,
+    100) to leave out."""
     if tuple(capability) < MIN_CAPABILITY:
         raise NotImplementedError(
             f"cute_fa needs an NVIDIA GPU of compute capability 8.0 (Ampere) or newer; "
             f"this one has {capability_name(capability)}"
         )
     forced = settings.forced_fwd_arch()
+    major = tuple(capability)[0]
     specs = [SM80_FWD]
-    if tuple(capability)[0] == 9 and (SM90_FWD_BY_DEFAULT or forced == 90):
+    if major == 9 and (SM90_FWD_BY_DEFAULT or forced == 90):
         specs.insert(0, SM90_FWD)
+    if major == 10 and (SM100_FWD_BY_DEFAULT or forced == 100):
+        specs.insert(0, SM100_FWD)
     if forced is not None:
         specs = [s for s in specs if s.arch == forced]
-    return specs
+    return [s for s in specs if s.arch not in exclude]
 
 
 def fwd_kernel_class(arch: int) -> type:
@@ -172,7 +192,19 @@ def _sm90_config(
     return sm90_support.fwd_config(base, seqlen_q, tuned.asked_fields("sm90_fwd", problem, table))
 
 
-_CONFIG_BUILDERS = {80: _sm80_config, 90: _sm90_config}
+def _sm100_config(
+    target: str, request: FwdRequest, seqlen_q: int | None, table: tuned.Table | None
+) -> FwdConfig:
+    problem = tuned.problem_class(request.head_dim, request.head_dim_v, request.causal)
+    flags = _problem_fields(request)
+    base = sm100_support.fwd_config(
+        flags.pop("head_dim"), flags.pop("head_dim_v"), target, flags.pop("dtype"), **flags
+    )
+    asked = tuned.asked_fields("sm100_fwd", problem, table)
+    return dataclasses.replace(base, tuning=_with_fields(base.tuning, asked))
+
+
+_CONFIG_BUILDERS = {80: _sm80_config, 90: _sm90_config, 100: _sm100_config}
 
 
 def fwd_config_for_target(
@@ -200,13 +232,18 @@ def try_plan(
     request: FwdRequest,
     seqlen_q: int | None = None,
     table: tuned.Table | None = None,
+    exclude: frozenset[int] | tuple[int, ...] = (),
 ) -> tuple[type | None, FwdConfig | None, str]:
     """(class, config, "") of the first kernel that implements ``request``, else (None, None,
-    reasons)."""
-    classes = fwd_kernel_classes(capability)
+    reasons). ``exclude``: families left out (``fwd_kernel_classes``)."""
+    classes = fwd_kernel_classes(capability, exclude)
     target = target_for_capability(*capability)
-    forced = f"{settings.FWD_ARCH}={settings.forced_fwd_arch()}"
-    reasons = [] if classes else [f"{forced} leaves no family"]
+    if classes:
+        reasons = []
+    elif exclude and fwd_kernel_classes(capability):
+        reasons = [f"excluding sm{', sm'.join(map(str, sorted(exclude)))} leaves no family"]
+    else:
+        reasons = [f"{settings.FWD_ARCH}={settings.forced_fwd_arch()} leaves no family"]
     for cls in classes:
         config, reason = fwd_config_for_target(cls, target, request, seqlen_q, table)
         if config is not None:
@@ -220,12 +257,14 @@ def fwd_plan(
     request: FwdRequest,
     seqlen_q: int | None = None,
     table: tuned.Table | None = None,
+    exclude: frozenset[int] | tuple[int, ...] = (),
 ) -> tuple[type, FwdConfig]:
     """Kernel class and compile key for ``request`` on a device of ``capability``;
     ``seqlen_q`` (the longest query sequence of the call, when known) may pick the tile;
-    ``table``: the device's tuned table."""
+    ``table``: the device's tuned table; ``exclude``: kernel families (80, 90, 100) this
+    request may not use (a variant that failed its first-use self-check)."""
     capability = tuple(capability)
-    cls, config, reasons = try_plan(capability, request, seqlen_q, table)
+    cls, config, reasons = try_plan(capability, request, seqlen_q, table, exclude)
     if cls is None:
         raise NotImplementedError(
             f"cute_fa: no forward kernel implements [{request.describe()}] on "

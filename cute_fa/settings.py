@@ -15,10 +15,11 @@ signature), the backward asks on every call.
 | ``CUTE_FA_CACHE_DIR`` | base folder of the disk cache and of the tuned tables |
 | ``CUTE_FA_LINKER`` | linker for disk-cache entries (default ``ld``); ``0``: object files only |
 | ``CUTE_FA_SKIP_CHECKS`` | ``1`` skips the value checks of cu_seqlens / seqused (a host sync) |
-| ``CUTE_FA_FWD_ARCH`` | ``80`` or ``90``: the forward uses only that kernel family (testing) |
+| ``CUTE_FA_FWD_ARCH`` | ``80``, ``90`` or ``100``: the forward uses only that family (testing) |
 | ``CUTE_FA_BWD_ARCH`` | ``80`` or ``90``: the backward's main kernel family (testing) |
 | ``CUTE_FA_BWD_DET_ORDER`` | ``chain``: deterministic sm80 backward calls keep key-block order |
 | ``CUTE_FA_TUNED`` | ``0`` ignores the per-GPU tuned table (built-in defaults only) |
+| ``CUTE_FA_SELFTEST`` | ``0`` turns the first-use self-check off; ``force`` checks every variant |
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ FWD_ARCH = "CUTE_FA_FWD_ARCH"
 BWD_ARCH = "CUTE_FA_BWD_ARCH"
 BWD_DET_ORDER = "CUTE_FA_BWD_DET_ORDER"
 TUNED = "CUTE_FA_TUNED"
+SELFTEST = "CUTE_FA_SELFTEST"
 # The CuTe DSL's own variable naming the folders of its runtime libraries (read by the DSL
 # too); the disk cache looks there for the runtime library when it loads without the DSL.
 DSL_LIBS = "CUTE_DSL_LIBS"
@@ -90,7 +92,7 @@ def skip_value_checks() -> bool:
 
 def forced_fwd_arch() -> int | None:
     """The forward kernel family ``CUTE_FA_FWD_ARCH`` forces, or None."""
-    value = _choice(FWD_ARCH, ("80", "90"))
+    value = _choice(FWD_ARCH, ("80", "90", "100"))
     return int(value) if value else None
 
 
@@ -110,6 +112,20 @@ def tuned_table_enabled() -> bool:
     return _flag(TUNED, True)
 
 
+def selftest_mode() -> str:
+    """``CUTE_FA_SELFTEST`` (``cute_fa.selftest``): "on" (default: the kernels of GPU families
+    never run here are checked at first use), "off" (``0``, ``off``, ...) or "force" (every
+    variant is checked)."""
+    value = _get(SELFTEST).lower()
+    if not value or value in ("1", "on", "true", "yes"):
+        return "on"
+    if value in _OFF:
+        return "off"
+    if value == "force":
+        return "force"
+    raise SettingError(f"{SELFTEST}={value!r}: expected 0 (off), 1 (default) or force")
+
+
 def dsl_library_dirs() -> list[str]:
     """Folders ``CUTE_DSL_LIBS`` lists (``os.pathsep`` separated), in order."""
     return [p for p in _get(DSL_LIBS).split(os.pathsep) if p]
@@ -117,5 +133,7 @@ def dsl_library_dirs() -> list[str]:
 
 def describe() -> list[tuple[str, str]]:
     """(variable, value or "(unset)") of every setting, for tools that print what is in force."""
-    names = (CACHE, CACHE_DIR, LINKER, SKIP_CHECKS, FWD_ARCH, BWD_ARCH, BWD_DET_ORDER, TUNED)
+    names = (
+        CACHE, CACHE_DIR, LINKER, SKIP_CHECKS, FWD_ARCH, BWD_ARCH, BWD_DET_ORDER, TUNED, SELFTEST,
+    )  # fmt: skip
     return [(n, os.environ.get(n, "(unset)")) for n in names]

@@ -65,6 +65,47 @@ def test_fwd_arch_env_restricts_the_family(monkeypatch):
         planning.fwd_plan((9, 0), req())
 
 
+@pytest.mark.parametrize("capability", [(10, 0), (10, 3)])
+def test_sm100_takes_what_it_implements_and_sm80_the_rest(capability, monkeypatch):
+    monkeypatch.delenv(settings.FWD_ARCH, raising=False)
+    target = TARGETS[capability]
+    for d in (64, 128):
+        for flags in ({}, {"causal": True}, {"varlen_q": True, "varlen_k": True}):
+            cls, config = planning.fwd_plan(capability, req(head_dim=d, head_dim_v=d, **flags))
+            assert cls is planning.SM100_FWD and config.arch == 100
+            assert config.target == target and config.tile_m == 256 and config.num_warps == 16
+    for request in (req(head_dim=256, head_dim_v=256), req(local=True), req(has_softcap=True),
+                    req(varlen_q=True, varlen_k=True, seqused_k=True)):  # fmt: skip
+        cls, config = planning.fwd_plan(capability, request)
+        assert cls is planning.SM80_FWD and config.target == target
+    # exclude: the self-check's fallback for one request.
+    cls, config = planning.fwd_plan(capability, req(), exclude=(100,))
+    assert cls is planning.SM80_FWD and config.target == target
+    with pytest.raises(NotImplementedError, match="excluding sm80, sm100 leaves no family"):
+        planning.fwd_plan(capability, req(), exclude=(80, 100))
+    # The sm120 (consumer Blackwell) has no tcgen05: the sm80 kernel.
+    assert planning.fwd_plan((12, 0), req())[0] is planning.SM80_FWD
+
+
+def test_fwd_arch_env_100_forces_the_sm100_family(monkeypatch):
+    monkeypatch.setenv(settings.FWD_ARCH, "100")
+    assert planning.fwd_plan((10, 0), req())[0] is planning.SM100_FWD
+    with pytest.raises(NotImplementedError, match="FlashAttentionForwardSm100"):
+        planning.fwd_plan((10, 0), req(local=True))
+    with pytest.raises(NotImplementedError, match="CUTE_FA_FWD_ARCH=100 leaves no family"):
+        planning.fwd_plan((9, 0), req())
+
+
+def test_sm100_tuning_reaches_the_compile_key():
+    import cute_fa
+
+    with cute_fa.tuning(sm100_fwd={"tile_n": 64}):
+        cls, config = planning.fwd_plan((10, 0), req())
+    assert cls is planning.SM80_FWD  # the sm100 forward declines another tile, with its reason
+    with cute_fa.tuning(sm100_fwd={"tile_n": 128}):
+        assert planning.fwd_plan((10, 0), req())[1].arch == 100
+
+
 def test_config_carries_the_call_flags():
     request = req(local=True, has_softcap=True, varlen_q=True, varlen_k=True, seqused_k=True)
     _, config = planning.fwd_plan((9, 0), request)
@@ -125,9 +166,15 @@ def test_feature_matrix_is_generated_from_can_implement(monkeypatch):
     columns, table, notes = features.feature_matrix()
     assert columns == [TARGETS[c] for c in sorted(TARGETS) if c >= (8, 0)]
     rows = dict(table)
-    expect = ["sm90" if c == "sm_90a" else "sm80" for c in columns]
+    fwd_family = {"sm_90a": "sm90", "sm_100a": "sm100", "sm_103a": "sm100"}
+    expect = [fwd_family.get(c, "sm80") for c in columns]
     assert rows["bf16, head_dim 128"] == expect
     assert rows["causal"] == expect
+    # What the sm100 forward declines goes to the sm80 kernel on the same GPU.
+    for target in ("sm_100a", "sm_103a"):
+        assert rows["bf16, head_dim 256"][columns.index(target)] == "sm80"
+        assert rows["sliding window (local)"][columns.index(target)] == "sm80"
+        assert rows["bf16, head_dim 64"][columns.index(target)] == "sm100"
     assert all(cell.startswith("-(") for cell in rows["bf16, head_dim 80"])
     for target in ("sm_80", "sm_90a", "sm_100a"):
         family = "sm90" if target == "sm_90a" else "sm80"  # Note [backward dispatch]

@@ -1,4 +1,4 @@
-"""``python -m cute_fa <command>``: features | precompile | demo | bench | tune.
+"""``python -m cute_fa <command>``: features | precompile | demo | selftest | bench | tune.
 
 features    the feature matrix, generated from each kernel class's can_implement
 precompile  fill the on-disk compile cache with the forward and backward kernels of a matrix
@@ -6,6 +6,8 @@ precompile  fill the on-disk compile cache with the forward and backward kernels
 demo        on a GPU: attention at a few shapes against the reference (PASS/FAIL);
             without one: cross-compile the sm80 kernels and report registers, shared
             memory, spills and the SASS instruction mix
+selftest    on a GPU: the first-use self-check of every forward variant precompile builds
+            for it, as a table (``cute_fa.tools.selftest``)
 bench       timing against torch SDPA and FlexAttention (``cute_fa.bench``)
 tune        the sm80 forward (``--mode bwd``: backward) over candidate tile shapes, beside SDPA
             FLASH; ``--arch 90``: the sm90 forward's tuning switches as peers (``cute_fa.tune``)
@@ -380,7 +382,7 @@ def _demo_cpu(targets: list[str], head_dims: list[int]) -> int:
         "no CUDA GPU here: cross-compiling the forward kernel each target dispatches to (bf16) "
         "and reading the cubins"
     )
-    ops = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "MUFU", "FFMA")
+    ops = ("HMMA", "HGMMA", "UTCHMMA", "LDSM", "LDGSTS", "UTMALDG", "MUFU", "FFMA")
     header = [
         "target",
         "kernel",
@@ -478,9 +480,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="check against the reference (GPU) or inspect cubins (CPU)")
     p.add_argument("--cpu", action="store_true", help="cross-compile and inspect even on a GPU")
-    p.add_argument("--targets", type=_csv, default=["sm_80", "sm_90a"])
+    p.add_argument("--targets", type=_csv, default=["sm_80", "sm_90a", "sm_100a"])
     p.add_argument("--head-dims", type=_ints, default=[64, 128, 256])
     p.set_defaults(func=cmd_demo)
+
+    from .selftest import add_arguments as add_selftest_arguments
+    from .selftest import cmd_selftest
+
+    p = sub.add_parser("selftest", help="first-use self-check of every forward variant (GPU)")
+    add_selftest_arguments(p)
+    p.set_defaults(func=cmd_selftest)
 
     sub.add_parser("bench", help="timing against torch SDPA and FlexAttention", add_help=False)
     sub.add_parser(
