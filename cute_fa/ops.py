@@ -68,8 +68,10 @@ class _Plan(NamedTuple):
 # ``_plans`` maps that signature to a ``_Plan`` made by the full, ordered checks on its first
 # call; later calls with the same signature pay for the key, the pointer-alignment check, the
 # value checks of varlen metadata (when present), two allocations and the launch. A plan is
-# stored only once every check, the device check included, has passed. The table is bounded:
-# it is cleared when it outgrows ``_MAX_PLANS`` (workloads with ever new shapes just re-check).
+# stored only once every check, the device check included, has passed, and once its kernel has
+# passed the first-use self-check where it needs one (``cute_fa.selftest``; a kernel that fails
+# it is replaced by the plan without its family). The table is bounded: it is cleared when it
+# outgrows ``_MAX_PLANS`` (workloads with ever new shapes just re-check).
 _plans: dict[tuple, _Plan] = {}
 _MAX_PLANS = 4096
 

@@ -14,10 +14,11 @@ The result is recorded in the disk cache directory (``record_path``: one small J
 GPU name, CUDA driver version and cache fingerprint, ``cute_fa.cache.fingerprint()``, which
 covers the toolchain and every source file that shapes generated code), mapping the variant's
 compile key (``entry_name``) to "pass" or "fail: <error>", so that later processes skip the
-check. ``cute_fa.ops`` asks ``verified`` before it stores a launch plan; a variant that fails
-gets one warning naming it and the error, and that request is planned again without the
-variant's family (``planning.fwd_plan(..., exclude=...)``): the run-verified sm80 kernel. An
-sm80 variant that fails (sm86 / sm89 / sm120) has nothing to fall back to: ``SelfCheckError``.
+check. ``cute_fa.ops`` asks ``failure`` before it stores a launch plan; a variant that fails
+gets one warning a process naming it and the error (``warn_fallback``), and that request is
+planned again without the variant's family (``planning.try_plan(..., exclude=...)``): the
+run-verified sm80 kernel. An sm80 variant that fails (sm86 / sm89 / sm120) has nothing to fall
+back to: ``SelfCheckError``.
 
 ``CUTE_FA_SELFTEST`` (``cute_fa.settings``): ``0`` turns the check off, ``force`` checks every
 variant (the sm80 and sm90 kernels too: the GPU tests use it on the H200). ``forced(...)``
