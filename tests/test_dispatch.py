@@ -15,7 +15,7 @@ from cute_fa.config import (
     sm80_fwd_tile,
 )
 from cute_fa.planning import FwdRequest
-from cute_fa.tools import cli
+from cute_fa.tools import cli, precompile
 
 
 def req(**kw) -> FwdRequest:
@@ -199,7 +199,9 @@ def test_features_command(capsys):
 
 
 def test_precompile_plan():
-    plans = cli.precompile_configs("sm80", "sm_90a", [64, 80], ["bf16"], ["plain", "causal+varlen"])
+    plans = precompile.precompile_configs(
+        "sm80", "sm_90a", [64, 80], ["bf16"], ["plain", "causal+varlen"]
+    )
     by_label = {label: (task, reason) for task, label, reason in plans}
     task, _ = by_label["fwd bf16 d64 causal+varlen"]
     config = task.config
@@ -299,7 +301,7 @@ def test_sm90_tile_m_choice():
     assert planning.fwd_plan((9, 0), causal64, long_rows - 1)[1].tile_m == 128
     assert planning.fwd_plan((9, 0), causal64, long_rows)[1].tile_m == 192
     assert planning.fwd_plan((9, 0), req(head_dim=128, head_dim_v=128), 8192)[1].tile_m == 128
-    plans = cli.precompile_configs("sm90", "sm_90a", [64], ["bf16"], ["causal"])
+    plans = precompile.precompile_configs("sm90", "sm_90a", [64], ["bf16"], ["causal"])
     # Plain, long sequences (192 rows), short ones (128 rows on a persistent grid: up to 1024
     # rows without the intra-warpgroup overlap, then with it) and 4096-8192 rows (192 rows on a
     # persistent grid).

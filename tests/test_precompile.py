@@ -10,12 +10,12 @@ import sys
 from precompile_workers import StubConfig, dies_on_b
 
 from cute_fa import cache
-from cute_fa.tools import cli
+from cute_fa.tools import precompile
 
 
 def test_a_dying_worker_fails_only_its_config(capsys):
     todo = [(StubConfig(name), name) for name in "abc"]
-    assert cli.precompile(todo, 2, dies_on_b) == 1
+    assert precompile.precompile(todo, 2, dies_on_b) == 1
     out = capsys.readouterr().out
     assert "a worker process died" in out
     assert "FAIL  b (b): its worker process died" in out
@@ -27,7 +27,9 @@ def test_precompile_with_jobs_from_python_m(tmp_path):
     already on disk, so nothing compiles), forward and backward kernels alike."""
     env = {**os.environ, cache.ENV_CACHE_DIR: str(tmp_path)}
     env.pop(cache.ENV_CACHE, None)
-    plans = cli.precompile_configs("auto", "sm_90a", [64], ["bf16"], ["plain", "causal"], "both")
+    plans = precompile.precompile_configs(
+        "auto", "sm_90a", [64], ["bf16"], ["plain", "causal"], "both"
+    )
     tasks = [task for task, _, _ in plans if task is not None]
     assert {task.kind for task in tasks} == {"fwd", "bwd", "bwd-pre", "bwd-post"}
     directory = tmp_path / cache.fingerprint()
@@ -55,20 +57,31 @@ def test_precompile_auto_lists_what_dispatch_runs():
     from cute_fa.planning import FwdRequest, bwd_config, fwd_plan, post_config, pre_config
 
     variants = ["plain", "causal", "local+softcap", "varlen+causal"]
-    plans = cli.precompile_configs("auto", "sm_90a", [64, 128], ["bf16"], variants, "both")
+    plans = precompile.precompile_configs("auto", "sm_90a", [64, 128], ["bf16"], variants, "both")
     configs = {(task.kind, task.config) for task, _, _ in plans if task is not None}
     assert all(task is not None for task, _, _ in plans), [p for p in plans if p[0] is None]
     for d in (64, 128):
         for variant in variants:
-            flags = cli._variant_flags(variant)
+            flags = precompile._variant_flags(variant)
             request = FwdRequest(dtype="bf16", head_dim=d, head_dim_v=d, **flags)
-            for hint in (None, 1, 1000, 2048, 3000, 4096, 6000, 8192, 9000, cli.LONG_SEQLEN_HINT):
+            for hint in (
+                None,
+                1,
+                1000,
+                2048,
+                3000,
+                4096,
+                6000,
+                8192,
+                9000,
+                precompile.LONG_SEQLEN_HINT,
+            ):
                 assert ("fwd", fwd_plan((9, 0), request, hint)[1]) in configs, (d, variant, hint)
             main = bwd_config("sm_90a", "bf16", d, d, **flags)
             assert main.arch == 90 and ("bwd", main) in configs
             assert ("bwd-pre", pre_config(main, True)) in configs
             assert ("bwd-post", post_config(main)) in configs
-    forced = cli.precompile_configs("sm80", "sm_90a", [128], ["bf16"], ["causal"], "both")
+    forced = precompile.precompile_configs("sm80", "sm_90a", [128], ["bf16"], ["causal"], "both")
     assert {task.config.arch for task, _, _ in forced if task is not None} == {80}
-    fwd_only = cli.precompile_configs("auto", "sm_90a", [128], ["bf16"], ["causal"], "fwd")
+    fwd_only = precompile.precompile_configs("auto", "sm_90a", [128], ["bf16"], ["causal"], "fwd")
     assert {task.kind for task, _, _ in fwd_only} == {"fwd"}

@@ -19,7 +19,8 @@ import time
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .cli import VARIANT_FLAGS, _csv, _ints
+    from .cli import _csv, _ints
+    from .precompile import VARIANT_FLAGS
 
     p.add_argument("--head-dims", type=_ints, default=[64, 96, 128, 192, 256])
     p.add_argument("--dtypes", type=_csv, default=["bf16", "fp16"])
@@ -39,7 +40,7 @@ def _variants(args: argparse.Namespace, device) -> tuple[list, list]:
     from cute_fa.config import target_for_capability
     from cute_fa.device import capability, sm_count
 
-    from .cli import _local_tuned_table, precompile_configs
+    from .precompile import _local_tuned_table, precompile_configs
 
     target = target_for_capability(*capability(device))
     plans = precompile_configs(
