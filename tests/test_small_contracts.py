@@ -5,6 +5,7 @@ package version, and the tuned table's file format, notes and state."""
 from __future__ import annotations
 
 import json
+import os
 from importlib import metadata
 
 import pytest
@@ -118,7 +119,23 @@ def test_a_table_for_another_setup_names_every_difference(table_dir):
         assert tuned.load_table(KEY) is None
     assert len(record) == 1
     assert "(dsl '4.7.0' != '4.8.1'; cute_fa '0.0.9' != '0.1.0')" in str(record[0].message)
-    assert record[0].filename == __file__  # the warning points at the caller of load_table
+    if "MUTANT_UNDER_TEST" not in os.environ:  # mutmut's trampolines add frames
+        assert record[0].filename == __file__  # the warning points at the caller of load_table
+
+
+def test_a_note_points_at_the_caller_of_the_function_that_notes(table_dir, monkeypatch):
+    # _note's frame, then load_table's, then load_table's caller: stacklevel 3 (checked on the
+    # call, so that it holds under mutmut's trampolines too; the test above checks the file)
+    calls = []
+    monkeypatch.setattr(tuned.warnings, "warn", lambda *a, **kw: calls.append((a, kw)))
+    tuned.write_table(tuned.Table(KEY._replace(sm_count=1), {}))
+    path = tuned.table_path(KEY._replace(sm_count=1))
+    path.rename(tuned.table_path(KEY))
+    tuned.forget_loaded()
+    assert tuned.load_table(KEY) is None
+    assert len(calls) == 1
+    (message, category), kw = calls[0]
+    assert category is UserWarning and kw == {"stacklevel": 3}
 
 
 def test_a_note_is_given_once_per_message():
