@@ -1,0 +1,56 @@
+"""Small contracts of ``cute_fa.planning`` that dispatch tests only pass through: the kernel
+classes of each family (imported, so the CuTe DSL loads), and the coresident order of the
+deterministic sm80 backward."""
+
+from __future__ import annotations
+
+import pytest
+
+from cute_fa import planning, settings
+from cute_fa.config import BwdConfig, Tiles
+
+
+def test_forward_kernel_class_of_each_family():
+    assert planning.fwd_kernel_class(80).__name__ == "FlashAttentionForwardSm80"
+    assert planning.fwd_kernel_class(90).__name__ == "FlashAttentionForwardSm90"
+    with pytest.raises(NotImplementedError) as info:
+        planning.fwd_kernel_class(100)
+    assert str(info.value) == "cute_fa has no sm100 forward kernel yet"
+
+
+def test_backward_kernel_classes_of_each_family():
+    names = [cls.__name__ for cls in planning.bwd_kernel_classes(80)]
+    assert names == [
+        "FlashAttentionBackwardPreprocessSm80",
+        "FlashAttentionBackwardSm80",
+        "FlashAttentionBackwardPostprocessSm80",
+    ]
+    names = [cls.__name__ for cls in planning.bwd_kernel_classes(90)]
+    assert names == [
+        "FlashAttentionBackwardPreprocessSm80",
+        "FlashAttentionBackwardSm90",
+        "FlashAttentionBackwardPostprocessSm80",
+    ]
+    with pytest.raises(NotImplementedError) as info:
+        planning.bwd_kernel_classes(100)
+    assert str(info.value) == "cute_fa has no sm100 backward kernel yet"
+
+
+def _det(**flags) -> BwdConfig:
+    return BwdConfig(80, "sm_80", "bf16", 128, 128, Tiles(64, 128, 8), deterministic=True, **flags)
+
+
+def test_coresident_order_needs_the_key_blocks_on_half_the_sms(monkeypatch):
+    monkeypatch.delenv(settings.BWD_DET_ORDER, raising=False)
+    # 128 keys a CTA: 66 key blocks fit on half of 132 SMs, 67 do not; 133 SMs: still 66
+    assert planning.coresident_fits(_det(), 66 * 128, 132)
+    assert planning.coresident_fits(_det(), 66 * 128 - 127, 132)
+    assert not planning.coresident_fits(_det(), 66 * 128 + 1, 132)
+    assert not planning.coresident_fits(_det(), 66 * 128 + 1, 133)
+    assert planning.coresident_fits(_det(), 1, 2)
+    assert not planning.coresident_fits(_det(), 1, 1)
+    assert not planning.coresident_fits(_det(local=True), 128, 132)
+    assert not planning.coresident_fits(_det().replace(deterministic=False), 128, 132)
+    assert not planning.coresident_fits(_det().replace(arch=90), 128, 132)
+    monkeypatch.setenv(settings.BWD_DET_ORDER, "chain")
+    assert not planning.coresident_fits(_det(), 128, 132)
