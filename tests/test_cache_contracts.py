@@ -1,0 +1,323 @@
+"""Contracts of ``cute_fa/cache.py`` checked without a compiled kernel: the linker step and the
+export / load dispatch with fakes for the linker, the exported module and the two loaders
+(the real path: the compile tests of tests/test_cache.py), the counters and messages of
+``CompileCache``, the payload header's edges and the version probes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cute_fa import cache, settings
+from cute_fa.cache import CompileCache
+
+
+@dataclass(frozen=True)
+class Key:
+    name: str
+
+
+def _fake_cache(directory, load=None, **kw) -> CompileCache:
+    return CompileCache(
+        lambda key: f"kernel {key.name}".encode(),
+        lambda compiled, symbol: compiled + b" as " + symbol.encode(),
+        load or (lambda payload, symbol: lambda: payload),
+        directory=directory,
+        **kw,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# linking, export and load (fakes)
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(cache, "_warned", set())
+
+
+@pytest.fixture
+def linker_env(monkeypatch, tmp_path, fresh_warnings):
+    """A linker and a runtime library that exist (as names), and subprocess.run recorded."""
+    monkeypatch.delenv(settings.LINKER, raising=False)
+    runtime = str(tmp_path / cache.RUNTIME_LIBRARY)
+    monkeypatch.setattr(cache, "dsl_runtime_library", lambda: runtime)
+    monkeypatch.setattr(cache.shutil, "which", lambda name: f"/usr/bin/{name}")
+    import tvm_ffi.libinfo
+
+    monkeypatch.setattr(tvm_ffi.libinfo, "find_libtvm_ffi", lambda: "/x/libtvm_ffi.so")
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append((cmd, kw))
+        lib = cmd[cmd.index("-o") + 1]
+        obj = cmd[cmd.index(lib) + 1]
+        Path(lib).write_bytes(b"shared from " + Path(obj).read_bytes())
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(cache.subprocess, "run", run)
+    return runtime, calls
+
+
+def test_linker_setting(monkeypatch):
+    monkeypatch.setattr(cache.shutil, "which", lambda name: f"/bin/{name}" if name else None)
+    monkeypatch.delenv(settings.LINKER, raising=False)
+    assert (cache._linker_off(), cache._linker()) == (False, "/bin/ld")
+    monkeypatch.setenv(settings.LINKER, "ld.gold")
+    assert cache._linker() == "/bin/ld.gold"
+    monkeypatch.setenv(settings.LINKER, "0")
+    assert (cache._linker_off(), cache._linker()) == (True, None)
+
+
+def test_link_runs_the_linker_on_the_object_file(linker_env):
+    runtime, calls = linker_env
+    assert cache.link_shared_library(b"OBJ") == b"shared from OBJ"
+    ((cmd, kw),) = calls
+    assert cmd[:8] == ["/usr/bin/ld", "-shared", "-z", "defs", "-z", "now", "-o", cmd[7]]
+    assert cmd[7].endswith("module.so") and cmd[8].endswith("module.o")
+    assert cmd[9:] == [runtime, "/x/libtvm_ffi.so"]
+    assert kw == {"capture_output": True, "text": True, "timeout": 120, "check": False}
+    assert not Path(cmd[7]).parent.exists()  # the temporary folder is gone
+    assert cache.step_seconds()["link"] >= 0
+
+
+def test_link_is_off_without_a_word(linker_env, monkeypatch):
+    _, calls = linker_env
+    monkeypatch.setenv(settings.LINKER, "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cache.link_shared_library(b"OBJ") is None
+    assert calls == []
+
+
+def test_link_without_a_linker_or_runtime_warns_once(linker_env, monkeypatch):
+    _, calls = linker_env
+    monkeypatch.setattr(cache.shutil, "which", lambda name: None)
+    with pytest.warns(UserWarning) as record:
+        assert cache.link_shared_library(b"OBJ") is None
+        assert cache.link_shared_library(b"OBJ") is None
+    assert [str(r.message) for r in record] == [
+        "cute_fa: a linker (ld; or set CUTE_FA_LINKER) not found: cache entries hold object "
+        "files only, and loading them imports the CuTe DSL (about a second per process)"
+    ]
+    assert record[0].filename == __file__ and calls == []
+    monkeypatch.setattr(cache, "_warned", set())
+    monkeypatch.setattr(cache.shutil, "which", lambda name: "/usr/bin/ld")
+    monkeypatch.setattr(cache, "dsl_runtime_library", lambda: None)
+    with pytest.warns(UserWarning, match=f"cute_fa: {cache.RUNTIME_LIBRARY} not found: cache"):
+        assert cache.link_shared_library(b"OBJ") is None
+
+
+@pytest.mark.parametrize(
+    "result, why",
+    [
+        (subprocess.CompletedProcess([], 1, "", "  undefined symbol: x \n"), "undefined symbol: x"),
+        (subprocess.CompletedProcess([], 7, "", ""), "exit 7"),
+        (subprocess.TimeoutExpired("ld", 120), "Command 'ld' timed out after 120 seconds"),
+        (OSError("no exec"), "no exec"),
+    ],
+)
+def test_a_failed_link_warns_with_the_reason(linker_env, monkeypatch, result, why):
+    def run(cmd, **kw):
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    monkeypatch.setattr(cache.subprocess, "run", run)
+    with pytest.warns(UserWarning) as record:
+        assert cache.link_shared_library(b"OBJ") is None
+    assert [str(r.message) for r in record] == [
+        f"cute_fa: linking a kernel into a shared library failed ({why}); cache entries hold "
+        f"object files only, and loading them imports the CuTe DSL"
+    ]
+
+
+def test_a_failed_link_reason_is_cut_to_300_characters(linker_env, monkeypatch):
+    result = subprocess.CompletedProcess([], 1, "", "e" * 400)
+    monkeypatch.setattr(cache.subprocess, "run", lambda cmd, **kw: result)
+    with pytest.warns(UserWarning, match=r"failed \(e{300}\); cache"):
+        cache.link_shared_library(b"OBJ")
+
+
+class FakeCompiled:
+    def __init__(self):
+        self.calls = []
+
+    def export_to_c(self, path, function_name):
+        self.calls.append(function_name)
+        Path(path).write_bytes(b"OBJ of " + function_name.encode())
+
+
+def test_export_packs_the_object_file_and_its_shared_library(linker_env, monkeypatch):
+    compiled = FakeCompiled()
+    payload = cache.export_tvm_ffi(compiled, "sym")
+    assert compiled.calls == ["sym"]
+    assert cache.unpack_tvm_ffi_payload(payload) == (b"shared from OBJ of sym", b"OBJ of sym")
+    assert cache.step_seconds()["export"] >= 0
+    monkeypatch.setenv(settings.LINKER, "0")
+    assert cache.export_tvm_ffi(compiled, "other") == b"OBJ of other"
+
+
+@pytest.fixture
+def loaders(monkeypatch, fresh_warnings):
+    calls = []
+
+    def shared(lib, symbol):
+        calls.append(("shared", lib, symbol))
+        if lib == b"broken":
+            raise OSError("noexec")
+        return "from shared"
+
+    def obj(o, symbol):
+        calls.append(("object", o, symbol))
+        return "from object"
+
+    monkeypatch.setattr(cache, "_load_shared_library", shared)
+    monkeypatch.setattr(cache, "_load_object_file", obj)
+    return calls
+
+
+def test_load_takes_the_shared_library_first(loaders):
+    assert cache.load_tvm_ffi(cache.pack_tvm_ffi_payload(b"lib", b"obj"), "sym") == "from shared"
+    assert loaders == [("shared", b"lib", "sym")]
+
+
+def test_load_of_an_object_file_alone(loaders):
+    assert cache.load_tvm_ffi(b"obj", "sym") == "from object"
+    assert loaders == [("object", b"obj", "sym")]
+
+
+def test_load_falls_back_to_the_object_file_and_warns_once(loaders):
+    payload = cache.pack_tvm_ffi_payload(b"broken", b"obj")
+    with pytest.warns(UserWarning) as record:
+        assert cache.load_tvm_ffi(payload, "sym") == "from object"
+        assert cache.load_tvm_ffi(payload, "sym") == "from object"
+    assert [str(r.message) for r in record] == [
+        "cute_fa: a cached kernel did not load as a shared library (noexec); loading object "
+        "files through the CuTe DSL instead"
+    ]
+    assert loaders[:2] == [("shared", b"broken", "sym"), ("object", b"obj", "sym")]
+
+
+def test_warn_once_per_kind_points_at_the_caller_of_the_caller(fresh_warnings):
+    def caller():
+        cache._warn_once("a kind", "first")
+
+    with pytest.warns(UserWarning) as record:
+        caller()
+        caller()
+        cache._warn_once("another kind", "second")
+    assert [str(r.message) for r in record] == ["first", "second"]
+    if "MUTANT_UNDER_TEST" not in os.environ:  # mutmut's trampolines add frames
+        assert record[0].filename == __file__
+
+
+# --------------------------------------------------------------------------------------------
+# CompileCache
+
+
+def test_ensure_on_disk_messages(tmp_path):
+    with pytest.raises(RuntimeError) as info:
+        _fake_cache(tmp_path, disk=False).ensure_on_disk(Key("a"))
+    assert str(info.value) == "the disk cache is off (CUTE_FA_CACHE=0)"
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")
+    c = _fake_cache(blocker / "sub", disk=True)
+    with pytest.warns(UserWarning, match="compile cache on disk turned off: cannot create"):
+        with pytest.raises(RuntimeError) as info:
+            c.ensure_on_disk(Key("a"))
+    assert str(info.value) == f"cache directory {blocker / 'sub'} is not writable"
+
+
+def test_ensure_on_disk_stores_the_serialized_entry_under_its_lock(tmp_path):
+    c = _fake_cache(tmp_path, disk=True)
+    key = Key("a")
+    assert c.ensure_on_disk(key) == "compiled"
+    path = c.path_for(key)
+    payload = cache.unpack_entry(path.read_bytes())
+    assert payload == b"kernel a as " + cache.symbol_for(key).encode()
+    assert Path(str(path) + ".lock").exists()
+    assert c.ensure_on_disk(key) == "hit"
+
+
+def test_an_entry_the_loader_rejects_counts_once_each_time(tmp_path):
+    _fake_cache(tmp_path, disk=True).get(Key("a"))
+    symbols = []
+
+    def load(payload, symbol):
+        symbols.append(symbol)
+        raise ValueError("bad")
+
+    c = _fake_cache(tmp_path, load=load, disk=True)
+    with pytest.warns(UserWarning) as record, pytest.raises(ValueError):
+        c.get(Key("a"))
+    assert c.rejected == 2  # before the lock and after it; then the compile's own load fails
+    assert symbols == [cache.symbol_for(Key("a"))] * 3
+    name = cache.entry_name(Key("a"))
+    assert str(record[0].message) == f"cute_fa: cache entry {name} did not load (bad); recompiling"
+
+
+def test_disk_hits_count_each_load(tmp_path):
+    _fake_cache(tmp_path, disk=True).get(Key("a"))
+    _fake_cache(tmp_path, disk=True).get(Key("b"))
+    c = _fake_cache(tmp_path, disk=True)
+    c.get(Key("a"))
+    c.get(Key("b"))
+    assert (c.disk_hits, c.compiles, c.rejected) == (2, 0, 0)
+
+
+def test_a_disabled_disk_is_off_and_says_why(tmp_path):
+    c = _fake_cache(tmp_path, disk=True)
+    with pytest.warns(UserWarning) as record:
+        c._disable_disk("a reason")
+    assert c.disk_enabled is False
+    assert str(record[0].message) == "cute_fa: compile cache on disk turned off: a reason"
+
+
+# --------------------------------------------------------------------------------------------
+# payload header, versions
+
+
+def test_payload_header_edges():
+    header = cache._SHARED_HEADER.size
+    # the magic alone, shorter than a header: an object file that happens to start so
+    assert cache.unpack_tvm_ffi_payload(cache._SHARED_MAGIC) == (None, cache._SHARED_MAGIC)
+    empty = cache.pack_tvm_ffi_payload(b"", b"")
+    assert len(empty) == header and cache.unpack_tvm_ffi_payload(empty) == (b"", b"")
+    assert cache.unpack_tvm_ffi_payload(cache.pack_tvm_ffi_payload(b"lib", b"")) == (b"lib", b"")
+
+
+def test_version_probes(monkeypatch):
+    monkeypatch.setattr(cache, "driver_cuda_version", lambda: 12080)
+    assert cache.driver_cuda_major() == 12
+    monkeypatch.setattr(cache, "driver_cuda_version", lambda: None)
+    assert cache.driver_cuda_major() is None
+    from importlib import metadata
+
+    assert cache.dsl_version() == metadata.version("nvidia-cutlass-dsl")
+
+
+def test_toolchain_lines_without_package_metadata(monkeypatch):
+    expected = cache._toolchain_versions()
+    monkeypatch.setattr(cache, "_distribution_version", lambda name: None)
+    assert cache._toolchain_versions() == expected
+
+
+def test_runtime_cuda_major_reads_the_cu_folder():
+    assert cache._runtime_cuda_major(f"/p/cu13/lib/{cache.RUNTIME_LIBRARY}") == 13
+    assert cache._runtime_cuda_major(f"/p/cu13/lib64/{cache.RUNTIME_LIBRARY}") is None
+    assert cache._runtime_cuda_major(f"/p/cuda/lib/{cache.RUNTIME_LIBRARY}") is None
+    assert cache._runtime_cuda_major(None) is None
+
+
+def test_importing_tvm_ffi_again_is_no_step():
+    cache.import_tvm_ffi()
+    before = cache.step_seconds().get("import tvm_ffi")
+    assert cache.import_tvm_ffi() is sys.modules["tvm_ffi"]
+    assert cache.step_seconds().get("import tvm_ffi") == before
