@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cute_fa.config import Tiles, sm80_bwd_tile
+from cute_fa.config import Tiles, TuningError, sm80_bwd_tile, sm80_fwd_tile
 
 
 def test_sm80_backward_tile_of_an_unknown_head_dim_is_named():
@@ -21,3 +21,15 @@ def test_sm80_backward_tile_of_an_unknown_target_is_the_small_one():
     # a target without a known shared-memory size gets the tiles of 99 KiB targets
     assert sm80_bwd_tile(128, "sm_70") == Tiles(64, 64, 8) == sm80_bwd_tile(128, "sm_86")
     assert sm80_bwd_tile(64, "sm_70") == Tiles(64, 128, 8)
+
+
+def test_sm80_forward_tile_defaults_to_non_causal_and_small_unknown_targets():
+    assert sm80_fwd_tile(256, "sm_80") == Tiles(128, 64, 8)  # causal d256: 64x64 w4
+    assert sm80_fwd_tile(256, "sm_80", causal=True) == Tiles(64, 64, 4)
+    assert sm80_fwd_tile(64, "sm_70") == Tiles(128, 128, 4) == sm80_fwd_tile(64, "sm_86")
+
+
+def test_sm80_tiles_name_a_bad_warp_count():
+    with pytest.raises(TuningError) as info:
+        Tiles(128, 64, 6)
+    assert str(info.value) == "num_warps must be 4 or 8, got 6"

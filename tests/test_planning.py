@@ -54,3 +54,16 @@ def test_coresident_order_needs_the_key_blocks_on_half_the_sms(monkeypatch):
     assert not planning.coresident_fits(_det().replace(arch=90), 128, 132)
     monkeypatch.setenv(settings.BWD_DET_ORDER, "chain")
     assert not planning.coresident_fits(_det(), 128, 132)
+
+
+def test_sm80_forward_takes_the_tuned_entry_of_its_causal_problem_class(monkeypatch):
+    from cute_fa import tuned
+    from cute_fa.planning import SM80_FWD, FwdRequest, fwd_config_for_target
+
+    key = tuned.TableKey("GPU", 1, 0, "0", "0")
+    table = tuned.Table(key, {"sm80_fwd": {"d128-causal": {"tile_n": 32}, "d128": {"tile_n": 48}}})
+    causal, _ = fwd_config_for_target(
+        SM80_FWD, "sm_80", FwdRequest("bf16", 128, 128, True), None, table
+    )
+    plain, _ = fwd_config_for_target(SM80_FWD, "sm_80", FwdRequest("bf16", 128, 128), None, table)
+    assert (causal.tile_n, plain.tile_n) == (32, 48)
