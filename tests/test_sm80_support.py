@@ -71,6 +71,20 @@ def test_backward_reasons():
     assert support.bwd_can_implement(odd) == (False, "num_warps must be a multiple of 4")
 
 
+def test_a_tile_n_off_the_mma_grid_is_declined():
+    # every tuning class checks this itself: only a stand-in config reaches the kernel's check
+    odd = SimpleNamespace(
+        arch=80, head_dim=128, head_dim_v=128, tile_m=128, tile_n=72, num_warps=4, target="sm_80"
+    )
+    assert support.fwd_can_implement(odd) == (False, "tile_n 72 is not a multiple of 16")
+
+
+def test_an_unknown_target_has_no_shared_memory_for_the_forward():
+    assert support.fwd_can_implement(fwd(target="sm_70")) == (
+        False, "tile needs 65536 B of shared memory, more than sm_70 has"
+    )  # fmt: skip
+
+
 def test_an_unknown_target_has_no_shared_memory():
     ok, reason = support.bwd_can_implement(bwd(target="sm_70"))
     assert (ok, reason) == (False, "tiles need 131584 B of shared memory, more than sm_70 has")
