@@ -25,7 +25,7 @@ class Key:
 
 def _fake_cache(directory, load=None, **kw) -> CompileCache:
     return CompileCache(
-        lambda key: f"kernel {key.name}".encode(),
+        lambda key: f"kernel {getattr(key, 'name', key)}".encode(),
         lambda compiled, symbol: compiled + b" as " + symbol.encode(),
         load or (lambda payload, symbol: lambda: payload),
         directory=directory,
@@ -321,3 +321,67 @@ def test_importing_tvm_ffi_again_is_no_step():
     before = cache.step_seconds().get("import tvm_ffi")
     assert cache.import_tvm_ffi() is sys.modules["tvm_ffi"]
     assert cache.step_seconds().get("import tvm_ffi") == before
+
+
+def test_entry_names_and_symbols():
+    key = Key("fwd sm90/d128:causal")
+    digest = cache.key_digest(key)
+    assert len(digest) == 20 and digest == cache.key_digest(Key("fwd sm90/d128:causal"))
+    assert cache.entry_name(key) == f"fwd_sm90_d128_causal-{digest}.bin"
+    assert (
+        cache.entry_name(Key("x" * 200)) == "x" * 150 + f"-{cache.key_digest(Key('x' * 200))}.bin"
+    )
+    assert cache.entry_name(("a", 1)) == f"entry-{cache.key_digest(('a', 1))}.bin"
+    assert cache.symbol_for(key) == f"cute_fa_{digest}"
+
+
+def test_seconds_add_up_per_cache(tmp_path, monkeypatch):
+    clock = iter(range(0, 1000, 5))  # each perf_counter call 5 s after the last
+    monkeypatch.setattr(cache.time, "perf_counter", lambda: next(clock))
+    c = _fake_cache(tmp_path, disk=True, verbose=False)
+    assert c.seconds == {"compile": 0.0, "serialize": 0.0, "load": 0.0}
+    c.get(Key("a"))
+    c.get(Key("b"))
+    # a load reads the clock twice more inside it (its step): 15 s a load
+    assert c.seconds == {"compile": 10, "serialize": 10, "load": 30}
+    assert c.compiles == 2 and c.rejected == 0
+
+
+def test_a_slow_compile_names_its_key(tmp_path, monkeypatch, capsys):
+    clock = iter(range(0, 1000, 2))
+    monkeypatch.setattr(cache.time, "perf_counter", lambda: next(clock))
+    _fake_cache(tmp_path, disk=False).get(Key("slow one"))
+    _fake_cache(tmp_path, disk=False).get(("no", "name"))
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "cute_fa: compiling slow one (first call) ... 2.0 s",
+        "cute_fa: compiling ('no', 'name') (first call) ... 2.0 s",
+    ]
+    _fake_cache(tmp_path, disk=False, verbose=False).get(Key("quiet"))
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(cache, "SLOW_COMPILE_S", 2.0)
+    _fake_cache(tmp_path, disk=False).get(Key("two seconds"))
+    assert capsys.readouterr().err == ""
+
+
+def test_the_cache_folder_is_made_with_its_parents(tmp_path):
+    c = _fake_cache(tmp_path / "a" / "b", disk=True)
+    c.get(Key("a"))
+    assert c.disk_enabled and (tmp_path / "a" / "b" / cache.entry_name(Key("a"))).exists()
+
+
+def test_atomic_write_temporaries_sit_beside_the_file(tmp_path, monkeypatch):
+    made = []
+    real = cache.tempfile.mkstemp
+
+    def mkstemp(**kw):
+        made.append(kw)
+        return real(**kw)
+
+    monkeypatch.setattr(cache.tempfile, "mkstemp", mkstemp)
+    cache.atomic_write(tmp_path / "entry.bin", b"data")
+    assert made == [{"dir": tmp_path, "prefix": ".entry.bin.", "suffix": ".tmp"}]
+    monkeypatch.setattr(cache.os, "replace", lambda a, b: (_ for _ in ()).throw(OSError("x")))
+    with pytest.raises(OSError):
+        cache.atomic_write(tmp_path / "entry.bin", b"new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["entry.bin"]
