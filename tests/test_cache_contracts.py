@@ -106,7 +106,7 @@ def test_link_without_a_linker_or_runtime_warns_once(linker_env, monkeypatch):
         "cute_fa: a linker (ld; or set CUTE_FA_LINKER) not found: cache entries hold object "
         "files only, and loading them imports the CuTe DSL (about a second per process)"
     ]
-    assert record[0].filename == __file__ and calls == []
+    assert calls == []
     monkeypatch.setattr(cache, "_warned", set())
     monkeypatch.setattr(cache.shutil, "which", lambda name: "/usr/bin/ld")
     monkeypatch.setattr(cache, "dsl_runtime_library", lambda: None)
