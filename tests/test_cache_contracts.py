@@ -385,3 +385,90 @@ def test_atomic_write_temporaries_sit_beside_the_file(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         cache.atomic_write(tmp_path / "entry.bin", b"new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["entry.bin"]
+
+
+def test_an_empty_payload_is_a_valid_entry():
+    assert cache.unpack_entry(cache.pack_entry(b"")) == b""
+
+
+def test_the_default_directory_is_named_by_the_fingerprint(monkeypatch, tmp_path):
+    monkeypatch.setenv(settings.CACHE_DIR, str(tmp_path))
+    assert _fake_cache(None).directory == tmp_path / cache.fingerprint()
+
+
+def test_the_fingerprint_is_a_timed_step(monkeypatch):
+    monkeypatch.setattr(cache, "_fingerprint", None)
+    monkeypatch.setattr(cache, "_steps", {})
+    first = cache.fingerprint()
+    assert "fingerprint" in cache.step_seconds()
+    monkeypatch.setattr(cache, "_fingerprint", None)
+    assert cache.fingerprint() == first  # the same toolchain and sources: the same name
+
+
+def test_a_load_is_a_timed_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache, "_steps", {})
+    _fake_cache(tmp_path, disk=False).get(Key("a"))
+    assert set(cache.step_seconds()) == {"load"}
+
+
+def test_a_miss_takes_the_entry_lock(tmp_path):
+    c = _fake_cache(tmp_path, disk=True)
+    c.get(Key("a"))
+    assert Path(str(c.path_for(Key("a"))) + ".lock").exists()
+
+
+def test_an_entry_written_while_waiting_for_the_lock_is_loaded(tmp_path, monkeypatch):
+    import filelock
+
+    real = filelock.FileLock
+    entry = tmp_path / cache.entry_name(Key("a"))
+
+    class LateLock:  # another process stores the entry while this one waits for the lock
+        def __init__(self, path):
+            self.lock = real(path)
+
+        def acquire(self):
+            cache.atomic_write(entry, cache.pack_entry(b"from the other process"))
+            self.lock.acquire()
+
+        def release(self):
+            self.lock.release()
+
+    monkeypatch.setattr(filelock, "FileLock", LateLock)
+    c = _fake_cache(tmp_path, disk=True)
+    assert c.get(Key("a"))() == b"from the other process"
+    assert (c.compiles, c.disk_hits) == (0, 1)
+
+
+def test_a_lock_that_cannot_be_taken_turns_the_disk_off(tmp_path, monkeypatch):
+    import filelock
+
+    class NoLock:
+        def __init__(self, path):
+            pass
+
+        def acquire(self):
+            raise OSError("read-only")
+
+    monkeypatch.setattr(filelock, "FileLock", NoLock)
+    c = _fake_cache(tmp_path, disk=True)
+    with pytest.warns(UserWarning) as record:
+        assert c.get(Key("a"))() == b"kernel a as " + cache.symbol_for(Key("a")).encode()
+    path = c.path_for(Key("a"))
+    assert str(record[0].message) == (
+        f"cute_fa: compile cache on disk turned off: cannot lock {path}: read-only"
+    )
+    assert not c.disk_enabled and c.compiles == 1
+
+
+def test_an_entry_that_cannot_be_written_turns_the_disk_off(tmp_path, monkeypatch):
+    def fail(path, data):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(cache, "atomic_write", fail)
+    c = _fake_cache(tmp_path, disk=True)
+    with pytest.warns(UserWarning) as record:
+        c.get(Key("a"))
+    assert str(record[0].message) == (
+        f"cute_fa: compile cache on disk turned off: cannot write {c.path_for(Key('a'))}: disk full"
+    )
