@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from cute_fa.config import Tiles, TuningError, sm80_bwd_tile, sm80_fwd_tile
+from cute_fa.config import (
+    FwdConfig,
+    Tiles,
+    TuningError,
+    capability_for_target,
+    sm80_bwd_tile,
+    sm80_fwd_tile,
+)
 
 
 def test_sm80_backward_tile_of_an_unknown_head_dim_is_named():
@@ -33,3 +40,20 @@ def test_sm80_tiles_name_a_bad_warp_count():
     with pytest.raises(TuningError) as info:
         Tiles(128, 64, 6)
     assert str(info.value) == "num_warps must be 4 or 8, got 6"
+
+
+def test_compile_key_names():
+    # the names of cache entries and messages: family, target, dtype, head dims, tile, flags
+    fwd = FwdConfig(80, "sm_80", "bf16", 192, 128, Tiles(128, 64, 8), has_softcap=True, local=True)
+    assert fwd.name == "fwd_sm80_sm_80_bf16_d192x128_128x64w8_local_softcap"
+    plain = FwdConfig(80, "sm_86", "fp16", 64, 64, Tiles(64, 64, 4), causal=True, varlen_q=True)
+    assert plain.name == "fwd_sm80_sm_86_fp16_d64_64x64w4_causal_varlen_q"
+
+
+def test_an_unknown_target_is_named():
+    with pytest.raises(ValueError) as info:
+        capability_for_target("sm_70")
+    assert str(info.value) == (
+        "unknown target 'sm_70'; known: sm_100a, sm_103a, sm_120a, sm_80, sm_86, sm_87, sm_89, "
+        "sm_90a"
+    )

@@ -67,3 +67,27 @@ def test_sm80_forward_takes_the_tuned_entry_of_its_causal_problem_class(monkeypa
     )
     plain, _ = fwd_config_for_target(SM80_FWD, "sm_80", FwdRequest("bf16", 128, 128), None, table)
     assert (causal.tile_n, plain.tile_n) == (32, 48)
+
+
+def test_pre_and_post_configs_follow_the_main_config():
+    from cute_fa.ampere.flash_bwd_prepost import BwdPostConfig, BwdPreConfig
+
+    main = BwdConfig(80, "sm_86", "fp16", 96, 96, Tiles(64, 128, 8), varlen_q=True)
+    assert planning.pre_config(main, True) == BwdPreConfig(80, "sm_86", "fp16", 96, 96, True)
+    assert planning.post_config(main) == BwdPostConfig(
+        arch=80, target="sm_86", dtype="fp16", head_dim=96, tile_m=64, num_warps=8, varlen_q=True
+    )
+
+
+def test_backward_arch_and_causal_tuned_entries(monkeypatch):
+    from cute_fa import tuned
+
+    monkeypatch.delenv(settings.BWD_ARCH, raising=False)
+    with pytest.raises(settings.SettingError) as info:
+        planning.bwd_config("sm_80", "bf16", 128, 128, arch=100)
+    assert str(info.value) == "backward arch 100: expected 80 or 90"
+    key = tuned.TableKey("GPU", 1, 0, "0", "0")
+    table = tuned.Table(key, {"sm80_bwd": {"d128-causal": {"tile_m": 32}}})
+    causal = planning.bwd_config("sm_80", "bf16", 128, 128, causal=True, table=table)
+    plain = planning.bwd_config("sm_80", "bf16", 128, 128, table=table)
+    assert (causal.tile_m, plain.tile_m) == (32, 64)
