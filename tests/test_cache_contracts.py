@@ -294,8 +294,8 @@ def test_payload_header_edges():
 
 
 def test_version_probes(monkeypatch):
-    monkeypatch.setattr(cache, "driver_cuda_version", lambda: 12080)
-    assert cache.driver_cuda_major() == 12
+    monkeypatch.setattr(cache, "driver_cuda_version", lambda: 13000)
+    assert cache.driver_cuda_major() == 13
     monkeypatch.setattr(cache, "driver_cuda_version", lambda: None)
     assert cache.driver_cuda_major() is None
     from importlib import metadata
@@ -324,10 +324,10 @@ def test_importing_tvm_ffi_again_is_no_step():
 
 
 def test_entry_names_and_symbols():
-    key = Key("fwd sm90/d128:causal")
+    key = Key("Fwd sm90/d128:causal")
     digest = cache.key_digest(key)
-    assert len(digest) == 20 and digest == cache.key_digest(Key("fwd sm90/d128:causal"))
-    assert cache.entry_name(key) == f"fwd_sm90_d128_causal-{digest}.bin"
+    assert len(digest) == 20 and digest == cache.key_digest(Key("Fwd sm90/d128:causal"))
+    assert cache.entry_name(key) == f"Fwd_sm90_d128_causal-{digest}.bin"
     assert (
         cache.entry_name(Key("x" * 200)) == "x" * 150 + f"-{cache.key_digest(Key('x' * 200))}.bin"
     )
