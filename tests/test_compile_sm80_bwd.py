@@ -34,7 +34,6 @@ from cute_fa import planning, settings
 from cute_fa.config import BwdConfig, Sm90BwdTuning, Tiles, TuningError, sm80_bwd_tile
 from cute_fa.tools.sass import inspect_cubin
 
-pytestmark = pytest.mark.compile
 EXHAUSTIVE = pytest.mark.exhaustive
 
 HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -114,6 +113,7 @@ PREPOST_DEFAULT = (64, 256)
 PREPOST_DIMS = [d if d in PREPOST_DEFAULT else pytest.param(d, marks=EXHAUSTIVE) for d in HEAD_DIMS]
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("has_dlse", [False, True], ids=["nodlse", "dlse"])
 @pytest.mark.parametrize("d", PREPOST_DIMS)
 def test_preprocess_compiles(d: int, has_dlse: bool) -> None:
@@ -127,6 +127,7 @@ def test_preprocess_compiles(d: int, has_dlse: bool) -> None:
     assert _count(sass, r"LDG\.E(?!\.128)") == (_count(sass, r"STG\.E(?!\.128)") if has_dlse else 0)
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("d", PREPOST_DIMS)
 def test_postprocess_compiles(d: int, dtype: str) -> None:
@@ -137,6 +138,7 @@ def test_postprocess_compiles(d: int, dtype: str) -> None:
     assert _count(sass, r"LDG\.E(?!\.128)") == 0 and _count(sass, r"STG\.E(?!\.128)") == 0
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize(
     "d,tile_m,varlen_q",
     [
@@ -195,6 +197,7 @@ def test_dq_accum_blocks_of_packed_sequences_never_overlap(tile_m: int) -> None:
         assert dq_accum_offset(0, 5, tile_m, varlen=False) == 0
 
 
+@pytest.mark.compile
 def test_prepost_compile_for_sm80_and_mixed_head_dims() -> None:
     pre = BwdPreConfig(80, "sm_80", "fp16", 192, 128, True)
     _check_elementwise(inspect_cubin(_cubin(Pre(pre), Pre.fake_args(pre), "sm_80")))
@@ -219,6 +222,7 @@ def test_prepost_can_implement() -> None:
         BwdPreConfig(80, "sm_90a", "fp32", 128, 128)
 
 
+@pytest.mark.compile
 def test_prepost_through_the_disk_cache(tmp_path) -> None:
     """The TVM-FFI compile and export of the pre/postprocess work without a GPU, and a second
     cache instance finds the entries on disk."""
@@ -304,6 +308,7 @@ def _check_main(config: BwdConfig) -> None:
     assert spills <= budget, f"{spills} LDL/STL (stack {info['stack']} B), budget {budget}"
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize(
     "d,flags",
     [
@@ -315,6 +320,7 @@ def test_main_kernel_compiles_for_sm90a(d: int, flags: str) -> None:
     _check_main(_main_config(d, "sm_90a", **MAIN_FLAG_SETS[flags]))
 
 
+@pytest.mark.compile
 @pytest.mark.exhaustive
 def test_main_kernel_compiles_for_sm80_fp16() -> None:
     _check_main(_main_config(128, "sm_80", dtype="fp16", causal=True))
@@ -362,6 +368,7 @@ def test_coresident_order_is_chosen_where_a_head_fits_on_half_the_gpu(monkeypatc
         planning.coresident_fits(det, 128, sms)
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("d", [pytest.param(96, marks=EXHAUSTIVE), 128])
 def test_main_kernel_compiles_for_small_smem_targets(d: int) -> None:
     """99 KiB of shared memory (sm_86 / sm_89 / sm_120a): d96 and d128 take 64 keys a CTA."""

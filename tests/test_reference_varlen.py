@@ -46,12 +46,24 @@ def test_varlen_ref_uses_the_used_rows_and_keys_of_each_sequence(upcast):
 
 
 def test_varlen_ref_without_seqused_uses_every_row_and_key():
-    lens_q, lens_k = (3, 5), (6, 2)
+    lens_q, lens_k = (3, 5, 4), (6, 2, 7)  # a middle sequence: its rows end before the last's
     q, k, v, cu_q, cu_k = packed(lens_q, lens_k)
     out, lse = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True)
     assert out.dtype == torch.float32
-    for b in range(2):
+    for b in range(3):
         q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
         o, l_ = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=True)
         torch.testing.assert_close(out[q0:q1], o[0], rtol=0, atol=0)
         torch.testing.assert_close(lse[:, q0:q1], l_[0], rtol=0, atol=0)
+
+
+def test_varlen_ref_lse_is_fp32_whatever_the_default_dtype():
+    q, k, v, cu_q, cu_k = packed((3, 2), (4, 0))  # the second sequence's rows keep their -inf
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        out, lse = attention_varlen_ref(q, k, v, cu_q, cu_k)
+    finally:
+        torch.set_default_dtype(default)
+    assert lse.dtype == torch.float32 and out.dtype == torch.float32
+    assert (lse[:, 3:] == float("-inf")).all()

@@ -1,0 +1,474 @@
+"""Contracts of ``cute_fa/cache.py`` checked without a compiled kernel: the linker step and the
+export / load dispatch with fakes for the linker, the exported module and the two loaders
+(the real path: the compile tests of tests/test_cache.py), the counters and messages of
+``CompileCache``, the payload header's edges and the version probes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cute_fa import cache, settings
+from cute_fa.cache import CompileCache
+
+
+@dataclass(frozen=True)
+class Key:
+    name: str
+
+
+def _fake_cache(directory, load=None, **kw) -> CompileCache:
+    return CompileCache(
+        lambda key: f"kernel {getattr(key, 'name', key)}".encode(),
+        lambda compiled, symbol: compiled + b" as " + symbol.encode(),
+        load or (lambda payload, symbol: lambda: payload),
+        directory=directory,
+        **kw,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# linking, export and load (fakes)
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(cache, "_warned", set())
+
+
+@pytest.fixture
+def linker_env(monkeypatch, tmp_path, fresh_warnings):
+    """A linker and a runtime library that exist (as names), and subprocess.run recorded."""
+    monkeypatch.delenv(settings.LINKER, raising=False)
+    runtime = str(tmp_path / cache.RUNTIME_LIBRARY)
+    monkeypatch.setattr(cache, "dsl_runtime_library", lambda: runtime)
+    monkeypatch.setattr(cache.shutil, "which", lambda name: f"/usr/bin/{name}")
+    import tvm_ffi.libinfo
+
+    monkeypatch.setattr(tvm_ffi.libinfo, "find_libtvm_ffi", lambda: "/x/libtvm_ffi.so")
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append((cmd, kw))
+        lib = cmd[cmd.index("-o") + 1]
+        obj = cmd[cmd.index(lib) + 1]
+        Path(lib).write_bytes(b"shared from " + Path(obj).read_bytes())
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(cache.subprocess, "run", run)
+    return runtime, calls
+
+
+def test_linker_setting(monkeypatch):
+    monkeypatch.setattr(cache.shutil, "which", lambda name: f"/bin/{name}" if name else None)
+    monkeypatch.delenv(settings.LINKER, raising=False)
+    assert (cache._linker_off(), cache._linker()) == (False, "/bin/ld")
+    monkeypatch.setenv(settings.LINKER, "ld.gold")
+    assert cache._linker() == "/bin/ld.gold"
+    monkeypatch.setenv(settings.LINKER, "0")
+    assert (cache._linker_off(), cache._linker()) == (True, None)
+
+
+def test_link_runs_the_linker_on_the_object_file(linker_env):
+    runtime, calls = linker_env
+    assert cache.link_shared_library(b"OBJ") == b"shared from OBJ"
+    ((cmd, kw),) = calls
+    assert cmd[:8] == ["/usr/bin/ld", "-shared", "-z", "defs", "-z", "now", "-o", cmd[7]]
+    assert cmd[7].endswith("module.so") and cmd[8].endswith("module.o")
+    assert cmd[9:] == [runtime, "/x/libtvm_ffi.so"]
+    assert kw == {"capture_output": True, "text": True, "timeout": 120, "check": False}
+    assert not Path(cmd[7]).parent.exists()  # the temporary folder is gone
+    assert cache.step_seconds()["link"] >= 0
+
+
+def test_link_is_off_without_a_word(linker_env, monkeypatch):
+    _, calls = linker_env
+    monkeypatch.setenv(settings.LINKER, "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cache.link_shared_library(b"OBJ") is None
+    assert calls == []
+
+
+def test_link_without_a_linker_or_runtime_warns_once(linker_env, monkeypatch):
+    _, calls = linker_env
+    monkeypatch.setattr(cache.shutil, "which", lambda name: None)
+    with pytest.warns(UserWarning) as record:
+        assert cache.link_shared_library(b"OBJ") is None
+        assert cache.link_shared_library(b"OBJ") is None
+    assert [str(r.message) for r in record] == [
+        "cute_fa: a linker (ld; or set CUTE_FA_LINKER) not found: cache entries hold object "
+        "files only, and loading them imports the CuTe DSL (about a second per process)"
+    ]
+    assert calls == []
+    monkeypatch.setattr(cache, "_warned", set())
+    monkeypatch.setattr(cache.shutil, "which", lambda name: "/usr/bin/ld")
+    monkeypatch.setattr(cache, "dsl_runtime_library", lambda: None)
+    with pytest.warns(UserWarning, match=f"cute_fa: {cache.RUNTIME_LIBRARY} not found: cache"):
+        assert cache.link_shared_library(b"OBJ") is None
+
+
+@pytest.mark.parametrize(
+    "result, why",
+    [
+        (subprocess.CompletedProcess([], 1, "", "  undefined symbol: x \n"), "undefined symbol: x"),
+        (subprocess.CompletedProcess([], 7, "", ""), "exit 7"),
+        (subprocess.TimeoutExpired("ld", 120), "Command 'ld' timed out after 120 seconds"),
+        (OSError("no exec"), "no exec"),
+    ],
+)
+def test_a_failed_link_warns_with_the_reason(linker_env, monkeypatch, result, why):
+    def run(cmd, **kw):
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    monkeypatch.setattr(cache.subprocess, "run", run)
+    with pytest.warns(UserWarning) as record:
+        assert cache.link_shared_library(b"OBJ") is None
+    assert [str(r.message) for r in record] == [
+        f"cute_fa: linking a kernel into a shared library failed ({why}); cache entries hold "
+        f"object files only, and loading them imports the CuTe DSL"
+    ]
+
+
+def test_a_failed_link_reason_is_cut_to_300_characters(linker_env, monkeypatch):
+    result = subprocess.CompletedProcess([], 1, "", "e" * 400)
+    monkeypatch.setattr(cache.subprocess, "run", lambda cmd, **kw: result)
+    with pytest.warns(UserWarning, match=r"failed \(e{300}\); cache"):
+        cache.link_shared_library(b"OBJ")
+
+
+class FakeCompiled:
+    def __init__(self):
+        self.calls = []
+
+    def export_to_c(self, path, function_name):
+        self.calls.append(function_name)
+        Path(path).write_bytes(b"OBJ of " + function_name.encode())
+
+
+def test_export_packs_the_object_file_and_its_shared_library(linker_env, monkeypatch):
+    compiled = FakeCompiled()
+    payload = cache.export_tvm_ffi(compiled, "sym")
+    assert compiled.calls == ["sym"]
+    assert cache.unpack_tvm_ffi_payload(payload) == (b"shared from OBJ of sym", b"OBJ of sym")
+    assert cache.step_seconds()["export"] >= 0
+    monkeypatch.setenv(settings.LINKER, "0")
+    assert cache.export_tvm_ffi(compiled, "other") == b"OBJ of other"
+
+
+@pytest.fixture
+def loaders(monkeypatch, fresh_warnings):
+    calls = []
+
+    def shared(lib, symbol):
+        calls.append(("shared", lib, symbol))
+        if lib == b"broken":
+            raise OSError("noexec")
+        return "from shared"
+
+    def obj(o, symbol):
+        calls.append(("object", o, symbol))
+        return "from object"
+
+    monkeypatch.setattr(cache, "_load_shared_library", shared)
+    monkeypatch.setattr(cache, "_load_object_file", obj)
+    return calls
+
+
+def test_load_takes_the_shared_library_first(loaders):
+    assert cache.load_tvm_ffi(cache.pack_tvm_ffi_payload(b"lib", b"obj"), "sym") == "from shared"
+    assert loaders == [("shared", b"lib", "sym")]
+
+
+def test_load_of_an_object_file_alone(loaders):
+    assert cache.load_tvm_ffi(b"obj", "sym") == "from object"
+    assert loaders == [("object", b"obj", "sym")]
+
+
+def test_load_falls_back_to_the_object_file_and_warns_once(loaders):
+    payload = cache.pack_tvm_ffi_payload(b"broken", b"obj")
+    with pytest.warns(UserWarning) as record:
+        assert cache.load_tvm_ffi(payload, "sym") == "from object"
+        assert cache.load_tvm_ffi(payload, "sym") == "from object"
+    assert [str(r.message) for r in record] == [
+        "cute_fa: a cached kernel did not load as a shared library (noexec); loading object "
+        "files through the CuTe DSL instead"
+    ]
+    assert loaders[:2] == [("shared", b"broken", "sym"), ("object", b"obj", "sym")]
+
+
+def test_warn_once_per_kind_points_at_the_caller_of_the_caller(fresh_warnings):
+    def caller():
+        cache._warn_once("a kind", "first")
+
+    with pytest.warns(UserWarning) as record:
+        caller()
+        caller()
+        cache._warn_once("another kind", "second")
+    assert [str(r.message) for r in record] == ["first", "second"]
+    if "MUTANT_UNDER_TEST" not in os.environ:  # mutmut's trampolines add frames
+        assert record[0].filename == __file__
+
+
+# --------------------------------------------------------------------------------------------
+# CompileCache
+
+
+def test_ensure_on_disk_messages(tmp_path):
+    with pytest.raises(RuntimeError) as info:
+        _fake_cache(tmp_path, disk=False).ensure_on_disk(Key("a"))
+    assert str(info.value) == "the disk cache is off (CUTE_FA_CACHE=0)"
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")
+    c = _fake_cache(blocker / "sub", disk=True)
+    with pytest.warns(UserWarning, match="compile cache on disk turned off: cannot create"):
+        with pytest.raises(RuntimeError) as info:
+            c.ensure_on_disk(Key("a"))
+    assert str(info.value) == f"cache directory {blocker / 'sub'} is not writable"
+
+
+def test_ensure_on_disk_stores_the_serialized_entry_under_its_lock(tmp_path):
+    c = _fake_cache(tmp_path, disk=True)
+    key = Key("a")
+    assert c.ensure_on_disk(key) == "compiled"
+    path = c.path_for(key)
+    payload = cache.unpack_entry(path.read_bytes())
+    assert payload == b"kernel a as " + cache.symbol_for(key).encode()
+    assert Path(str(path) + ".lock").exists()
+    assert c.ensure_on_disk(key) == "hit"
+
+
+def test_an_entry_the_loader_rejects_counts_once_each_time(tmp_path):
+    _fake_cache(tmp_path, disk=True).get(Key("a"))
+    symbols = []
+
+    def load(payload, symbol):
+        symbols.append(symbol)
+        raise ValueError("bad")
+
+    c = _fake_cache(tmp_path, load=load, disk=True)
+    with pytest.warns(UserWarning) as record, pytest.raises(ValueError):
+        c.get(Key("a"))
+    assert c.rejected == 2  # before the lock and after it; then the compile's own load fails
+    assert symbols == [cache.symbol_for(Key("a"))] * 3
+    name = cache.entry_name(Key("a"))
+    assert str(record[0].message) == f"cute_fa: cache entry {name} did not load (bad); recompiling"
+
+
+def test_disk_hits_count_each_load(tmp_path):
+    _fake_cache(tmp_path, disk=True).get(Key("a"))
+    _fake_cache(tmp_path, disk=True).get(Key("b"))
+    c = _fake_cache(tmp_path, disk=True)
+    c.get(Key("a"))
+    c.get(Key("b"))
+    assert (c.disk_hits, c.compiles, c.rejected) == (2, 0, 0)
+
+
+def test_a_disabled_disk_is_off_and_says_why(tmp_path):
+    c = _fake_cache(tmp_path, disk=True)
+    with pytest.warns(UserWarning) as record:
+        c._disable_disk("a reason")
+    assert c.disk_enabled is False
+    assert str(record[0].message) == "cute_fa: compile cache on disk turned off: a reason"
+
+
+# --------------------------------------------------------------------------------------------
+# payload header, versions
+
+
+def test_payload_header_edges():
+    header = cache._SHARED_HEADER.size
+    # the magic alone, shorter than a header: an object file that happens to start so
+    assert cache.unpack_tvm_ffi_payload(cache._SHARED_MAGIC) == (None, cache._SHARED_MAGIC)
+    empty = cache.pack_tvm_ffi_payload(b"", b"")
+    assert len(empty) == header and cache.unpack_tvm_ffi_payload(empty) == (b"", b"")
+    assert cache.unpack_tvm_ffi_payload(cache.pack_tvm_ffi_payload(b"lib", b"")) == (b"lib", b"")
+
+
+def test_version_probes(monkeypatch):
+    monkeypatch.setattr(cache, "driver_cuda_version", lambda: 13000)
+    assert cache.driver_cuda_major() == 13
+    monkeypatch.setattr(cache, "driver_cuda_version", lambda: None)
+    assert cache.driver_cuda_major() is None
+    from importlib import metadata
+
+    assert cache.dsl_version() == metadata.version("nvidia-cutlass-dsl")
+
+
+def test_toolchain_lines_without_package_metadata(monkeypatch):
+    expected = cache._toolchain_versions()
+    monkeypatch.setattr(cache, "_distribution_version", lambda name: None)
+    assert cache._toolchain_versions() == expected
+
+
+def test_runtime_cuda_major_reads_the_cu_folder():
+    assert cache._runtime_cuda_major(f"/p/cu13/lib/{cache.RUNTIME_LIBRARY}") == 13
+    assert cache._runtime_cuda_major(f"/p/cu13/lib64/{cache.RUNTIME_LIBRARY}") is None
+    assert cache._runtime_cuda_major(f"/p/cuda/lib/{cache.RUNTIME_LIBRARY}") is None
+    assert cache._runtime_cuda_major(None) is None
+
+
+def test_importing_tvm_ffi_again_is_no_step():
+    cache.import_tvm_ffi()
+    before = cache.step_seconds().get("import tvm_ffi")
+    assert cache.import_tvm_ffi() is sys.modules["tvm_ffi"]
+    assert cache.step_seconds().get("import tvm_ffi") == before
+
+
+def test_entry_names_and_symbols():
+    key = Key("Fwd sm90/d128:causal")
+    digest = cache.key_digest(key)
+    assert len(digest) == 20 and digest == cache.key_digest(Key("Fwd sm90/d128:causal"))
+    assert cache.entry_name(key) == f"Fwd_sm90_d128_causal-{digest}.bin"
+    assert (
+        cache.entry_name(Key("x" * 200)) == "x" * 150 + f"-{cache.key_digest(Key('x' * 200))}.bin"
+    )
+    assert cache.entry_name(("a", 1)) == f"entry-{cache.key_digest(('a', 1))}.bin"
+    assert cache.symbol_for(key) == f"cute_fa_{digest}"
+
+
+def test_seconds_add_up_per_cache(tmp_path, monkeypatch):
+    clock = iter(range(0, 1000, 5))  # each perf_counter call 5 s after the last
+    monkeypatch.setattr(cache.time, "perf_counter", lambda: next(clock))
+    c = _fake_cache(tmp_path, disk=True, verbose=False)
+    assert c.seconds == {"compile": 0.0, "serialize": 0.0, "load": 0.0}
+    c.get(Key("a"))
+    c.get(Key("b"))
+    # a load reads the clock twice more inside it (its step): 15 s a load
+    assert c.seconds == {"compile": 10, "serialize": 10, "load": 30}
+    assert c.compiles == 2 and c.rejected == 0
+
+
+def test_a_slow_compile_names_its_key(tmp_path, monkeypatch, capsys):
+    clock = iter(range(0, 1000, 2))
+    monkeypatch.setattr(cache.time, "perf_counter", lambda: next(clock))
+    _fake_cache(tmp_path, disk=False).get(Key("slow one"))
+    _fake_cache(tmp_path, disk=False).get(("no", "name"))
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "cute_fa: compiling slow one (first call) ... 2.0 s",
+        "cute_fa: compiling ('no', 'name') (first call) ... 2.0 s",
+    ]
+    _fake_cache(tmp_path, disk=False, verbose=False).get(Key("quiet"))
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(cache, "SLOW_COMPILE_S", 2.0)
+    _fake_cache(tmp_path, disk=False).get(Key("two seconds"))
+    assert capsys.readouterr().err == ""
+
+
+def test_the_cache_folder_is_made_with_its_parents(tmp_path):
+    c = _fake_cache(tmp_path / "a" / "b", disk=True)
+    c.get(Key("a"))
+    assert c.disk_enabled and (tmp_path / "a" / "b" / cache.entry_name(Key("a"))).exists()
+
+
+def test_atomic_write_temporaries_sit_beside_the_file(tmp_path, monkeypatch):
+    made = []
+    real = cache.tempfile.mkstemp
+
+    def mkstemp(**kw):
+        made.append(kw)
+        return real(**kw)
+
+    monkeypatch.setattr(cache.tempfile, "mkstemp", mkstemp)
+    cache.atomic_write(tmp_path / "entry.bin", b"data")
+    assert made == [{"dir": tmp_path, "prefix": ".entry.bin.", "suffix": ".tmp"}]
+    monkeypatch.setattr(cache.os, "replace", lambda a, b: (_ for _ in ()).throw(OSError("x")))
+    with pytest.raises(OSError):
+        cache.atomic_write(tmp_path / "entry.bin", b"new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["entry.bin"]
+
+
+def test_an_empty_payload_is_a_valid_entry():
+    assert cache.unpack_entry(cache.pack_entry(b"")) == b""
+
+
+def test_the_default_directory_is_named_by_the_fingerprint(monkeypatch, tmp_path):
+    monkeypatch.setenv(settings.CACHE_DIR, str(tmp_path))
+    assert _fake_cache(None).directory == tmp_path / cache.fingerprint()
+
+
+def test_the_fingerprint_is_a_timed_step(monkeypatch):
+    monkeypatch.setattr(cache, "_fingerprint", None)
+    monkeypatch.setattr(cache, "_steps", {})
+    first = cache.fingerprint()
+    assert "fingerprint" in cache.step_seconds()
+    monkeypatch.setattr(cache, "_fingerprint", None)
+    assert cache.fingerprint() == first  # the same toolchain and sources: the same name
+
+
+def test_a_load_is_a_timed_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache, "_steps", {})
+    _fake_cache(tmp_path, disk=False).get(Key("a"))
+    assert set(cache.step_seconds()) == {"load"}
+
+
+def test_a_miss_takes_the_entry_lock(tmp_path):
+    c = _fake_cache(tmp_path, disk=True)
+    c.get(Key("a"))
+    assert Path(str(c.path_for(Key("a"))) + ".lock").exists()
+
+
+def test_an_entry_written_while_waiting_for_the_lock_is_loaded(tmp_path, monkeypatch):
+    import filelock
+
+    real = filelock.FileLock
+    entry = tmp_path / cache.entry_name(Key("a"))
+
+    class LateLock:  # another process stores the entry while this one waits for the lock
+        def __init__(self, path):
+            self.lock = real(path)
+
+        def acquire(self):
+            cache.atomic_write(entry, cache.pack_entry(b"from the other process"))
+            self.lock.acquire()
+
+        def release(self):
+            self.lock.release()
+
+    monkeypatch.setattr(filelock, "FileLock", LateLock)
+    c = _fake_cache(tmp_path, disk=True)
+    assert c.get(Key("a"))() == b"from the other process"
+    assert (c.compiles, c.disk_hits) == (0, 1)
+
+
+def test_a_lock_that_cannot_be_taken_turns_the_disk_off(tmp_path, monkeypatch):
+    import filelock
+
+    class NoLock:
+        def __init__(self, path):
+            pass
+
+        def acquire(self):
+            raise OSError("read-only")
+
+    monkeypatch.setattr(filelock, "FileLock", NoLock)
+    c = _fake_cache(tmp_path, disk=True)
+    with pytest.warns(UserWarning) as record:
+        assert c.get(Key("a"))() == b"kernel a as " + cache.symbol_for(Key("a")).encode()
+    path = c.path_for(Key("a"))
+    assert str(record[0].message) == (
+        f"cute_fa: compile cache on disk turned off: cannot lock {path}: read-only"
+    )
+    assert not c.disk_enabled and c.compiles == 1
+
+
+def test_an_entry_that_cannot_be_written_turns_the_disk_off(tmp_path, monkeypatch):
+    def fail(path, data):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(cache, "atomic_write", fail)
+    c = _fake_cache(tmp_path, disk=True)
+    with pytest.warns(UserWarning) as record:
+        c.get(Key("a"))
+    assert str(record[0].message) == (
+        f"cute_fa: compile cache on disk turned off: cannot write {c.path_for(Key('a'))}: disk full"
+    )

@@ -1,0 +1,59 @@
+"""Small contracts of ``cute_fa.config``: the sm80 tile tables' edges and messages (the tables
+themselves: tests/test_dispatch.py, tests/test_compile_sm80*.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cute_fa.config import (
+    FwdConfig,
+    Tiles,
+    TuningError,
+    capability_for_target,
+    sm80_bwd_tile,
+    sm80_fwd_tile,
+)
+
+
+def test_sm80_backward_tile_of_an_unknown_head_dim_is_named():
+    with pytest.raises(NotImplementedError) as info:
+        sm80_bwd_tile(80, "sm_80")
+    assert str(info.value) == (
+        "head_dim=80 is not supported by the sm80 backward kernel "
+        "(supported: [64, 96, 128, 192, 256])"
+    )
+
+
+def test_sm80_backward_tile_of_an_unknown_target_is_the_small_one():
+    # a target without a known shared-memory size gets the tiles of 99 KiB targets
+    assert sm80_bwd_tile(128, "sm_70") == Tiles(64, 64, 8) == sm80_bwd_tile(128, "sm_86")
+    assert sm80_bwd_tile(64, "sm_70") == Tiles(64, 128, 8)
+
+
+def test_sm80_forward_tile_defaults_to_non_causal_and_small_unknown_targets():
+    assert sm80_fwd_tile(256, "sm_80") == Tiles(128, 64, 8)  # causal d256: 64x64 w4
+    assert sm80_fwd_tile(256, "sm_80", causal=True) == Tiles(64, 64, 4)
+    assert sm80_fwd_tile(64, "sm_70") == Tiles(128, 128, 4) == sm80_fwd_tile(64, "sm_86")
+
+
+def test_sm80_tiles_name_a_bad_warp_count():
+    with pytest.raises(TuningError) as info:
+        Tiles(128, 64, 6)
+    assert str(info.value) == "num_warps must be 4 or 8, got 6"
+
+
+def test_compile_key_names():
+    # the names of cache entries and messages: family, target, dtype, head dims, tile, flags
+    fwd = FwdConfig(80, "sm_80", "bf16", 192, 128, Tiles(128, 64, 8), has_softcap=True, local=True)
+    assert fwd.name == "fwd_sm80_sm_80_bf16_d192x128_128x64w8_local_softcap"
+    plain = FwdConfig(80, "sm_86", "fp16", 64, 64, Tiles(64, 64, 4), causal=True, varlen_q=True)
+    assert plain.name == "fwd_sm80_sm_86_fp16_d64_64x64w4_causal_varlen_q"
+
+
+def test_an_unknown_target_is_named():
+    with pytest.raises(ValueError) as info:
+        capability_for_target("sm_70")
+    assert str(info.value) == (
+        "unknown target 'sm_70'; known: sm_100a, sm_103a, sm_120a, sm_80, sm_86, sm_87, sm_89, "
+        "sm_90a"
+    )

@@ -1,0 +1,93 @@
+"""Small contracts of ``cute_fa.planning`` that dispatch tests only pass through: the kernel
+classes of each family (imported, so the CuTe DSL loads), and the coresident order of the
+deterministic sm80 backward."""
+
+from __future__ import annotations
+
+import pytest
+
+from cute_fa import planning, settings
+from cute_fa.config import BwdConfig, Tiles
+
+
+def test_forward_kernel_class_of_each_family():
+    assert planning.fwd_kernel_class(80).__name__ == "FlashAttentionForwardSm80"
+    assert planning.fwd_kernel_class(90).__name__ == "FlashAttentionForwardSm90"
+    with pytest.raises(NotImplementedError) as info:
+        planning.fwd_kernel_class(100)
+    assert str(info.value) == "cute_fa has no sm100 forward kernel yet"
+
+
+def test_backward_kernel_classes_of_each_family():
+    names = [cls.__name__ for cls in planning.bwd_kernel_classes(80)]
+    assert names == [
+        "FlashAttentionBackwardPreprocessSm80",
+        "FlashAttentionBackwardSm80",
+        "FlashAttentionBackwardPostprocessSm80",
+    ]
+    names = [cls.__name__ for cls in planning.bwd_kernel_classes(90)]
+    assert names == [
+        "FlashAttentionBackwardPreprocessSm80",
+        "FlashAttentionBackwardSm90",
+        "FlashAttentionBackwardPostprocessSm80",
+    ]
+    with pytest.raises(NotImplementedError) as info:
+        planning.bwd_kernel_classes(100)
+    assert str(info.value) == "cute_fa has no sm100 backward kernel yet"
+
+
+def _det(**flags) -> BwdConfig:
+    return BwdConfig(80, "sm_80", "bf16", 128, 128, Tiles(64, 128, 8), deterministic=True, **flags)
+
+
+def test_coresident_order_needs_the_key_blocks_on_half_the_sms(monkeypatch):
+    monkeypatch.delenv(settings.BWD_DET_ORDER, raising=False)
+    # 128 keys a CTA: 66 key blocks fit on half of 132 SMs, 67 do not; 133 SMs: still 66
+    assert planning.coresident_fits(_det(), 66 * 128, 132)
+    assert planning.coresident_fits(_det(), 66 * 128 - 127, 132)
+    assert not planning.coresident_fits(_det(), 66 * 128 + 1, 132)
+    assert not planning.coresident_fits(_det(), 66 * 128 + 1, 133)
+    assert planning.coresident_fits(_det(), 1, 2)
+    assert not planning.coresident_fits(_det(), 1, 1)
+    assert not planning.coresident_fits(_det(local=True), 128, 132)
+    assert not planning.coresident_fits(_det().replace(deterministic=False), 128, 132)
+    assert not planning.coresident_fits(_det().replace(arch=90), 128, 132)
+    monkeypatch.setenv(settings.BWD_DET_ORDER, "chain")
+    assert not planning.coresident_fits(_det(), 128, 132)
+
+
+def test_sm80_forward_takes_the_tuned_entry_of_its_causal_problem_class(monkeypatch):
+    from cute_fa import tuned
+    from cute_fa.planning import SM80_FWD, FwdRequest, fwd_config_for_target
+
+    key = tuned.TableKey("GPU", 1, 0, "0", "0")
+    table = tuned.Table(key, {"sm80_fwd": {"d128-causal": {"tile_n": 32}, "d128": {"tile_n": 48}}})
+    causal, _ = fwd_config_for_target(
+        SM80_FWD, "sm_80", FwdRequest("bf16", 128, 128, True), None, table
+    )
+    plain, _ = fwd_config_for_target(SM80_FWD, "sm_80", FwdRequest("bf16", 128, 128), None, table)
+    assert (causal.tile_n, plain.tile_n) == (32, 48)
+
+
+def test_pre_and_post_configs_follow_the_main_config():
+    from cute_fa.ampere.flash_bwd_prepost import BwdPostConfig, BwdPreConfig
+
+    main = BwdConfig(80, "sm_86", "fp16", 96, 96, Tiles(64, 128, 8), varlen_q=True)
+    assert planning.pre_config(main, True) == BwdPreConfig(80, "sm_86", "fp16", 96, 96, True)
+    assert planning.post_config(main) == BwdPostConfig(
+        arch=80, target="sm_86", dtype="fp16", head_dim=96, tile_m=64, num_warps=8, varlen_q=True
+    )
+
+
+def test_backward_arch_and_causal_tuned_entries(monkeypatch):
+    from cute_fa import tuned
+
+    monkeypatch.delenv(settings.BWD_ARCH, raising=False)
+    with pytest.raises(settings.SettingError) as info:
+        planning.bwd_config("sm_80", "bf16", 128, 128, arch=100)
+    assert str(info.value) == "backward arch 100: expected 80 or 90"
+    key = tuned.TableKey("GPU", 1, 0, "0", "0")
+    table = tuned.Table(key, {"sm80_bwd": {"d128-causal": {"tile_m": 32}}})
+    causal = planning.bwd_config("sm_80", "bf16", 128, 128, causal=True, table=table)
+    plain = planning.bwd_config("sm_80", "bf16", 128, 128, table=table)
+    assert (causal.tile_m, plain.tile_m) == (32, 64)
