@@ -13,9 +13,10 @@ from cute_fa.config import BwdConfig, Tiles
 def test_forward_kernel_class_of_each_family():
     assert planning.fwd_kernel_class(80).__name__ == "FlashAttentionForwardSm80"
     assert planning.fwd_kernel_class(90).__name__ == "FlashAttentionForwardSm90"
+    assert planning.fwd_kernel_class(100).__name__ == "FlashAttentionForwardSm100"
     with pytest.raises(NotImplementedError) as info:
-        planning.fwd_kernel_class(100)
-    assert str(info.value) == "cute_fa has no sm100 forward kernel yet"
+        planning.fwd_kernel_class(120)
+    assert str(info.value) == "cute_fa has no sm120 forward kernel yet"
 
 
 def test_backward_kernel_classes_of_each_family():

@@ -12,7 +12,7 @@ from cute_fa import settings
 
 ALL = (
     settings.CACHE, settings.CACHE_DIR, settings.LINKER, settings.SKIP_CHECKS, settings.FWD_ARCH,
-    settings.BWD_ARCH, settings.BWD_DET_ORDER, settings.TUNED,
+    settings.BWD_ARCH, settings.BWD_DET_ORDER, settings.TUNED, settings.SELFTEST,
 )  # fmt: skip
 
 
@@ -63,19 +63,23 @@ def test_linker(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "name, read",
-    [(settings.FWD_ARCH, settings.forced_fwd_arch), (settings.BWD_ARCH, settings.forced_bwd_arch)],
-)
-def test_forced_arch(monkeypatch, name, read):
+    "name, read, families",
+    [(settings.FWD_ARCH, settings.forced_fwd_arch, (80, 90, 100)),
+     (settings.BWD_ARCH, settings.forced_bwd_arch, (80, 90))],
+)  # fmt: skip
+def test_forced_arch(monkeypatch, name, read, families):
+    """The forward's families include sm100 (its compile-only kernel); the backward's do not."""
     assert read() is None
     monkeypatch.setenv(name, " 90 ")
     assert read() == 90
-    monkeypatch.setenv(name, "80")
-    assert read() == 80
-    monkeypatch.setenv(name, "100")
+    for family in families:
+        monkeypatch.setenv(name, str(family))
+        assert read() == family
+    monkeypatch.setenv(name, "70")
     with pytest.raises(settings.SettingError) as info:
         read()
-    assert str(info.value) == f"{name}='100': expected one of 80, 90"
+    expected = ", ".join(str(f) for f in families)
+    assert str(info.value) == f"{name}='70': expected one of {expected}"
 
 
 def test_deterministic_order_rejects_other_values(monkeypatch):
