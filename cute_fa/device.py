@@ -39,16 +39,23 @@ def sm_count(device: torch.device) -> int:
     return facts(device).sm_count
 
 
+_table_keys: dict[str, tuned.TableKey] = {}
+
+
 def table_key(device: torch.device) -> tuned.TableKey:
-    """What a tuned table for this device must have been measured on."""
+    """What a tuned table for this device must have been measured on (read once per device:
+    the versions come from package metadata)."""
     f = facts(device)
-    return tuned.TableKey(
-        gpu=f.name,
-        sm_count=f.sm_count,
-        driver=driver_cuda_version() or 0,
-        dsl=dsl_version() or "unknown",
-        cute_fa=package_version(),
-    )
+    key = _table_keys.get(f.name + str(f.sm_count))
+    if key is None:
+        key = _table_keys[f.name + str(f.sm_count)] = tuned.TableKey(
+            gpu=f.name,
+            sm_count=f.sm_count,
+            driver=driver_cuda_version() or 0,
+            dsl=dsl_version() or "unknown",
+            cute_fa=package_version(),
+        )
+    return key
 
 
 def tuned_table(device: torch.device) -> tuned.Table | None:
