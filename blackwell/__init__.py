@@ -10,7 +10,7 @@ answers what it can do without that import.
 
 from __future__ import annotations
 
-import importlib
+from cute_fa.lazy import lazy_getattr
 
 _LAZY = {
     "FlashAttentionForwardSm100": ".flash_fwd",
@@ -19,9 +19,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
