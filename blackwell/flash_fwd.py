@@ -15,7 +15,7 @@ from cutlass.memory import TmemAllocator
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from cute_fa.config import FwdConfig
-from cute_fa.dsl.copy import row_store_copy, store_rows
+from cute_fa.dsl.copy import row_store_copy, store_rows, tma_views
 from cute_fa.dsl.fastmath import exp2_row
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask, block_range
@@ -196,10 +196,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
         stream: cuda.CUstream,
     ):
         d, dv, tile_n, tile_q = self.tile_hdim, self.tile_hdimv, self.tile_n, self.tile_q
-        # TMA views: Q, K as (seqlen, d, heads, batch), V^T as (dv, seqlen, heads, batch).
-        mQ_t = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
-        mK_t = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
-        mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+        mQ_t, mK_t, mVt = tma_views(mQ, mK, mV)
 
         tiled_mma_qk, tiled_mma_pv = self.make_tiled_mmas()
         mma_tiler_qk = (tile_q, tile_n, d)

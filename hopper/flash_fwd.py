@@ -15,7 +15,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from cute_fa.config import FwdConfig
-from cute_fa.dsl.copy import acc_to_smem, row_store_copy, store_rows, transposed
+from cute_fa.dsl.copy import acc_to_smem, row_store_copy, store_rows, tma_views, transposed
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import BlockRange, Window, apply_mask, block_range
 from cute_fa.dsl.scheduler import TileScheduler, for_each_tile, unit_count
@@ -404,10 +404,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         stream: cuda.CUstream,
     ):
         d, dv, tile_n, wg_m = self.tile_hdim, self.tile_hdimv, self.tile_n, self.wg_m
-        # TMA views: (seqlen, d, heads, batch) for Q and K, V^T as (dv, seqlen, heads, batch).
-        mQ_t = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
-        mK_t = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
-        mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+        mQ_t, mK_t, mVt = tma_views(mQ, mK, mV)
 
         tiled_mma_qk, tiled_mma_pv = self.make_tiled_mmas()
 

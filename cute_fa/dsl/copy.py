@@ -70,3 +70,15 @@ def transposed(t: cute.Tensor) -> cute.Tensor:
     MN-major for the other GEMM)."""
     modes = [1, 0] + list(range(2, cute.rank(t.layout)))
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+def tma_views(
+    mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor
+) -> tuple[cute.Tensor, cute.Tensor, cute.Tensor]:
+    """The forward protocol's (batch, seqlen, heads, d) Q, K, V as the TMA loads of the sm90 and
+    sm100 forwards take them: Q and K as (seqlen, d, heads, batch), V^T as
+    (dv, seqlen, heads, batch). Views only: no data moves."""
+    mQ_t = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
+    mK_t = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
+    mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+    return mQ_t, mK_t, mVt
