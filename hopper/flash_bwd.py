@@ -151,14 +151,16 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       S^T (and P^T), consumer 1 dP^T; they exchange through shared memory (consumer 0 stores
       P^T to sP by stmatrix and arrives on P_READY; consumer 1 waits, loads P^T by ldmatrix
       and forms dS^T = P^T (dP^T - delta) from it, stores dS^T to sdS (which the dQ GEMM reads
-      anyway) and both meet at DS_READY, after which consumer 0 loads dS^T), so each holds
-      16-bit P^T and dS^T for its RS GEMMs. Every WGMMA is issued once (before, both
-      consumers ran both score GEMMs: 7 / 5 of the useful work). dS is formed from the 16-bit
-      P^T. No WGMMA is in flight across the two consumers' branches (ptxas would serialize
-      every WGMMA), and each branch ends at its DS_READY, so the 16-bit registers are defined
-      on both paths where they join (else d 256 spilled). Consumer c owns columns
-      [c d/2, c d/2 + d/2) of dK and dV (the B operands of dV / dK are those columns of sdO /
-      sQ) and, as always, of dQ. dQ's accumulator (d / 4
+      anyway) and both meet at DS_READY after the branches join, after which both load dS^T
+      by ldmatrix), so each holds 16-bit P^T and dS^T for its RS GEMMs. Every WGMMA is issued
+      once (before, both consumers ran both score GEMMs: 7 / 5 of the useful work). dS is
+      formed from the 16-bit P^T. No WGMMA is in flight across the two consumers' branches
+      (ptxas would serialize every WGMMA), and P^T is defined on both paths where they join,
+      dS^T after it (a dS^T defined by a branch serialized every WGMMA; d 256 spilled when a
+      branch left P^T undefined). DS_READY, an aligned bar.sync, is one instruction that all
+      256 threads reach (one DS_READY per branch: synccheck "divergent thread(s) in block").
+      Consumer c owns columns [c d/2, c d/2 + d/2) of dK and dV (the B operands of dV / dK
+      are those columns of sdO / sQ) and, as always, of dQ. dQ's accumulator (d / 4
       registers: 48 or 64) is allocated only after dV and dK completed (wait_group 0 before the
       dQ GEMM, which then runs alone). d 256 runs one Q / dO stage (two need 278 KiB). The
       epilogue stores each consumer's column half of dK / dV of the 64 keys. softcap keeps no
@@ -845,6 +847,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
         keys_left = mask_args.seqlen_k - key_start
+        cta_keys_left = keys_left + key_slot * WG_KEYS
 
         pipeline_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                                1))  # fmt: skip
@@ -867,8 +870,13 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             if cutlass.const_expr(self.causal or self.local):
                 self.step(*args, True)
             else:
-                # Without causal only keys past seqlen_k need the mask.
-                if keys_left < WG_KEYS:
+                # Without causal only keys past seqlen_k need the mask. The choice is the
+                # CTA's (its tile_n keys), not this consumer's 64: both consumers then run the
+                # same code to DS_READY, an aligned bar.sync that every thread of the CTA taking
+                # part must reach at one instruction (per consumer, the consumer whose keys are
+                # all valid reached another copy of it in the tail CTA: synccheck "divergent
+                # thread(s) in block").
+                if cta_keys_left < self.tile_n:
                     self.step(*args, True)
                 else:
                     self.step(*args, False)
@@ -1106,7 +1114,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         )
         if cutlass.const_expr(self.split_d):
             # Consumer 0: S^T -> P^T (registers and sP); consumer 1: dP^T, P^T from sP, dS^T
-            # (registers and sdS); after DS_READY consumer 0 reads dS^T back; then both issue
+            # (registers and sdS); after DS_READY both read dS^T back; then both issue
             # dV and dK. No WGMMA is in flight across the branches (ptxas would serialize every
             # WGMMA). sP is rewritten (next block) only after this block's DS_READY, which
             # consumer 1 reaches after reading it.
@@ -1131,8 +1139,6 @@ class FlashAttentionBackwardSm90(AttentionKernel):
                 cute.copy(r2s, thr_r2s.retile(rP), thr_r2s.partition_D(transposed(sP)))
                 p_ready.arrive()
                 pipeline_lse.consumer_release(state)
-                ds_ready.arrive_and_wait()
-                cute.copy(s2r, thr_s2r.partition_S(transposed(sdS_c)), thr_s2r.retile(rdS))
             else:
                 self.score_gemm(pipeline_do, state, acc_dP, tSrV, tSrdO)
                 pipeline_lse.consumer_wait(state)
@@ -1144,7 +1150,12 @@ class FlashAttentionBackwardSm90(AttentionKernel):
                 cute.copy(r2s, thr_r2s.retile(rdS), thr_r2s.partition_D(transposed(sdS_c)))
                 cute.arch.fence_view_async_shared()
                 pipeline_lse.consumer_release(state)
-                ds_ready.arrive_and_wait()
+            # One DS_READY for both consumers, after the branches join: an aligned bar.sync
+            # is reached by all of its threads at one instruction (synccheck). Both read dS^T
+            # back (consumer 1 its own stores): rdS is then defined on one path, not by a
+            # branch (which made ptxas serialize every WGMMA).
+            ds_ready.arrive_and_wait()
+            cute.copy(s2r, thr_s2r.partition_S(transposed(sdS_c)), thr_s2r.retile(rdS))
             pipeline_q.consumer_wait(state)
             pipeline_do.consumer_wait(state)
             warpgroup.fence()

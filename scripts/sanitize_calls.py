@@ -5,7 +5,7 @@ cache directory it sets) and then once under each of ``compute-sanitizer --tool 
 ``racecheck`` and ``synccheck``; ``--report LOG...`` reads those logs back and prints the table.
 
     python scripts/sanitize_calls.py --list
-    python scripts/sanitize_calls.py [--only NAME[,NAME...]]     # run the calls (no sanitizer)
+    python scripts/sanitize_calls.py [--only NAME[,NAME...]] [--after NAME]   # run the calls
     compute-sanitizer --tool synccheck python scripts/sanitize_calls.py --only sm90-seqused_k
     python scripts/sanitize_calls.py --report memcheck.log racecheck.log synccheck.log
 
@@ -13,7 +13,10 @@ Each call is named ``sm{80,90}-<path>``: the forward runs on that kernel family
 (``CUTE_FA_FWD_ARCH``) and so does the backward's main kernel (``CUTE_FA_BWD_ARCH``). Around each
 call it prints ``@@ BEGIN name`` and ``@@ END name <status>`` after a device synchronize, so the
 sanitizer's reports (printed when a kernel completes) fall between the two and ``--report`` can
-attribute them. A name may match several calls (``--only seqused_k``: both families).
+attribute them. A name may match several calls (``--only seqused_k``: both families). When a
+call leaves the CUDA context broken (a sanitizer stops a kernel after a report), it prints
+``@@ STICKY name`` and exits with status 3; ``scripts/sanitize`` then goes on with
+``--after name`` in a new process, appending to the same log.
 """
 
 from __future__ import annotations
@@ -124,8 +127,12 @@ def calls() -> dict[str, tuple[int, Callable]]:
     return {f"sm{arch}-{path}": (arch, fn) for path, (fn, archs) in PATHS.items() for arch in archs}
 
 
-def selected(only: str | None) -> list[str]:
+def selected(only: str | None, after: str | None = None) -> list[str]:
     names = list(calls())
+    if after:
+        if after not in names:
+            sys.exit(f"--after {after}: no such call (--list shows them)")
+        names = names[names.index(after) + 1 :]
     if not only:
         return names
     wanted = [w.strip() for w in only.split(",") if w.strip()]
@@ -156,7 +163,25 @@ def run(names: list[str]) -> int:
             status = f"exception:{type(e).__name__}"
         failed += status != "ok"
         print(f"@@ END {name} {status}", flush=True)
+        if status != "ok" and not _context_alive(torch):
+            # A sanitizer that stops a kernel (or a fault) leaves the CUDA context unusable:
+            # every later call in this process would fail. scripts/sanitize starts a new
+            # process with --after this call.
+            print(f"@@ STICKY {name}", flush=True)
+            return STICKY
     return 1 if failed else 0
+
+
+STICKY = 3  # exit status: the CUDA context broke after a call; go on in a new process
+
+
+def _context_alive(torch) -> bool:
+    try:
+        torch.ones(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+        return True
+    except Exception:  # noqa: BLE001 - any error here means the context is gone
+        return False
 
 
 # Sanitizer lines that are not reports of a kernel (banner, summaries, host-side notes).
@@ -217,15 +242,16 @@ def report(logs: list[str]) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", help="comma-separated call names, paths or substrings")
+    parser.add_argument("--after", metavar="NAME", help="only the calls after this one")
     parser.add_argument("--list", action="store_true", help="print the call names")
     parser.add_argument("--report", nargs="+", metavar="LOG", help="table of sanitizer logs")
     args = parser.parse_args()
     if args.list:
-        print("\n".join(selected(args.only)))
+        print("\n".join(selected(args.only, args.after)))
         return 0
     if args.report:
         return report(args.report)
-    return run(selected(args.only))
+    return run(selected(args.only, args.after))
 
 
 if __name__ == "__main__":

@@ -238,14 +238,20 @@ def _check_sass(config: BwdConfig, info: dict) -> None:
         assert "MEMBAR.ALL.GPU" not in sass and "LDG.E.STRONG" not in sass
     # dS^T to smem by stmatrix (x4, transposed: 8 of the 32 dS values of a thread each), no
     # 16-bit element stores (seqused: the zeros of the tail rows past seqused are such stores,
-    # once per CTA or tail block). Split d (d > 128): consumer 0 also stores P^T to sP, and
-    # each consumer loads the other's tile back by ldmatrix (consumer 1 P^T, consumer 0 dS^T).
+    # once per CTA or tail block). Split d (d > 128): consumer 0 also stores P^T to sP,
+    # consumer 1 loads P^T back by ldmatrix, and after DS_READY both load dS^T (one site).
     split = bwd_split_d(d)
     tiles = 2 if split else 1
     assert len(re.findall(r"\bSTSM", sass)) == bodies * tiles * config.tile_m // 16
     assert len(re.findall(r"\bLDSM", sass)) == (bodies * 2 * config.tile_m // 16 if split else 0)
     if not (config.seqused_q or config.seqused_k):
         assert "STS.U16" not in sass
+    # DS_READY (barrier 3, 256 threads) is one aligned bar.sync a step body, reached by both
+    # consumers at that instruction (split d: after the consumers' branches join), and one
+    # before the epilogue. A copy per branch is what synccheck reports as "divergent thread(s)
+    # in block". Which body runs is the CTA's choice (not each consumer's): not visible here.
+    ds_ready = re.findall(r"BAR\.SYNC\S*\s+0x3,\s*0x100\b", sass)
+    assert len(ds_ready) == bodies + 1, ds_ready
     if config.seqused_k:
         _check_kv_tail_barrier_unconditional(sass)
     assert spills == 0 and info["stack"] == 0 and info["local"] == 0
