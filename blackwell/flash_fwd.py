@@ -22,7 +22,7 @@ from cute_fa.dsl.mask import apply_mask, block_range
 from cute_fa.dsl.ring import ring_state, slot_state
 from cute_fa.dsl.row_softmax import finalize_row, row_view, update_max
 from cute_fa.dsl.seqlen import seqlen_info
-from cute_fa.dsl.softmax import score_scales
+from cute_fa.dsl.softmax import ScoreScales, score_scales, softcap_scores
 
 from .support import (
     SM100_FWD_EXP2_POLY_EVERY,
@@ -70,10 +70,10 @@ class FlashAttentionForwardSm100(AttentionKernel):
     tests/test_compile_sm100.py checks its SASS (UTCHMMA, LDTM / STTM, TMEM alloc / dealloc,
     USETMAXREG, UTMALDG, no local memory); docs/blackwell.md has the counts beside FA4's.
 
-    Scope: bf16 / fp16; (d, dv) in (64, 64), (128, 128); dense or varlen
-    (cu_seqlens_q / cu_seqlens_k), seqused_q; no mask or causal; GQA/MQA (K/V head = head //
-    (heads / kv heads)). ``blackwell/support.py`` rejects the rest with its reason (sliding
-    window, softcap, seqused_k, d 256, and (192, 128), whose MMA warp spills: support.py).
+    Scope: bf16 / fp16; (d, dv) in (64, 64), (96, 96), (128, 128); dense or varlen
+    (cu_seqlens_q / cu_seqlens_k), seqused_q; no mask, causal or a sliding window; softcap;
+    GQA/MQA (K/V head = head // (heads / kv heads)). ``blackwell/support.py`` rejects the rest
+    with its reason (seqused_k, d 256, and (192, 128), whose MMA warp spills: support.py).
 
     Grid and work split
       One CTA a tile of tile_m = 256 query rows of one (head, batch): two Q tiles of 128 rows
@@ -143,8 +143,13 @@ class FlashAttentionForwardSm100(AttentionKernel):
       tensors are shifted to each sequence's first row (as in the sm90 kernel). A CTA that sees
       no key (causal with seqlen_q > seqlen_k, or a varlen tile past its sequence) loads and
       multiplies nothing; its correction warps store O = 0, LSE = -inf for its rows.
-    Not yet: sliding window, softcap, seqused_k (V tail zeroing), d 256 / (192, 192), (192,
-      128) without local memory, 2-CTA
+    Sliding window: ``block_range`` for the CTA's 256 rows (both Q tiles' edges inside it);
+      the blocks that may cut the left edge come last in the visiting order, so one loop picks
+      the masked or the unmasked step per block (three loops spilled the row max at d 128).
+    softcap: tanh(S * score_scale) on the loaded row before the mask (the softcap factor is in
+      scale_log2), ``softcap_scores`` shared with the sm80 / sm90 kernels.
+    Not yet: seqused_k (V tail zeroing), d 256 / (192, 192), (192, 128) without local memory,
+      2-CTA
       MMA, a persistent scheduler, TMA store of O, the order tuning of FA4 (S load in chunks,
       the correction's rescale overlapping its epilogue).
     """
@@ -259,7 +264,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
         grid = (cute.ceil_div(max_seqlen_q, self.tile_m), cute.size(mQ.shape[2]), batch)
         self.kernel(
             mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE, tma_q, tma_k, tma_v, scale_log2,
-            window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+            score_scale, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
             sQ_layout, sK_layout, sV_layout, tP_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
             SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
@@ -296,6 +301,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
         tma_k: cute.CopyAtom,
         tma_v: cute.CopyAtom,
         scale_log2: Float32,
+        score_scale: Float32,
         window_left: Int32,
         window_right: Int32,
         mCuSeqlensQ: cute.Tensor | None,
@@ -358,8 +364,8 @@ class FlashAttentionForwardSm100(AttentionKernel):
             tmem_ptr = tmem.retrieve_ptr(Float32)
             # One code path for both softmax warpgroups: the Q tile is a runtime value.
             self.softmax(warp_idx // 4, self.tile_work(*gmem), tiled_mma_qk, tmem_ptr, sStats,
-                         scale_log2, window_left, window_right, pipes,
-                         tidx % WARPGROUP)  # fmt: skip
+                         ScoreScales(score_scale, scale_log2), window_left, window_right,
+                         pipes, tidx % WARPGROUP)  # fmt: skip
         if warp_idx >= Role.CORRECTION and warp_idx < Role.MMA:
             cute.arch.setmaxregister_decrease(self.regs_correction)
             tmem.allocate(TMEM_COLUMNS)
@@ -441,15 +447,16 @@ class FlashAttentionForwardSm100(AttentionKernel):
         window_right: Int32,
     ):
         """Where this CTA's tile lies: (m_block, seqlen_q, seqlen_k, n_block_min, n_block_max,
-        n_block_no_right, and the (head, batch) views of Q, K, V (TMA coordinates), O, LSE),
-        the same in every role."""
+        n_block_no_right, n_block_no_left (``block_range``, for the CTA's tile_m rows: both Q
+        tiles' bounds lie inside them), and the (head, batch) views of Q, K, V (TMA
+        coordinates), O, LSE), the same in every role."""
         m_block, head, batch = cute.arch.block_idx()
         if cutlass.const_expr(self.causal):
             m_block = cute.arch.grid_dim()[0] - 1 - m_block
         offset_q, seqlen_q, offset_k, seqlen_k = seqlen_info(
             batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK
         )
-        n_block_min, n_block_max, n_block_no_right, _ = block_range(
+        n_block_min, n_block_max, n_block_no_right, n_block_no_left = block_range(
             m_block, seqlen_q, seqlen_k, window_left, window_right, self.tile_m, self.tile_n,
             self.causal, self.local,
         )  # fmt: skip
@@ -472,7 +479,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
             mK_cur = cute.domain_offset((offset_k, 0), mK_cur)
             mV_cur = cute.domain_offset((0, offset_k), mV_cur)
         return (m_block, seqlen_q, seqlen_k, n_block_min, n_block_max, n_block_no_right,
-                mQ_cur, mK_cur, mV_cur, mO_cur, mLSE_cur)  # fmt: skip
+                n_block_no_left, mQ_cur, mK_cur, mV_cur, mO_cur, mLSE_cur)  # fmt: skip
 
     @cute.jit
     def load(
@@ -490,7 +497,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
     ):
         """Load warp: Q0, K[0], Q1, V[0], K[1], V[1], ... (blocks in visiting order, from
         n_block_max - 1 down; K[j] is use 2 j of the K/V ring, V[j] use 2 j + 1)."""
-        (m_block, _, _, n_block_min, n_block_max, _, mQ_cur, mK_cur, mV_cur, _, _) = work
+        (m_block, _, _, n_block_min, n_block_max, _, _, mQ_cur, mK_cur, mV_cur, _, _) = work
         for atom in (tma_q, tma_k, tma_v):
             cpasync.prefetch_descriptor(atom)
         thr_qk = tiled_mma_qk.get_slice(0)
@@ -554,7 +561,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
     ):
         """MMA warp: the order of the class docstring. Block j (visiting order) is use j of
         pipeline_s_i and pipeline_o_i and uses 2 j, 2 j + 1 of the K/V ring."""
-        (_, _, _, n_block_min, n_block_max, _, _, _, _, _, _) = work
+        (_, _, _, n_block_min, n_block_max, _, _, _, _, _, _, _) = work
         thr_qk = tiled_mma_qk.get_slice(0)
         thr_pv = tiled_mma_pv.get_slice(0)
         tSrQ = thr_qk.make_fragment_A(sQ)
@@ -667,7 +674,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
         tiled_mma_qk: cute.TiledMma,
         tmem_ptr: cute.Pointer,
         sStats: cute.Tensor,
-        scale_log2: Float32,
+        scales: ScoreScales,
         window_left: Int32,
         window_right: Int32,
         pipes: dict,
@@ -676,7 +683,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
         """Softmax warpgroup of Q tile ``stage`` (0 or 1, a runtime value: both warpgroups run
         this one code path); thread ``tidx`` owns row ``tidx`` of the tile."""
         (m_block, seqlen_q, seqlen_k, n_block_min, n_block_max, n_block_no_right,
-         _, _, _, _, _) = work  # fmt: skip
+         n_block_no_left, _, _, _, _, _) = work  # fmt: skip
         thr_qk = tiled_mma_qk.get_slice(0)
         s_layout = thr_qk.make_fragment_C(
             thr_qk.partition_shape_C((self.tile_q, self.tile_n))).layout  # fmt: skip
@@ -710,19 +717,39 @@ class FlashAttentionForwardSm100(AttentionKernel):
         row_max = -Float32.inf
         row_sum = Float32(0.0)
         n_blocks = n_block_max - n_block_min
+        # Visiting order j = 0, 1, ...: key block n_block_max - 1 - j. Blocks [0, n_masked)
+        # may cut the seqlen_k tail or the causal / right window edge, [n_masked, n_left) are
+        # whole, [n_left, n_blocks) may cut the left window edge (local only; none otherwise).
         n_masked = n_block_max - cutlass.max(n_block_no_right, n_block_min)
+        first_unmasked = cutlass.max(n_masked, 1)
+        n_left = n_blocks
+        if cutlass.const_expr(self.local):
+            n_left = cutlass.max(n_block_max - cutlass.max(n_block_no_left, n_block_min),
+                                 first_unmasked)  # fmt: skip
         step = (tStS_t, tScS_t, load_s, store_p, tStP_t, tSrP_shape, pipes["s"],
                 pipes["stats"], sStats, stage, tidx, row_start, seqlen_q, seqlen_k,
-                window_left, window_right, scale_log2)  # fmt: skip
+                window_left, window_right, scales)  # fmt: skip
         if n_blocks > 0:
             # Masked blocks first (the first one visited always: it may cut the seqlen_k tail
-            # or the causal diagonal), then the unmasked ones.
-            for j in cutlass.range(cutlass.max(n_masked, 1), unroll=1):
-                row_max, row_sum = self.softmax_step(step, j, n_block_max - 1 - j, row_max,
-                                                     row_sum, True)  # fmt: skip
-            for j in cutlass.range(cutlass.max(n_masked, 1), n_blocks, unroll=1):
-                row_max, row_sum = self.softmax_step(step, j, n_block_max - 1 - j, row_max,
-                                                     row_sum, False)  # fmt: skip
+            # or the causal diagonal), then the unmasked ones, then (local) the ones that may
+            # cut the left window edge.
+            if cutlass.const_expr(self.local):
+                # One loop, the step chosen per block (three loops kept more values live and
+                # spilled the row max at d 128).
+                for j in cutlass.range(n_blocks, unroll=1):
+                    if j < first_unmasked or j >= n_left:
+                        row_max, row_sum = self.softmax_step(step, j, n_block_max - 1 - j,
+                                                             row_max, row_sum, True)  # fmt: skip
+                    else:
+                        row_max, row_sum = self.softmax_step(step, j, n_block_max - 1 - j,
+                                                             row_max, row_sum, False)  # fmt: skip
+            else:
+                for j in cutlass.range(first_unmasked, unroll=1):
+                    row_max, row_sum = self.softmax_step(step, j, n_block_max - 1 - j, row_max,
+                                                         row_sum, True)  # fmt: skip
+                for j in cutlass.range(first_unmasked, n_blocks, unroll=1):
+                    row_max, row_sum = self.softmax_step(step, j, n_block_max - 1 - j, row_max,
+                                                         row_sum, False)  # fmt: skip
             # Final statistics for the correction warps (use n_blocks - 1 of pipeline_stats).
             stats_state = slot_state(self.q_tiles, stage, n_blocks - 1, producer=True)
             pipes["stats"].producer_acquire(stats_state)
@@ -746,11 +773,14 @@ class FlashAttentionForwardSm100(AttentionKernel):
         block: a row max of -inf moves to any finite one with a factor of 2^-inf = 0."""
         (tStS_t, tScS_t, load_s, store_p, tStP_t, tSrP_shape, pipeline_s, pipeline_stats,
          sStats, stage, tidx, row_start, seqlen_q, seqlen_k, window_left, window_right,
-         scale_log2) = step  # fmt: skip
+         scales) = step  # fmt: skip
+        score_scale, scale_log2 = scales
         s_state = slot_state(self.q_tiles, stage, j, producer=False)
         tSrS = cute.make_rmem_tensor(tScS_t.shape, Float32)
         pipeline_s.consumer_wait(s_state)
         cute.copy(load_s, tStS_t, tSrS)
+        if cutlass.const_expr(self.has_softcap):  # before the mask: -inf stays -inf
+            softcap_scores(tSrS, score_scale)
         if cutlass.const_expr(masked):
             apply_mask(row_view(tSrS), row_view(tScS_t), row_start, n_block * self.tile_n,
                        seqlen_q, seqlen_k, window_left, window_right, self.causal,
@@ -790,7 +820,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
         """Correction warpgroup: O rescales per block, then O / l -> smem and LSE. Block j >= 1
         of tile i takes use j - 1 of pipeline_stats_i and of pipeline_o_i; the final step
         use n_blocks - 1 of both."""
-        (m_block, seqlen_q, _, n_block_min, n_block_max, _, _, _, _, _, mLSE_cur) = work
+        (m_block, seqlen_q, _, n_block_min, n_block_max, _, _, _, _, _, _, mLSE_cur) = work
         thr_pv = tiled_mma_pv.get_slice(0)
         o_layout = thr_pv.make_fragment_C(
             thr_pv.partition_shape_C((self.tile_q, self.tile_hdimv))).layout  # fmt: skip
@@ -869,7 +899,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
     def epilogue(self, work: tuple, sO: cute.Tensor, pipes: dict):
         """Epilogue warp: each finished O tile from smem to global, EPI_ROWS rows a pass, rows
         past seqlen_q not written."""
-        (m_block, seqlen_q, _, _, _, _, _, _, _, mO_cur, _) = work
+        (m_block, seqlen_q, _, _, _, _, _, _, _, _, mO_cur, _) = work
         lane = cute.arch.lane_idx()
         copy_r2g = row_store_copy(self.dtype, WARP, self.tile_hdimv)
         pipeline_epi = pipes["epi"]

@@ -24,13 +24,14 @@ SM100_FWD_TILE_N = 128
 SM100_FWD_WARPS = 16
 SM100_FWD_TILE = (SM100_FWD_TILE_M, SM100_FWD_TILE_N, SM100_FWD_WARPS)
 # (head_dim, head_dim_v): what fits the TMEM plan (below) and shared memory and compiles without
-# local memory. d 256 (and (192, 192)) need 2 * 128 + 2 * dv > 512 columns: FA4 runs those with
-# another kernel design (one Q tile, or 2-CTA); not here yet. (192, 128) fits and compiles, but
-# its MMA warp goes to local memory (43 LDL / 23 STL at 80 registers, 58 / 31 at 64): ptxas
-# hoists the 2 x 12 loop-invariant smem descriptors of the two Q tiles (K phases of 16) out of
-# the key loop, more than the uniform registers hold. Needs descriptors built per K phase from
-# one base (FA4 does this in its own gemm helper); rejected until then.
-SM100_FWD_HEAD_DIM_PAIRS = ((64, 64), (128, 128))
+# local memory (d 96: 2 x 128 + 2 x 96 = 448 columns). d 256 (and (192, 192)) need 2 * 128 + 2 * dv
+# > 512 columns: FA4 runs those with another kernel design (one Q tile, or 2-CTA); not here yet.
+# (192, 128) fits and compiles, but its MMA warp goes to local memory (43 LDL / 23 STL at 80
+# registers, 58 / 31 at 64): ptxas hoists the 2 x 12 loop-invariant smem descriptors of the two Q
+# tiles (K phases of 16) out of the key loop, more than the uniform registers hold. Needs
+# descriptors built per K phase from one base (FA4 does this in its own gemm helper); rejected until
+# then.
+SM100_FWD_HEAD_DIM_PAIRS = ((64, 64), (96, 96), (128, 128))
 
 # Tensor memory: 512 columns of 32 bits x 128 lanes an SM. Plan (columns):
 #   S0 [0, tile_n)  S1 [tile_n, 2 tile_n)  O0 [2 tile_n, 2 tile_n + dv)  O1 [.., + dv)
@@ -48,7 +49,7 @@ def fwd_tmem_columns(tile_n: int, head_dim_v: int) -> int:
 # Two softmax warpgroups hold a row of S (tile_n fp32) and its P, the correction warpgroup a
 # 32-column slice of O, the rest (MMA, load, epilogue, idle warp) addresses and pipeline
 # states. 192 / 80 / 48 are FA4's defaults at d 128.
-SM100_FWD_REGS = {(64, 64): (192, 80, 48), (128, 128): (192, 80, 48)}
+SM100_FWD_REGS = {(64, 64): (192, 80, 48), (96, 96): (192, 80, 48), (128, 128): (192, 80, 48)}
 for _regs in SM100_FWD_REGS.values():
     assert 128 * (2 * _regs[0] + _regs[1] + _regs[2]) <= 65536
     assert all(r % 8 == 0 for r in _regs)
@@ -63,7 +64,7 @@ SM100_FWD_RESCALE_THRESHOLD = 8.0
 SM100_FWD_EXP2_POLY_EVERY = 8
 # Stages of the K/V ring (K[n] and V[n] take one stage each) by (head_dim, head_dim_v): what
 # fits 227 KiB with two Q tiles (O is staged in the Q tiles' smem; (192, 128) would take 2).
-SM100_FWD_KV_STAGES = {(64, 64): 4, (128, 128): 4}
+SM100_FWD_KV_STAGES = {(64, 64): 4, (96, 96): 4, (128, 128): 4}
 # mbarriers, the LSE/scale exchange (2 x 2 x 128 fp32) and 1024-byte alignment of the tiles.
 SM100_FWD_SMEM_SLACK = 4096
 
@@ -98,10 +99,6 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
         return False, "the TMEM plan needs more than 512 columns"
     if fwd_smem_bytes(config) > SMEM_CAPACITY[config.target]:
         return False, f"shared memory {fwd_smem_bytes(config)} bytes exceeds the target's"
-    if config.local:
-        return False, "sliding window (local) not implemented in the sm100 forward yet"
-    if config.has_softcap:
-        return False, "softcap not implemented in the sm100 forward yet"
     if config.seqused_k:
         return False, (
             "seqused_k not implemented in the sm100 forward yet (the V rows past it must be "

@@ -78,8 +78,6 @@ def test_sm100_can_implement_accepts(d: int, dv: int, target: str) -> None:
         ({"head_dim": 192, "head_dim_v": 128}, "head_dim 192"),
         ({"tuning": Sm100FwdTuning(tile_n=64)}, "tile"),
         ({"tuning": Sm90FwdTuning()}, "Sm100FwdTuning"),
-        ({"local": True}, "local"),
-        ({"has_softcap": True}, "softcap"),
         ({"seqused_k": True}, "seqused_k"),
     ],
 )
@@ -99,9 +97,21 @@ def test_sm100_tile_and_register_budget() -> None:
 
 VARLEN = {"varlen_q": True, "varlen_k": True}
 VARLEN_SEQUSED_Q = {**VARLEN, "seqused_q": True}
-# (d, dv, target, flags): both head-dim pairs, causal, varlen with seqused_q, sm_103a once.
+LOCAL_SOFTCAP = {"local": True, "has_softcap": True}
+# (d, dv, target, flags): both head-dim pairs, causal, varlen with seqused_q, sliding window
+# with softcap, fp16, sm_103a once.
 COMPILE_CASES = [
     pytest.param(128, 128, "sm_100a", {}, id="d128"),
+    pytest.param(128, 128, "sm_100a", LOCAL_SOFTCAP, id="d128-local-softcap"),
+    pytest.param(128, 128, "sm_100a", {"local": True}, id="d128-local"),
+    pytest.param(96, 96, "sm_100a", {"causal": True}, id="d96-causal"),
+    pytest.param(
+        64,
+        64,
+        "sm_100a",
+        {"dtype": "fp16", **LOCAL_SOFTCAP, **VARLEN},
+        id="d64-fp16-local-softcap-varlen",
+    ),  # fmt: skip
     pytest.param(128, 128, "sm_100a", {"causal": True}, id="d128-causal"),
     pytest.param(128, 128, "sm_100a", VARLEN_SEQUSED_Q, id="d128-varlen-seqused_q"),
     pytest.param(64, 64, "sm_100a", {"causal": True, **VARLEN}, id="d64-causal-varlen"),
@@ -136,6 +146,12 @@ def test_sm100_fwd_compiles(d: int, dv: int, target: str, flags: dict) -> None:
     # Nothing in local memory.
     assert info["stack"] == 0 and info["local"] == 0
     assert counts["LDL"] == 0 and counts["STL"] == 0
+    # Softmax step copies: masked (seqlen_k tail, causal or window edges) and unmasked (a
+    # sliding window: one loop choosing the copy per block, since its left-edge blocks come
+    # last). softcap: one tanh a score of the row (tile_n a thread) in each copy, before the
+    # mask.
+    tanh = len(re.findall(r"MUFU\.TANH", sass))
+    assert tanh == (2 * config.tile_n if config.has_softcap else 0), tanh
     # The traced pipelines are the docstring's protocol: (stages, producer arrivals, consumer
     # arrivals).
     assert kernel.protocol == {

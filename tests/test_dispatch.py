@@ -70,11 +70,12 @@ def test_sm100_takes_what_it_implements_and_sm80_the_rest(capability, monkeypatc
     monkeypatch.delenv(settings.FWD_ARCH, raising=False)
     target = TARGETS[capability]
     for d in (64, 128):
-        for flags in ({}, {"causal": True}, {"varlen_q": True, "varlen_k": True}):
+        for flags in ({}, {"causal": True}, {"varlen_q": True, "varlen_k": True},
+                      {"local": True}, {"has_softcap": True}):  # fmt: skip
             cls, config = planning.fwd_plan(capability, req(head_dim=d, head_dim_v=d, **flags))
             assert cls is planning.SM100_FWD and config.arch == 100
             assert config.target == target and config.tile_m == 256 and config.num_warps == 16
-    for request in (req(head_dim=256, head_dim_v=256), req(local=True), req(has_softcap=True),
+    for request in (req(head_dim=256, head_dim_v=256),
                     req(varlen_q=True, varlen_k=True, seqused_k=True)):  # fmt: skip
         cls, config = planning.fwd_plan(capability, request)
         assert cls is planning.SM80_FWD and config.target == target
@@ -91,7 +92,7 @@ def test_fwd_arch_env_100_forces_the_sm100_family(monkeypatch):
     monkeypatch.setenv(settings.FWD_ARCH, "100")
     assert planning.fwd_plan((10, 0), req())[0] is planning.SM100_FWD
     with pytest.raises(NotImplementedError, match="FlashAttentionForwardSm100"):
-        planning.fwd_plan((10, 0), req(local=True))
+        planning.fwd_plan((10, 0), req(head_dim=256, head_dim_v=256))
     with pytest.raises(NotImplementedError, match="CUTE_FA_FWD_ARCH=100 leaves no family"):
         planning.fwd_plan((9, 0), req())
 
@@ -173,7 +174,7 @@ def test_feature_matrix_is_generated_from_can_implement(monkeypatch):
     # What the sm100 forward declines goes to the sm80 kernel on the same GPU.
     for target in ("sm_100a", "sm_103a"):
         assert rows["bf16, head_dim 256"][columns.index(target)] == "sm80"
-        assert rows["sliding window (local)"][columns.index(target)] == "sm80"
+        assert rows["sliding window (local)"][columns.index(target)] == "sm100"
         assert rows["bf16, head_dim 64"][columns.index(target)] == "sm100"
     assert all(cell.startswith("-(") for cell in rows["bf16, head_dim 80"])
     for target in ("sm_80", "sm_90a", "sm_100a"):
