@@ -71,9 +71,9 @@ class FlashAttentionForwardSm100(AttentionKernel):
     USETMAXREG, UTMALDG, no local memory); docs/blackwell.md has the counts beside FA4's.
 
     Scope: bf16 / fp16; (d, dv) in (64, 64), (96, 96), (128, 128); dense or varlen
-    (cu_seqlens_q / cu_seqlens_k), seqused_q; no mask, causal or a sliding window; softcap;
-    GQA/MQA (K/V head = head // (heads / kv heads)). ``blackwell/support.py`` rejects the rest
-    with its reason (seqused_k, d 256, and (192, 128), whose MMA warp spills: support.py).
+    (cu_seqlens_q / cu_seqlens_k), seqused_q, seqused_k; no mask, causal or a sliding window;
+    softcap; GQA/MQA (K/V head = head // (heads / kv heads)). ``blackwell/support.py`` rejects
+    the rest with its reason (d 256, and (192, 128), whose MMA warp spills: support.py).
 
     Grid and work split
       One CTA a tile of tile_m = 256 query rows of one (head, batch): two Q tiles of 128 rows
@@ -106,7 +106,9 @@ class FlashAttentionForwardSm100(AttentionKernel):
       pipeline_kv  (PipelineTmaUmma)  load -> mma, kv_stages (4 at d 64 and 128),
                    K[j] and V[j] in successive stages (K, V, K, V, ...; V's expected bytes
                    passed at its acquire), full: 1 + TMA bytes, empty: 1 (tcgen05.commit
-                   once the GEMMs that read the stage are done).
+                   once the GEMMs that read the stage are done). seqused_k: V[0]'s TMA
+                   completes on mbar_v_tail (1 + bytes, phase 0, the load warp waits on it),
+                   and its full arrival (no bytes) follows the zeroing (``load_v_tail``).
       pipeline_s, pipeline_o, pipeline_stats: one slot per Q tile (slot i belongs to tile i and
       keeps its own phase, ``cute_fa/dsl/ring.py slot_state``); "pipeline_s_i" is slot i.
       pipeline_s_i (PipelineUmmaAsync)  mma -> softmax_i, full: 1 (tcgen05.commit after S_i =
@@ -148,8 +150,11 @@ class FlashAttentionForwardSm100(AttentionKernel):
       the masked or the unmasked step per block (three loops spilled the row max at d 128).
     softcap: tanh(S * score_scale) on the loaded row before the mask (the softcap factor is in
       scale_log2), ``softcap_scores`` shared with the sm80 / sm90 kernels.
-    Not yet: seqused_k (V tail zeroing), d 256 / (192, 192), (192, 128) without local memory,
-      2-CTA
+    seqused_k: rows between seqused_k and the end of the tensor (or sequence) may hold NaN;
+      their scores are masked by select (NaN in K does no harm), and the load warp zeroes
+      their V rows in the first visited block's stage before the MMA warp can read it
+      (``load_v_tail``: 0 * NaN in P V would reach O).
+    Not yet: d 256 / (192, 192), (192, 128) without local memory, 2-CTA
       MMA, a persistent scheduler, TMA store of O, the order tuning of FA4 (S load in chunks,
       the correction's rescale overlapping its epilogue).
     """
@@ -250,6 +255,8 @@ class FlashAttentionForwardSm100(AttentionKernel):
             mbar_o: cute.struct.MemRange[cutlass.Int64, 2 * self.q_tiles]
             mbar_stats: cute.struct.MemRange[cutlass.Int64, 2 * self.q_tiles]
             mbar_epi: cute.struct.MemRange[cutlass.Int64, 2 * self.q_tiles]
+            # seqused_k: the load warp's own barrier for the first visited V tile (load).
+            mbar_v_tail: cutlass.Int64
             tmem_addr: Int32
             # Row statistics softmax -> correction: (row, field, Q tile); field 0: the rescale
             # factor of a block, or the final row sum; field 1: the final row max.
@@ -322,6 +329,10 @@ class FlashAttentionForwardSm100(AttentionKernel):
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         pipes = self._pipelines(storage)
+        if cutlass.const_expr(self.config.seqused_k):
+            if warp_idx == Role.LOAD:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_init(storage.mbar_v_tail.ptr, 1)
         tmem = TmemAllocator(
             storage.tmem_addr.ptr,
             barrier_for_retrieve=pipeline.NamedBarrier(
@@ -346,7 +357,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
         if warp_idx == Role.LOAD:
             cute.arch.setmaxregister_decrease(self.regs_other)
             self.load(self.tile_work(*gmem), tma_q, tma_k, tma_v, sQ, sK, sV, tiled_mma_qk,
-                      tiled_mma_pv, pipes)  # fmt: skip
+                      tiled_mma_pv, pipes, storage.mbar_v_tail.ptr)  # fmt: skip
         if warp_idx == Role.MMA:
             cute.arch.setmaxregister_decrease(self.regs_other)
             tmem.wait_for_alloc()
@@ -494,10 +505,13 @@ class FlashAttentionForwardSm100(AttentionKernel):
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         pipes: dict,
+        mbar_v_tail: cute.Pointer,
     ):
         """Load warp: Q0, K[0], Q1, V[0], K[1], V[1], ... (blocks in visiting order, from
-        n_block_max - 1 down; K[j] is use 2 j of the K/V ring, V[j] use 2 j + 1)."""
-        (m_block, _, _, n_block_min, n_block_max, _, _, mQ_cur, mK_cur, mV_cur, _, _) = work
+        n_block_max - 1 down; K[j] is use 2 j of the K/V ring, V[j] use 2 j + 1). seqused_k:
+        V[0] through ``load_v_tail``."""
+        (m_block, _, seqlen_k, n_block_min, n_block_max, _, _, mQ_cur, mK_cur, mV_cur, _,
+         _) = work  # fmt: skip
         for atom in (tma_q, tma_k, tma_v):
             cpasync.prefetch_descriptor(atom)
         thr_qk = tiled_mma_qk.get_slice(0)
@@ -530,12 +544,66 @@ class FlashAttentionForwardSm100(AttentionKernel):
                                  self.tx_k)  # fmt: skip
             for j in cutlass.range(n_blocks - 1, unroll=1):
                 n_block = n_block_max - 1 - j
-                self.load_kv(tma_v, tVgV[None, 0, n_block], tVsV, pipeline_kv, 2 * j + 1,
-                             self.tx_v)  # fmt: skip
+                if cutlass.const_expr(self.config.seqused_k):
+                    if j == 0:
+                        self.load_v_tail(tma_v, tVgV[None, 0, n_block], tVsV, sV, pipeline_kv,
+                                         seqlen_k - n_block * self.tile_n, mbar_v_tail)  # fmt: skip
+                    else:
+                        self.load_kv(tma_v, tVgV[None, 0, n_block], tVsV, pipeline_kv,
+                                     2 * j + 1, self.tx_v)  # fmt: skip
+                else:
+                    self.load_kv(tma_v, tVgV[None, 0, n_block], tVsV, pipeline_kv, 2 * j + 1,
+                                 self.tx_v)  # fmt: skip
                 self.load_kv(tma_k, tKgK[None, n_block - 1, 0], tKsK, pipeline_kv, 2 * j + 2,
                              self.tx_k)  # fmt: skip
-            self.load_kv(tma_v, tVgV[None, 0, n_block_min], tVsV, pipeline_kv,
-                         2 * n_blocks - 1, self.tx_v)  # fmt: skip
+            if cutlass.const_expr(self.config.seqused_k):
+                if n_blocks == 1:
+                    self.load_v_tail(tma_v, tVgV[None, 0, n_block_min], tVsV, sV, pipeline_kv,
+                                     seqlen_k - n_block_min * self.tile_n, mbar_v_tail)  # fmt: skip
+                else:
+                    self.load_kv(tma_v, tVgV[None, 0, n_block_min], tVsV, pipeline_kv,
+                                 2 * n_blocks - 1, self.tx_v)  # fmt: skip
+            else:
+                self.load_kv(tma_v, tVgV[None, 0, n_block_min], tVsV, pipeline_kv,
+                             2 * n_blocks - 1, self.tx_v)  # fmt: skip
+
+    @cute.jit
+    def load_v_tail(self, tma_v: cute.CopyAtom, src: cute.Tensor, tVsV: cute.Tensor,
+                    sV: cute.Tensor, pipeline_kv, valid: Int32,
+                    mbar_v_tail: cute.Pointer):  # fmt: skip
+        """seqused_k: V[0], the first visited block (use 1 of the K/V ring), with its keys
+        [valid, tile_n) zeroed before the MMA warp may read the stage.
+
+        With seqused_k the rows between seqused_k and the end of the tensor (or sequence) are
+        not inputs and may hold NaN: their P is 0, but 0 * NaN in O += P V would reach O. The
+        first visited block is the only one holding such rows. The TMA completes on this
+        warp's own barrier (``mbar_v_tail``, one arrival + the tile's bytes, used once per
+        CTA: phase 0) instead of the stage's full barrier; the warp waits for it, zeroes the
+        keys from ``valid`` on (lane l: keys valid + l, valid + l + 32, ...), fences the
+        generic-proxy stores for the async proxy (the MMA reads smem through it) and only then
+        arrives on the stage's full barrier with no bytes expected, which completes its phase.
+        The stage's empty wait comes first, as in any acquire."""
+        state = ring_state(self.kv_stages, 1, producer=True)
+        pipeline_kv.sync_object_empty.wait(state.index, state.phase)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar_v_tail, self.tx_v)
+        cute.copy(tma_v, src, tVsV[None, state.index], tma_bar_ptr=mbar_v_tail)
+        cute.arch.mbarrier_wait(mbar_v_tail, 0)
+        # The stage as the MMA's B operand: (((dv atoms), 16 keys), 1, tile_n / 16 key groups);
+        # key k of the tile is ((n, k % 16), 0, k // 16) for every column n.
+        sV_stage = sV[None, None, None, state.index]
+        assert cute.size(sV_stage.shape[0][1]) == 16 and cute.size(sV_stage.shape[1]) == 1
+        assert cute.size(sV_stage.shape[2]) * 16 == self.tile_n
+        assert cute.size(sV_stage.shape[0][0]) == self.tile_hdimv
+        for k in cutlass.range(cutlass.max(valid, 0) + cute.arch.lane_idx(), self.tile_n, WARP,
+                               unroll=1):  # fmt: skip
+            for n in cutlass.range_constexpr(self.tile_hdimv):
+                sV_stage[((n, k % 16), 0, k // 16)] = self.dtype(0.0)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_warp()
+        # The stage's full barrier: its one producer arrival, no bytes (the TMA went elsewhere).
+        pipeline_kv.producer_acquire(state, try_acquire_token=cutlass.Boolean(True),
+                                     expected_tx=0)  # fmt: skip
 
     @cute.jit
     def load_kv(self, tma: cute.CopyAtom, src: cute.Tensor, tXsX: cute.Tensor, pipeline_kv,

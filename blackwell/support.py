@@ -99,11 +99,6 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
         return False, "the TMEM plan needs more than 512 columns"
     if fwd_smem_bytes(config) > SMEM_CAPACITY[config.target]:
         return False, f"shared memory {fwd_smem_bytes(config)} bytes exceeds the target's"
-    if config.seqused_k:
-        return False, (
-            "seqused_k not implemented in the sm100 forward yet (the V rows past it must be "
-            "zeroed before P V reads them)"
-        )
     return True, ""
 
 

@@ -6,8 +6,9 @@ sm_120a: other tiles than the ones run on the A100 / H200) are checked on the us
 first time a compiled variant is used there: ``run_check`` launches the compiled kernel on two
 small problems (``CHECK_PROBLEMS``: query and key tails, several passes around the K/V ring,
 GQA; two sequences of other lengths for varlen, a window, a softcap, seqused when the variant
-has them) and compares out and LSE with the fp32 reference on the same GPU
-(``cute_fa.reference.attention_ref`` and ``check_close``, the tolerance of the GPU tests). It
+has them, with NaN in the K / V rows past seqused_k) and compares out and LSE with the fp32
+reference on the same GPU (``cute_fa.reference.attention_ref`` and ``check_close``, the
+tolerance of the GPU tests). It
 costs one small launch per problem per variant per machine, and a compare on the GPU.
 
 The result is recorded in the disk cache directory (``record_path``: one small JSON file per
@@ -153,6 +154,13 @@ def _check_problem(kernel, config: FwdConfig, device: torch.device, problem: Pro
     v = randn(lens_k, hk, dv, config.varlen_k)
     used_q = [n - CHECK_SEQUSED_Q_LESS for n in lens_q] if config.seqused_q else lens_q
     used_k = [n - CHECK_SEQUSED_K_LESS for n in lens_k] if config.seqused_k else lens_k
+    if config.seqused_k:  # rows past seqused_k are not inputs: NaN must not reach out
+        for i in range(batch):
+            for x in (k, v):
+                if config.varlen_k:
+                    x[cu_k[i] + used_k[i] : cu_k[i + 1]] = math.nan
+                else:
+                    x[i, used_k[i] :] = math.nan
 
     def int32(values: list[int] | None) -> torch.Tensor | None:
         return None if values is None else torch.tensor(values, dtype=torch.int32, device=device)

@@ -78,7 +78,6 @@ def test_sm100_can_implement_accepts(d: int, dv: int, target: str) -> None:
         ({"head_dim": 192, "head_dim_v": 128}, "head_dim 192"),
         ({"tuning": Sm100FwdTuning(tile_n=64)}, "tile"),
         ({"tuning": Sm90FwdTuning()}, "Sm100FwdTuning"),
-        ({"seqused_k": True}, "seqused_k"),
     ],
 )
 def test_sm100_can_implement_rejects_with_reason(changes: dict, needle: str) -> None:
@@ -105,6 +104,13 @@ COMPILE_CASES = [
     pytest.param(128, 128, "sm_100a", LOCAL_SOFTCAP, id="d128-local-softcap"),
     pytest.param(128, 128, "sm_100a", {"local": True}, id="d128-local"),
     pytest.param(96, 96, "sm_100a", {"causal": True}, id="d96-causal"),
+    pytest.param(
+        128,
+        128,
+        "sm_100a",
+        {**VARLEN, "seqused_k": True, "causal": True},
+        id="d128-varlen-seqused_k-causal",
+    ),  # fmt: skip
     pytest.param(
         64,
         64,
@@ -152,6 +158,11 @@ def test_sm100_fwd_compiles(d: int, dv: int, target: str, flags: dict) -> None:
     # mask.
     tanh = len(re.findall(r"MUFU\.TANH", sass))
     assert tanh == (2 * config.tile_n if config.has_softcap else 0), tanh
+    # seqused_k: the load warp zeroes the first visited V tile's keys past seqlen_k with one
+    # 16-bit store a column (dv a key) at each of its two sites (that block as the loop's first
+    # or as the only one); no 16-bit stores otherwise.
+    sts16 = len(re.findall(r"\bSTS\.U16", sass))
+    assert sts16 == (2 * dv if config.seqused_k else 0), sts16
     # The traced pipelines are the docstring's protocol: (stages, producer arrivals, consumer
     # arrivals).
     assert kernel.protocol == {

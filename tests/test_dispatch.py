@@ -71,12 +71,12 @@ def test_sm100_takes_what_it_implements_and_sm80_the_rest(capability, monkeypatc
     target = TARGETS[capability]
     for d in (64, 128):
         for flags in ({}, {"causal": True}, {"varlen_q": True, "varlen_k": True},
-                      {"local": True}, {"has_softcap": True}):  # fmt: skip
+                      {"local": True}, {"has_softcap": True},
+                      {"varlen_q": True, "varlen_k": True, "seqused_k": True}):  # fmt: skip
             cls, config = planning.fwd_plan(capability, req(head_dim=d, head_dim_v=d, **flags))
             assert cls is planning.SM100_FWD and config.arch == 100
             assert config.target == target and config.tile_m == 256 and config.num_warps == 16
-    for request in (req(head_dim=256, head_dim_v=256),
-                    req(varlen_q=True, varlen_k=True, seqused_k=True)):  # fmt: skip
+    for request in (req(head_dim=256, head_dim_v=256), req(head_dim=192, head_dim_v=192)):
         cls, config = planning.fwd_plan(capability, request)
         assert cls is planning.SM80_FWD and config.target == target
     # exclude: the self-check's fallback for one request.
