@@ -70,10 +70,10 @@ class FlashAttentionForwardSm100(AttentionKernel):
     tests/test_compile_sm100.py checks its SASS (UTCHMMA, LDTM / STTM, TMEM alloc / dealloc,
     USETMAXREG, UTMALDG, no local memory); docs/blackwell.md has the counts beside FA4's.
 
-    Scope: bf16 / fp16; (d, dv) in (64, 64), (96, 96), (128, 128); dense or varlen
+    Scope: bf16 / fp16; (d, dv) in (64, 64), (96, 96), (128, 128), (192, 128); dense or varlen
     (cu_seqlens_q / cu_seqlens_k), seqused_q, seqused_k; no mask, causal or a sliding window;
     softcap; GQA/MQA (K/V head = head // (heads / kv heads)). ``blackwell/support.py`` rejects
-    the rest with its reason (d 256, and (192, 128), whose MMA warp spills: support.py).
+    the rest with its reason (d 256, (192, 192): more than 512 TMEM columns in this plan).
 
     Grid and work split
       One CTA a tile of tile_m = 256 query rows of one (head, batch): two Q tiles of 128 rows
@@ -154,7 +154,11 @@ class FlashAttentionForwardSm100(AttentionKernel):
       their scores are masked by select (NaN in K does no harm), and the load warp zeroes
       their V rows in the first visited block's stage before the MMA warp can read it
       (``load_v_tail``: 0 * NaN in P V would reach O).
-    Not yet: d 256 / (192, 192), (192, 128) without local memory, 2-CTA
+    d > 128 ((192, 128): 2 K/V stages): S = Q K^T issues its K phases after the first from a
+      runtime loop (``gemm``), so each phase's descriptor is formed at issue from the tile's
+      base: unrolled, ptxas hoisted the 2 x 12 descriptors out of the key loop and the
+      48-register MMA warp spilled them (43 LDL / 23 STL).
+    Not yet: d 256 / (192, 192), 2-CTA
       MMA, a persistent scheduler, TMA store of O, the order tuning of FA4 (S load in chunks,
       the correction's rescale overlapping its epilogue).
     """
@@ -709,12 +713,25 @@ class FlashAttentionForwardSm100(AttentionKernel):
         ``accumulate`` False overwrites acc. The TiledMma is built here, fresh: one whose
         ACCUMULATE field was set inside a staged loop or branch cannot be used outside it."""
         tiled_mma = self.make_tiled_mmas()[which]
-        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
-            if cutlass.const_expr(k == 0):
-                tiled_mma.set(tcgen05.Field.ACCUMULATE, accumulate)
-            else:
-                tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
-            cute.gemm(tiled_mma, acc, tA[None, None, k], tB[None, None, k], acc)
+        k_phases = cute.size(tA, mode=[2])
+        if cutlass.const_expr(which == 0 and self.tile_hdim > 128):
+            # A runtime loop over the K phases after the first: each phase's smem descriptors
+            # come from the tile's base at issue, instead of d / 16 loop-invariant descriptors
+            # per Q tile that ptxas hoists out of the key loop (beyond d 128 they went to local
+            # memory in the 48-register MMA warp).
+            tiled_mma.set(tcgen05.Field.ACCUMULATE, accumulate)
+            cute.gemm(tiled_mma, acc, tA[None, None, 0], tB[None, None, 0], acc)
+            rest = self.make_tiled_mmas()[which]
+            rest.set(tcgen05.Field.ACCUMULATE, True)
+            for k in cutlass.range(1, k_phases, unroll=1):
+                cute.gemm(rest, acc, tA[None, None, k], tB[None, None, k], acc)
+        else:
+            for k in cutlass.range_constexpr(k_phases):
+                if cutlass.const_expr(k == 0):
+                    tiled_mma.set(tcgen05.Field.ACCUMULATE, accumulate)
+                else:
+                    tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+                cute.gemm(tiled_mma, acc, tA[None, None, k], tB[None, None, k], acc)
 
     def tmem_tensors(self, thr_qk, thr_pv, tP_layout, tmem_ptr: cute.Pointer):
         """([S_i], [O_i], [P_i]) views of the TMEM plan: fp32 S and O accumulators, and P_i

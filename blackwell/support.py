@@ -31,7 +31,7 @@ SM100_FWD_TILE = (SM100_FWD_TILE_M, SM100_FWD_TILE_N, SM100_FWD_WARPS)
 # tiles (K phases of 16) out of the key loop, more than the uniform registers hold. Needs
 # descriptors built per K phase from one base (FA4 does this in its own gemm helper); rejected until
 # then.
-SM100_FWD_HEAD_DIM_PAIRS = ((64, 64), (96, 96), (128, 128))
+SM100_FWD_HEAD_DIM_PAIRS = ((64, 64), (96, 96), (128, 128), (192, 128))
 
 # Tensor memory: 512 columns of 32 bits x 128 lanes an SM. Plan (columns):
 #   S0 [0, tile_n)  S1 [tile_n, 2 tile_n)  O0 [2 tile_n, 2 tile_n + dv)  O1 [.., + dv)
@@ -49,7 +49,12 @@ def fwd_tmem_columns(tile_n: int, head_dim_v: int) -> int:
 # Two softmax warpgroups hold a row of S (tile_n fp32) and its P, the correction warpgroup a
 # 32-column slice of O, the rest (MMA, load, epilogue, idle warp) addresses and pipeline
 # states. 192 / 80 / 48 are FA4's defaults at d 128.
-SM100_FWD_REGS = {(64, 64): (192, 80, 48), (96, 96): (192, 80, 48), (128, 128): (192, 80, 48)}
+SM100_FWD_REGS = {
+    (64, 64): (192, 80, 48),
+    (96, 96): (192, 80, 48),
+    (128, 128): (192, 80, 48),
+    (192, 128): (192, 80, 48),
+}
 for _regs in SM100_FWD_REGS.values():
     assert 128 * (2 * _regs[0] + _regs[1] + _regs[2]) <= 65536
     assert all(r % 8 == 0 for r in _regs)
@@ -64,7 +69,7 @@ SM100_FWD_RESCALE_THRESHOLD = 8.0
 SM100_FWD_EXP2_POLY_EVERY = 8
 # Stages of the K/V ring (K[n] and V[n] take one stage each) by (head_dim, head_dim_v): what
 # fits 227 KiB with two Q tiles (O is staged in the Q tiles' smem; (192, 128) would take 2).
-SM100_FWD_KV_STAGES = {(64, 64): 4, (96, 96): 4, (128, 128): 4}
+SM100_FWD_KV_STAGES = {(64, 64): 4, (96, 96): 4, (128, 128): 4, (192, 128): 2}
 # mbarriers, the LSE/scale exchange (2 x 2 x 128 fp32) and 1024-byte alignment of the tiles.
 SM100_FWD_SMEM_SLACK = 4096
 
