@@ -20,9 +20,15 @@ from cute_fa.dsl.fastmath import exp2_row
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask, block_range
 from cute_fa.dsl.ring import ring_state, slot_state
-from cute_fa.dsl.row_softmax import finalize_row, row_view, update_max
+from cute_fa.dsl.row_softmax import row_view
 from cute_fa.dsl.seqlen import seqlen_info
-from cute_fa.dsl.softmax import ScoreScales, score_scales, softcap_scores
+from cute_fa.dsl.softmax import (
+    ScoreScales,
+    finalize_row,
+    score_scales,
+    softcap_scores,
+    update_max,
+)
 
 from .support import (
     SM100_FWD_EXP2_POLY_EVERY,

@@ -163,6 +163,56 @@ def _add(a, b):
     return a + b
 
 
+@cute.jit
+def update_max(
+    m_prev: Float32,
+    m_cur: Float32,
+    scale_log2: Float32,
+    is_first: cutlass.Constexpr[bool],
+    check_inf: cutlass.Constexpr[bool],
+    rescale_threshold: cutlass.Constexpr[float],
+):
+    """One row's step of Note [base-2 online softmax], shared by every arch (``OnlineSoftmax``
+    in the sm80 / sm90 kernels after the quad's max reduction; the sm100 softmax warps, one
+    thread a row). The row's new running max from the old one and this block's max: (m_new,
+    m_scaled, factor), with m_scaled = m_new * scale_log2 (0 for a row still at -inf when
+    ``check_inf``) the exponent's offset, and factor = 2^(m_prev * scale_log2 - m_scaled) what
+    O and the row sum are multiplied by (1 on the first block). With ``rescale_threshold`` t > 0
+    the max moves only by more than t log2 units (Note [rescale threshold]) and the factor is
+    exactly 1 when it stays, which lets a warp skip its O rescale (a vote)."""
+    m_new = m_cur
+    if cutlass.const_expr(not is_first):
+        if cutlass.const_expr(rescale_threshold > 0):
+            # (m_prev = -inf: moves to any m_cur; both -inf: NaN > t is False, stays.)
+            moved = (m_cur - m_prev) * scale_log2 > rescale_threshold
+            m_new = m_cur if moved else m_prev
+        else:
+            m_new = cute.arch.fmax(m_prev, m_cur)
+    m_scaled = m_new * scale_log2
+    if cutlass.const_expr(check_inf):
+        m_scaled = 0.0 if m_new == -Float32.inf else m_scaled
+    factor = Float32(1.0)
+    if cutlass.const_expr(not is_first):
+        factor = cute.math.exp2(m_prev * scale_log2 - m_scaled, fastmath=True)
+        if cutlass.const_expr(rescale_threshold > 0):
+            factor = factor if moved else Float32(1.0)  # exactly 1: the rescale is skipped
+    return m_new, m_scaled, factor
+
+
+@cute.jit
+def finalize_row(row_max: Float32, row_sum: Float32, scale_log2: Float32):
+    """(1 / row_sum, natural-log LSE) of a finished row; a row that saw no key (row_sum 0)
+    gets 0 and -inf, so its O is 0 (Note [base-2 online softmax])."""
+    empty = row_sum == 0.0
+    inv = 0.0 if empty else cute.arch.rcp_approx(row_sum)
+    lse = (
+        -Float32.inf
+        if empty
+        else (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * LN_2
+    )
+    return Float32(inv), Float32(lse)
+
+
 class OnlineSoftmax:
     """Running max and sum of the rows a thread holds (Note [base-2 online softmax]).
 
@@ -212,17 +262,9 @@ class OnlineSoftmax:
             row = S[r, None].load()
             m_cur = quad_allreduce(row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0), _fmax)
             m_prev = self.row_max[r]
-            m_new = m_cur
-            if cutlass.const_expr(not is_first):
-                if cutlass.const_expr(self.rescale_threshold > 0):
-                    # (m_prev = -inf: moves to any m_cur; both -inf: NaN > t is False, stays.)
-                    moved = (m_cur - m_prev) * self.scale_log2 > self.rescale_threshold
-                    m_new = m_cur if moved else m_prev
-                else:
-                    m_new = cute.arch.fmax(m_prev, m_cur)
-            m_scaled = m_new * self.scale_log2
-            if cutlass.const_expr(check_inf):
-                m_scaled = 0.0 if m_new == -Float32.inf else m_scaled
+            m_new, m_scaled, corr_r = update_max(
+                m_prev, m_cur, self.scale_log2, is_first, check_inf, self.rescale_threshold
+            )
             if cutlass.const_expr(poly_every > 0):
                 # Every poly_every-th column on the FMA pipe (exp2_poly), the rest on MUFU.
                 S[r, None].store(row * self.scale_log2 - m_scaled)
@@ -237,9 +279,6 @@ class OnlineSoftmax:
                 S[r, None].store(p)
             row_sum = p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
             if cutlass.const_expr(not is_first):
-                corr_r = cute.math.exp2(m_prev * self.scale_log2 - m_scaled, fastmath=True)
-                if cutlass.const_expr(self.rescale_threshold > 0):
-                    corr_r = corr_r if moved else Float32(1.0)  # exactly 1: rescale skips it
                 row_sum = row_sum + self.row_sum[r] * corr_r
                 if cutlass.const_expr(corr is None):
                     o_mn[r, None].store(o_mn[r, None].load() * corr_r)
@@ -272,12 +311,5 @@ class OnlineSoftmax:
         o_mn = self.view(acc_O)
         for r in cutlass.range_constexpr(self.num_rows):
             row_sum = quad_allreduce(self.row_sum[r], _add)
-            empty = row_sum == 0.0
-            inv = 0.0 if empty else cute.arch.rcp_approx(row_sum)
+            inv, lse[r] = finalize_row(self.row_max[r], row_sum, self.scale_log2)
             o_mn[r, None].store(o_mn[r, None].load() * inv)
-            lse[r] = (
-                -Float32.inf
-                if empty
-                else (self.row_max[r] * self.scale_log2 + cute.math.log2(row_sum, fastmath=True))
-                * LN_2
-            )
