@@ -31,6 +31,7 @@ from .support import (
     SM100_BWD_REGS,
     TMEM_COLUMNS,
     bwd_can_implement,
+    bwd_smem_bytes,
     bwd_tmem_plan,
 )
 
@@ -85,19 +86,20 @@ class FlashAttentionBackwardSm100(AttentionKernel):
       from Q, K and the forward's LSE. Everything is computed transposed, keys x queries, so
       the keys are the M = 128 rows of the MMAs and the 128 TMEM lanes: thread t of a
       warpgroup owns key row t (32x32b TMEM loads and stores).
-    Warp roles (16 warps; setmaxnreg by role, ``support.SM100_BWD_REGS``: 128 * (2 * 192 + 80
-      + 48) = 65536)
+    Warp roles (16 warps; setmaxnreg per warpgroup, ``support.SM100_BWD_REGS``: 128 * (2 * 168
+      + 80 + 96) = 65536)
       warps 0-3   dq: dQ of each block from TMEM (thread = query row) in 16-column chunks to
                   smem, then one TMA reduce-add (cp.reduce.async.bulk.tensor .add.f32) per
                   chunk into dQaccum, issued by warp 0.                                   80
-      warps 4-7   compute0: query columns [0, 64) of S^T / dP^T (thread t = key row t);   192
-      warps 8-11  compute1: query columns [64, 128). Warp 4 allocates and frees TMEM.      192
+      warps 4-7   compute0: query columns [0, 64) of S^T / dP^T (thread t = key row t);   168
+      warps 8-11  compute1: query columns [64, 128). Warp 4 allocates and frees TMEM.      168
                   After the last block both store dK (times softmax_scale) and dV (16-bit)
                   from TMEM to global, compute w its half of the columns.
-      warp 12     mma: one elected thread issues every tcgen05.mma and commit.              48
+      warp 12     mma: one elected thread issues every tcgen05.mma and commit (96: its
+                  loop-invariant smem descriptors spilled at 48 and 88).                  96
       warp 13     load: TMA of K, V (once), Q, dO (per block); LSE (log2 units) and delta
-                  of each block to smem with its 32 lanes.                                 48
-      warps 14-15 idle.                                                                   48
+                  of each block to smem with its 32 lanes.                                 96
+      warps 14-15 idle.                                                                   96
     Tensor memory (512 columns allocated; ``support.bwd_tmem_plan``, asserted at trace time):
       S^T  [0, 128)          keys x queries, fp32
       P^T  16-bit over S^T:  queries [0, 64) at columns [0, 32), queries [64, 128) at [64, 96):
@@ -286,6 +288,7 @@ class FlashAttentionBackwardSm100(AttentionKernel):
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
+        assert SharedStorage.size_in_bytes() <= bwd_smem_bytes(self.config)
         _, scale_log2 = score_scales(softmax_scale, softcap, False)
         batch = cute.size(mQ.shape[0])
         if cutlass.const_expr(mCuSeqlensQ is not None):
