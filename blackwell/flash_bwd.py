@@ -797,6 +797,18 @@ class FlashAttentionBackwardSm100(AttentionKernel):
         dP_shape = thr_load_dp.partition_D(
             thr_acc_c.partition_C(cute.make_identity_tensor((self.tile_n, DS_CHUNK)))
         ).shape
+        # Register j of a thread's S^T half (and of a dP^T chunk) is query column j: the LSE /
+        # delta reads below index by it (32x32b: the same for every thread, so thread 0's
+        # static coordinates are checked).
+        t0ScS = load_s.get_slice(0).partition_D(
+            thr_acc_h.partition_C(transposed(cute.make_identity_tensor((hm, self.tile_n))))
+        )
+        t0dPcdP = load_dp.get_slice(0).partition_D(
+            thr_acc_c.partition_C(transposed(cute.make_identity_tensor((DS_CHUNK, self.tile_n))))
+        )
+        for frag in (t0ScS, t0dPcdP):
+            for j in cutlass.range_constexpr(cute.size(frag)):
+                assert frag[j][0] == j, f"register {j} holds query {frag[j][0]}"
         tPrP_shape = thr_store_p.partition_S(tP).shape
         step = (thr_load_s.partition_S(tS), tScS, load_s, store_p, thr_store_p.partition_D(tP),
                 tPrP_shape, load_dp, thr_load_dp, thr_acc_c, tdP, dP_shape, sdS, smem_t["sLSE"],
