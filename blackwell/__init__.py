@@ -1,5 +1,6 @@
 """sm100 kernels (FA4 design): tcgen05 MMA, TMEM, softmax and correction warpgroups.
 
+``FlashAttentionBackwardSm100`` (compile-only, not dispatched) is its backward.
 ``FlashAttentionForwardSm100`` cross-compiles for sm_100a / sm_103a (compile-only so far: it has
 not run on a Blackwell GPU). Dispatch routes capability 10.x to it where it implements the call,
 and each compiled variant passes the first-use self-check on the user's GPU before it serves a
@@ -13,6 +14,7 @@ from __future__ import annotations
 from cute_fa.lazy import lazy_getattr
 
 _LAZY = {
+    "FlashAttentionBackwardSm100": ".flash_bwd",
     "FlashAttentionForwardSm100": ".flash_fwd",
 }
 

@@ -11,7 +11,7 @@ and checked by its SASS (tests/test_compile_sm100.py, docs/blackwell.md).
 
 from __future__ import annotations
 
-from cute_fa.config import SMEM_CAPACITY, FwdConfig, Sm100FwdTuning
+from cute_fa.config import SMEM_CAPACITY, BwdConfig, FwdConfig, Sm100BwdTuning, Sm100FwdTuning
 
 SM100_FWD_TARGETS = ("sm_100a", "sm_103a")
 
@@ -111,4 +111,111 @@ def fwd_config(d: int, dv: int, target: str = "sm_100a", dtype: str = "bf16", **
     """The compile key of the sm100 forward for (d, dv) and the feature flags."""
     tuning = Sm100FwdTuning(tile_m=SM100_FWD_TILE_M, tile_n=SM100_FWD_TILE_N)
     return FwdConfig(arch=100, target=target, dtype=dtype, head_dim=d, head_dim_v=dv,
+                     tuning=tuning, **flags)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward (FlashAttentionBackwardSm100, blackwell/flash_bwd.py): compile-only, not dispatched.
+# ----------------------------------------------------------------------------------------------
+# One CTA owns SM100_BWD_TILE_N keys (the M of every tcgen05 MMA but dQ's, and the 128 TMEM
+# lanes) and steps over query blocks of SM100_BWD_TILE_M rows (the N of S^T / dP^T, the M of dQ).
+SM100_BWD_TILE_M = 128
+SM100_BWD_TILE_N = 128
+SM100_BWD_WARPS = 16
+SM100_BWD_TILE = (SM100_BWD_TILE_M, SM100_BWD_TILE_N, SM100_BWD_WARPS)
+# d = dv only; d 192 / 256 need the 2-CTA MMA (FA4's design), not here yet.
+SM100_BWD_HEAD_DIMS = (64, 96, 128)
+# Registers a thread after setmaxnreg, per warpgroup (setmaxnreg is warpgroup-wide): (compute,
+# dq, other). 128 * (2 * compute + dq + other) <= 65536 (512 threads launch at 128 each). A
+# compute thread holds one key row of P^T (64 fp32 of its half) and a 32-column chunk of dP^T;
+# a dQ thread a 16-column chunk of its query row of dQ. The last warpgroup holds the MMA warp,
+# whose loop-invariant smem descriptors (five GEMMs, two 32-bit words a K phase) ptxas keeps
+# in registers: at 48 or 88 it spilled them (d 128: 40 / 5 LDL), at 96 it does not. Compute
+# spilled at 120 (d 128), dQ did not at 64.
+SM100_BWD_REGS = (168, 80, 96)
+assert 128 * (2 * SM100_BWD_REGS[0] + SM100_BWD_REGS[1] + SM100_BWD_REGS[2]) <= 65536
+assert all(r % 8 == 0 for r in SM100_BWD_REGS)
+# Q (and LSE / delta) stages and dO stages: Q(i + 1) is loaded while block i runs (S(i + 1) is
+# issued before dK(i) reads Q(i)); dO(i + 1) waits for dV(i) (one stage fits 227 KiB at d 128).
+SM100_BWD_Q_STAGES = 2
+SM100_BWD_DO_STAGES = 1
+# dQ leaves TMEM in chunks of this many columns (fp32), staged in smem in SM100_BWD_DQ_STAGES
+# buffers of (tile_m, chunk), each added to dQaccum by one TMA reduce-add.
+SM100_BWD_DQ_CHUNK = 16
+SM100_BWD_DQ_STAGES = 2
+# mbarriers, the TMEM address and 1024-byte alignment of the tiles.
+SM100_BWD_SMEM_SLACK = 2048
+
+
+def bwd_tmem_plan(tile_m: int, head_dim: int, head_dim_v: int) -> dict[str, int]:
+    """First TMEM column of each accumulator of the backward (and "total" columns used).
+
+    S^T [0, tile_m) (keys x queries, fp32); P^T (16-bit) over it: the half of the queries of
+    compute warpgroup w at columns [w tile_m / 2, w tile_m / 2 + tile_m / 4), inside the S^T
+    columns that warpgroup alone reads. dP^T [tile_m, 2 tile_m); dQ (queries x d) over dP^T's
+    columns (dP^T is dead once the compute warps loaded it; dQ is drained before the next
+    dP^T). dV [2 tile_m, 2 tile_m + dv), dK after it."""
+    assert head_dim <= tile_m, "dQ must fit in dP^T's columns"
+    plan = {"S": 0, "P": 0, "dP": tile_m, "dQ": tile_m, "dV": 2 * tile_m}
+    plan["dK"] = plan["dV"] + head_dim_v
+    plan["total"] = plan["dK"] + head_dim
+    assert plan["total"] <= TMEM_COLUMNS, f"TMEM plan of {plan['total']} columns"
+    return plan
+
+
+def bwd_tmem_columns(tile_m: int, head_dim: int, head_dim_v: int) -> int:
+    """Columns of the backward's TMEM plan: S^T, dP^T (dQ over it), dV, dK."""
+    return 2 * tile_m + head_dim + head_dim_v
+
+
+def bwd_smem_bytes(config: BwdConfig) -> int:
+    """Shared memory of the sm100 backward: K and V once, the Q and dO stages, one dS tile
+    (16-bit), the fp32 dQ staging buffers, LSE and delta stages (fp32), plus slack."""
+    tm, tn, d, dv = config.tile_m, config.tile_n, config.head_dim, config.head_dim_v
+    tiles = tn * (d + dv) + SM100_BWD_Q_STAGES * tm * d + SM100_BWD_DO_STAGES * tm * dv + tm * tn
+    dq = SM100_BWD_DQ_STAGES * tm * SM100_BWD_DQ_CHUNK * 4
+    stats = 2 * SM100_BWD_Q_STAGES * tm * 4
+    return tiles * 2 + dq + stats + SM100_BWD_SMEM_SLACK
+
+
+def bwd_can_implement(config: BwdConfig) -> tuple[bool, str]:
+    """Whether FlashAttentionBackwardSm100 compiles ``config``; else the reason."""
+    if config.arch != 100:
+        return False, f"FlashAttentionBackwardSm100 is the sm100 family, not sm{config.arch}"
+    if config.target not in SM100_FWD_TARGETS:
+        return False, (
+            f"target {config.target}: the sm100 backward needs one of {SM100_FWD_TARGETS}"
+        )
+    if config.head_dim != config.head_dim_v or config.head_dim not in SM100_BWD_HEAD_DIMS:
+        return False, (
+            f"head_dim {config.head_dim} / head_dim_v {config.head_dim_v}: the sm100 backward "
+            f"takes d = dv in {SM100_BWD_HEAD_DIMS} (d 192 / 256 need the 2-CTA MMA: not yet)"
+        )
+    if not isinstance(config.tuning, Sm100BwdTuning):
+        return False, f"tuning {type(config.tuning).__name__} is not an Sm100BwdTuning"
+    if (config.tile_m, config.tile_n, config.num_warps) != SM100_BWD_TILE:
+        tile = f"{config.tile_m}x{config.tile_n}w{config.num_warps}"
+        return False, f"tile {tile}: the sm100 backward needs {SM100_BWD_TILE}"
+    if bwd_tmem_columns(config.tile_m, config.head_dim, config.head_dim_v) > TMEM_COLUMNS:
+        return False, "the TMEM plan needs more than 512 columns"
+    if bwd_smem_bytes(config) > SMEM_CAPACITY[config.target]:
+        return False, f"shared memory {bwd_smem_bytes(config)} bytes exceeds the target's"
+    not_yet = [
+        (config.local, "local (sliding window)"),
+        (config.has_softcap, "softcap"),
+        (config.deterministic, "deterministic"),
+        (config.det_coresident, "det_coresident"),
+        (config.seqused_q, "seqused_q"),
+        (config.seqused_k, "seqused_k"),
+    ]
+    for flag, name in not_yet:
+        if flag:
+            return False, f"{name} not implemented in the sm100 backward yet"
+    return True, ""
+
+
+def bwd_config(d: int, dv: int, target: str = "sm_100a", dtype: str = "bf16", **flags) -> BwdConfig:
+    """The compile key of the sm100 backward for (d, dv) and the feature flags."""
+    tuning = Sm100BwdTuning(tile_m=SM100_BWD_TILE_M, tile_n=SM100_BWD_TILE_N)
+    return BwdConfig(arch=100, target=target, dtype=dtype, head_dim=d, head_dim_v=dv,
                      tuning=tuning, **flags)  # fmt: skip

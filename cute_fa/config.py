@@ -189,6 +189,28 @@ class Sm100FwdTuning:
         return f"{self.tile_m}x{self.tile_n}w{self.num_warps}"
 
 
+@dataclass(frozen=True)
+class Sm100BwdTuning:
+    """Tuning of FlashAttentionBackwardSm100 (blackwell/flash_bwd.py): tile_n keys a CTA (the M
+    of its tcgen05 MMAs) and tile_m query rows a step; its other choices are constants of
+    ``blackwell/support.py`` until they are measured on a Blackwell GPU."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _check_tile(self.tile_m, self.tile_n)
+
+    @property
+    def num_warps(self) -> int:
+        return 16  # dQ and two compute warpgroups, MMA / load warps, two idle
+
+    @property
+    def label(self) -> str:
+        return f"{self.tile_m}x{self.tile_n}w{self.num_warps}"
+
+
 def check_field_types(cls: type, values: dict) -> None:
     """TuningError unless each of ``values`` has the declared type of ``cls``'s field of that
     name: an int (not a bool) for int fields, a bool for bool fields (so ``pingpong="off"`` or
@@ -218,7 +240,7 @@ def _check_tile(tile_m: int, tile_n: int) -> None:
             raise TuningError(f"{name} must be a multiple of 16 from 16 to 256, got {value!r}")
 
 
-Tuning = Tiles | Sm90FwdTuning | Sm90BwdTuning | Sm100FwdTuning
+Tuning = Tiles | Sm90FwdTuning | Sm90BwdTuning | Sm100FwdTuning | Sm100BwdTuning
 # The tuning of each kernel family, by the family's name in overrides (``cute_fa.tuning``) and
 # in the per-GPU tuned tables (``cute_fa/tuned.py``).
 TUNING_CLASSES: dict[str, type] = {

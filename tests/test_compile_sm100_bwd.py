@@ -1,0 +1,200 @@
+"""Compile-only checks of the sm100 backward main kernel on the CPU, with a SASS read.
+
+No Blackwell GPU and no simulator exist where this runs, and nothing dispatches to
+``FlashAttentionBackwardSm100`` yet: it is cross-compiled for sm_100a (and sm_103a) with the
+backward protocol's fake tensors (``bwd_fake_args``) and its cubin is read. What is checked: the
+MMAs are tcgen05 (``UTCHMMA``, the count of the class docstring's formula; no ``HMMA`` /
+``HGMMA``), S^T / dP^T / dQ / dK / dV leave TMEM by ``LDTM`` and P^T goes back by ``STTM`` (counts
+of the step copies), dQ leaves by TMA reduce-adds (``UTMAREDG``, one per 16-column chunk; no
+per-element atomics), TMEM is allocated and freed once, the warpgroups re-budget their registers
+(``USETMAXREG`` = the support table), one ``MUFU.EX2`` a score, and nothing goes to local
+memory. The pipeline arrival counts are asserted while tracing; this file checks the traced
+protocol against the docstring's table. ``bwd_can_implement`` accepts and rejects with reasons
+on the CPU without compiling.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+
+import pytest
+from cute_fa.blackwell.support import (
+    SM100_BWD_DQ_CHUNK,
+    SM100_BWD_HEAD_DIMS,
+    SM100_BWD_REGS,
+    SM100_BWD_TILE,
+    TMEM_COLUMNS,
+    bwd_can_implement,
+    bwd_config,
+    bwd_smem_bytes,
+    bwd_tmem_columns,
+    bwd_tmem_plan,
+)
+
+from cute_fa.config import SMEM_CAPACITY, Sm90BwdTuning, Sm100BwdTuning, Sm100FwdTuning
+
+EXHAUSTIVE = pytest.mark.exhaustive
+
+
+def _compile(config):
+    """(kernel instance, inspect_cubin's report) of the sm100 backward for ``config``."""
+    import cutlass.cute as cute
+    from cute_fa.blackwell import FlashAttentionBackwardSm100
+
+    from cute_fa.dsl.fake import bwd_fake_args
+    from cute_fa.tools.sass import inspect_cubin
+
+    kernel = FlashAttentionBackwardSm100(config)
+    with tempfile.TemporaryDirectory(prefix="cute-fa-sm100-bwd-") as d:
+        compiled = cute.compile(
+            kernel,
+            *bwd_fake_args(config),
+            options=f"--gpu-arch {config.target} --keep-cubin --dump-dir {d}",
+        )
+        cubin = compiled.__cubin__
+    assert cubin, f"no cubin kept for {config.name}"
+    cubin = cubin if isinstance(cubin, bytes) else cubin.encode("latin-1")
+    return kernel, inspect_cubin(cubin)
+
+
+def test_lazy_import_and_support_without_dsl_kernel() -> None:
+    import cute_fa.blackwell as bw
+
+    assert "FlashAttentionBackwardSm100" in bw.__all__
+    assert bwd_can_implement(bwd_config(128, 128)) == (True, "")
+
+
+@pytest.mark.parametrize("d", SM100_BWD_HEAD_DIMS)
+@pytest.mark.parametrize("target", ["sm_100a", "sm_103a"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("flags", [{}, {"causal": True, "varlen_q": True, "varlen_k": True}])
+def test_sm100_bwd_can_implement_accepts(d: int, target: str, dtype: str, flags: dict) -> None:
+    config = bwd_config(d, d, target=target, dtype=dtype, **flags)
+    assert bwd_can_implement(config) == (True, "")
+    assert bwd_smem_bytes(config) <= SMEM_CAPACITY[target]
+    assert bwd_tmem_columns(config.tile_m, d, d) <= TMEM_COLUMNS
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({"arch": 90}, "sm90"),
+        ({"target": "sm_90a"}, "sm_100a"),
+        ({"head_dim": 192, "head_dim_v": 192}, "2-CTA"),
+        ({"head_dim": 256, "head_dim_v": 256}, "head_dim 256"),
+        ({"head_dim_v": 64}, "head_dim_v 64"),
+        ({"tuning": Sm100BwdTuning(tile_m=64)}, "tile"),
+        ({"tuning": Sm100BwdTuning(tile_n=64)}, "tile"),
+        ({"tuning": Sm90BwdTuning()}, "Sm100BwdTuning"),
+        ({"tuning": Sm100FwdTuning()}, "Sm100BwdTuning"),
+        ({"local": True}, "local"),
+        ({"has_softcap": True}, "softcap"),
+        ({"deterministic": True}, "deterministic"),
+        ({"seqused_q": True}, "seqused_q"),
+        ({"seqused_k": True}, "seqused_k"),
+    ],
+)
+def test_sm100_bwd_can_implement_rejects_with_reason(changes: dict, needle: str) -> None:
+    ok, reason = bwd_can_implement(bwd_config(128, 128).replace(**changes))
+    assert not ok and needle in reason, reason
+
+
+def test_sm100_bwd_kernel_rejects_at_construction() -> None:
+    from cute_fa.blackwell import FlashAttentionBackwardSm100
+
+    with pytest.raises(NotImplementedError, match="softcap"):
+        FlashAttentionBackwardSm100(bwd_config(128, 128, has_softcap=True))
+
+
+def test_sm100_bwd_tmem_plan_and_budget() -> None:
+    assert SM100_BWD_TILE == (128, 128, 16)
+    tile_m = SM100_BWD_TILE[0]
+    for d in SM100_BWD_HEAD_DIMS:
+        plan = bwd_tmem_plan(tile_m, d, d)
+        # S^T | dP^T (dQ over it) | dV | dK, P^T over S^T; exactly the columns the plan counts.
+        assert plan["P"] == plan["S"] == 0 and plan["dQ"] == plan["dP"] == tile_m
+        assert plan["dV"] == 2 * tile_m and plan["dK"] == 2 * tile_m + d
+        assert plan["total"] == bwd_tmem_columns(tile_m, d, d) <= TMEM_COLUMNS
+    assert bwd_tmem_plan(tile_m, 128, 128)["total"] == TMEM_COLUMNS
+    with pytest.raises(AssertionError):
+        bwd_tmem_plan(tile_m, 192, 128)  # dQ wider than dP^T's columns
+    with pytest.raises(AssertionError):
+        bwd_tmem_plan(tile_m + 16, 128, 128)  # 544 columns
+    compute, dq, other = SM100_BWD_REGS
+    assert 128 * (2 * compute + dq + other) <= 65536
+
+
+VARLEN = {"varlen_q": True, "varlen_k": True}
+# (d, target, flags). Default run: four compiles (d 128; d 96 causal; d 64 fp16 causal varlen;
+# d 128 on sm_103a); the rest with -m exhaustive.
+COMPILE_CASES = [
+    pytest.param(128, "sm_100a", {}, id="d128"),
+    pytest.param(96, "sm_100a", {"causal": True}, id="d96-causal"),
+    pytest.param(
+        64, "sm_100a", {"dtype": "fp16", "causal": True, **VARLEN}, id="d64-fp16-causal-varlen"
+    ),  # fmt: skip
+    pytest.param(128, "sm_103a", {}, id="d128-sm103a"),
+    pytest.param(128, "sm_100a", {"causal": True}, id="d128-causal", marks=EXHAUSTIVE),
+    pytest.param(128, "sm_100a", VARLEN, id="d128-varlen", marks=EXHAUSTIVE),
+    pytest.param(128, "sm_100a", {"dtype": "fp16"}, id="d128-fp16", marks=EXHAUSTIVE),
+    pytest.param(96, "sm_100a", {}, id="d96", marks=EXHAUSTIVE),
+    pytest.param(64, "sm_100a", {}, id="d64", marks=EXHAUSTIVE),
+    pytest.param(64, "sm_103a", {"causal": True}, id="d64-causal-sm103a", marks=EXHAUSTIVE),
+]
+
+_SETMAXNREG = re.compile(r"USETMAXREG\.(DEALLOC|TRY_ALLOC)\.CTAPOOL\s+(?:U?P\w+,\s*)?(0x[0-9a-f]+)")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d, target, flags", COMPILE_CASES)
+def test_sm100_bwd_compiles(d: int, target: str, flags: dict) -> None:
+    config = bwd_config(d, d, target=target, **flags)
+    kernel, info = _compile(config)
+    counts, sass = info["sass_counts"], info["sass_text"]
+    tile_m, tile_n = config.tile_m, config.tile_n
+    # tcgen05 MMAs only, the docstring's count: S and dP in the prologue and the loop, dV, dK, dQ
+    # in the loop; one instruction a K phase of 16.
+    assert counts["HMMA"] == 0 and counts["HGMMA"] == 0
+    assert counts["UTCHMMA"] == 2 * (d // 16) + 2 * (d // 16) + 3 * (tile_m // 16)
+    # Copies of the compute step: masked and unmasked (a CTA whose keys cut seqlen_k), one
+    # (masked) with causal. Per copy: S^T in two 32-column loads, dP^T in two, P^T in one store;
+    # the dq warps load dQ in 16-column chunks, the epilogue dK and dV in 32 (d 96: 16).
+    copies = 1 if config.causal else 2
+    epi_chunk = 32 if (d // 2) % 32 == 0 else 16
+    assert counts["STTM"] == copies
+    assert counts["LDTM"] == 4 * copies + d // SM100_BWD_DQ_CHUNK + 2 * (d // 2 // epi_chunk)
+    # One exponential a score: 64 queries a thread in each copy.
+    assert len(re.findall(r"MUFU\.EX2", sass)) == copies * tile_m // 2
+    # dQ leaves by TMA reduce-adds, one per chunk; no per-element atomics.
+    assert counts["UTMAREDG"] == d // SM100_BWD_DQ_CHUNK
+    assert counts["RED"] == 0 and counts["REDG"] == 0 and counts["ATOMG"] == 0
+    assert counts["UTMALDG"] > 0
+    # TMEM allocated (a retry loop: one or more FIND_AND_SET) and freed once.
+    assert sass.count("UTCATOMSWS.FIND_AND_SET") >= 1
+    assert sass.count("UTCATOMSWS.AND") == 1
+    # Registers re-budgeted per warpgroup: compute up, dq and the MMA / load / idle warps down.
+    compute, dq, other = SM100_BWD_REGS
+    budgets = {(kind, int(value, 16)) for kind, value in _SETMAXNREG.findall(sass)}
+    assert budgets == {("DEALLOC", other), ("DEALLOC", dq), ("TRY_ALLOC", compute)}
+    assert info["regs"] <= 128  # 512 threads launch
+    # Nothing in local memory.
+    assert info["stack"] == 0 and info["local"] == 0
+    assert counts["LDL"] == 0 and counts["STL"] == 0
+    # The traced pipelines are the docstring's protocol: (stages, producer arrivals, consumer
+    # arrivals).
+    assert tile_n == 128
+    assert kernel.protocol == {
+        "kv": (1, 1, 1),
+        "q": (2, 1, 1),
+        "do": (1, 1, 1),
+        "lse": (2, 32, 256),
+        "s": (1, 1, 256),
+        "dp": (1, 1, 256),
+        "ds": (1, 256, 1),
+        "dq": (1, 1, 128),
+        "dkv": (1, 1, 256),
+    }
+    doc = type(kernel).__doc__
+    for name in kernel.protocol:
+        assert f"pipeline_{name} " in doc, name
