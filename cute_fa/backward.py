@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import torch
 
-from . import settings, tuned
+from . import selftest, settings, tuned
 from .ampere.support import dq_accum_rows
 from .checks import DTYPE_NAMES, check_values, kernel_window, resolve_window
 from .compile import bwd_cache, bwd_post_cache, bwd_pre_cache
@@ -114,16 +114,52 @@ def _kernels(device, dtype, head_dim, head_dim_v, causal, local, has_softcap, va
         fit = det_fit is not None and config.arch == 80
         if fit and coresident_fits(config, det_fit, sm_count(device)):
             config = config.replace(det_coresident=True)
-        found = (
-            config,
-            bwd_pre_cache().get(pre_config(config, has_dlse)),
-            bwd_cache().get(config),
-            bwd_post_cache().get(post_config(config)),
-        )
+        found = _checked(_compiled(config, has_dlse), device, has_dlse)
         if len(_launch_kernels) >= _MAX_LAUNCH_KERNELS:
             _launch_kernels.clear()
         _launch_kernels[key] = found
     return found
+
+
+def _compiled(config, has_dlse: bool) -> tuple:
+    """(config, preprocess, main, postprocess): the compiled kernels of one main-kernel key."""
+    return (
+        config,
+        bwd_pre_cache().get(pre_config(config, has_dlse)),
+        bwd_cache().get(config),
+        bwd_post_cache().get(post_config(config)),
+    )
+
+
+def _checked(found: tuple, device, has_dlse: bool) -> tuple:
+    """``found`` when its main kernel may serve calls on ``device``: it needs no first-use
+    self-check (``cute_fa.selftest``: a family never run on this GPU family, or forced) or
+    passes it, with the launch sequence of ``_launch`` on the check's problems; else the sm80
+    backward's kernels for the same request (one warning a process naming the variant and
+    the error), or SelfCheckError when the failing kernel is the sm80 one."""
+    config = found[0]
+    if not selftest.needs_check(config):
+        return found
+
+    def launch(*args):
+        return _launch(found, *args, dlse=None)
+
+    error = selftest.bwd_failure(launch, config, device)
+    if not error:
+        return found
+    if config.arch == 80:
+        raise selftest.SelfCheckError(
+            f"cute_fa: {config.name} failed its first-use self-check on this GPU ({error}) and "
+            f"no other backward kernel implements the call; CUTE_FA_SELFTEST=0 runs it unchecked"
+        )
+    fallback = bwd_config(
+        config.target, config.dtype, config.head_dim, config.head_dim_v, causal=config.causal,
+        local=config.local, has_softcap=config.has_softcap, varlen_q=config.varlen_q,
+        varlen_k=config.varlen_k, seqused_q=config.seqused_q, seqused_k=config.seqused_k,
+        deterministic=config.deterministic, arch=80, table=tuned_table(device),
+    )  # fmt: skip
+    selftest.warn_fallback(config, error, fallback, device)
+    return _checked(_compiled(fallback, has_dlse), device, has_dlse)
 
 
 def run_backward(
@@ -159,7 +195,6 @@ def run_backward(
     dtype = q.dtype
     causal, local, window_left, window_right = resolve_window(causal, (window_left, window_right))
     varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
-    nheads, nheads_kv = q.shape[-2], k.shape[-2]
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
 
     if q.numel() == 0 or k.numel() == 0:  # no query or no key: nothing flows back
@@ -187,13 +222,31 @@ def run_backward(
             )
 
     det_fit = max_seqlen_k if deterministic and not local else None
-    config, pre, main, post = _kernels(
+    found = _kernels(
         q.device, DTYPE_NAMES[dtype], head_dim, head_dim_v, causal, local, softcap > 0, varlen_q,
         varlen_k, seqused_q is not None, seqused_k is not None, deterministic, dlse is not None,
         (settings.forced_bwd_arch(), settings.deterministic_chain_order(), tuned.state()),
         det_fit,
     )  # fmt: skip
+    return _launch(
+        found, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+        max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dlse=dlse,
+    )  # fmt: skip
 
+
+def _launch(
+    found: tuple, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+    max_seqlen_q: int | None, max_seqlen_k: int, softmax_scale: float, window_left,
+    window_right, softcap: float, *, dlse: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The launch sequence of the module docstring with the kernels ``found`` ((config, pre,
+    main, post)) on checked arguments: ``dout`` kernel-ready in q's dtype, ``max_seqlen_k`` the
+    longest key sequence, the window as ``resolve_window`` returns it (the mask flags are
+    the config's)."""
+    config, pre, main, post = found
+    dtype, varlen_q, varlen_k = q.dtype, cu_seqlens_q is not None, cu_seqlens_k is not None
+    nheads, nheads_kv = q.shape[-2], k.shape[-2]
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     device = q.device
     q4, out4, dout4 = (_batch_dim(t, varlen_q) for t in (q, out, dout))
     lse3, dlse3 = _batch_dim(lse, varlen_q), _batch_dim(dlse, varlen_q)
@@ -217,9 +270,9 @@ def run_backward(
     dv_shape = (*v.shape[:-2], nheads, head_dim_v)
     dk = alloc(dk_shape if grouped else k.shape, dtype=dtype, device=device)
     dv = alloc(dv_shape if grouped else v.shape, dtype=dtype, device=device)
-    window_left, window_right = kernel_window(local, window_left, window_right)
+    window_left, window_right = kernel_window(config.local, window_left, window_right)
     semaphores = None
-    if deterministic:  # one counter per (batch, head, query block); see Note [deterministic dQ]
+    if config.deterministic:  # a counter per (batch, head, query block): Note [deterministic dQ]
         blocks = -(-rows // config.tile_m)  # a bound on any sequence's query blocks
         semaphores = torch.zeros((num_seqs, nheads, blocks), dtype=torch.int32, device=device)
     main(

@@ -46,7 +46,7 @@ import torch
 
 from . import settings
 from .cache import atomic_write, driver_cuda_version, entry_name, fingerprint
-from .config import FwdConfig
+from .config import BwdConfig, FwdConfig
 from .device import facts
 from .reference import attention_ref, check_close
 
@@ -75,6 +75,7 @@ CHECK_SEQUSED_Q_LESS = 5
 CHECK_SEQUSED_K_LESS = 7
 
 PASS = "pass"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _FAIL = "fail: "
 
 
@@ -101,7 +102,7 @@ def forced(*archs: int):
         _forced.difference_update(added)
 
 
-def needs_check(config: FwdConfig) -> bool:
+def needs_check(config: FwdConfig | BwdConfig) -> bool:
     """Whether a compiled ``config`` is checked at its first use on a GPU: sm100 kernels, sm80
     kernels on SMALL_SMEM_TARGETS, families in ``forced``; every one with
     ``CUTE_FA_SELFTEST=force``, none with ``CUTE_FA_SELFTEST=0``."""
@@ -137,7 +138,7 @@ def _check_problem(kernel, config: FwdConfig, device: torch.device, problem: Pro
                    generator: torch.Generator) -> None:  # fmt: skip
     """Launch ``kernel`` on ``problem`` in ``config``'s layout and compare with the reference
     (AssertionError naming out or lse and the worst element)."""
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[config.dtype]
+    dtype = DTYPES[config.dtype]
     d, dv, h, hk = config.head_dim, config.head_dim_v, problem.heads, problem.heads_kv
     lens_q, lens_k = _lengths(config, problem.seqlen)
     batch = len(lens_q)
@@ -222,6 +223,114 @@ def run_check(kernel, config: FwdConfig, device: torch.device) -> tuple[bool, st
         label = f"{problem.seqlen} rows, {problem.heads} heads / {problem.heads_kv} kv heads"
         try:
             _check_problem(kernel, config, device, problem, generator)
+        except Exception as e:  # noqa: BLE001 - any failure of the kernel is the result
+            message = " ".join(str(e).split())
+            return False, f"{label}: {type(e).__name__}: {message}"
+    return True, ""
+
+
+def _poison_past(x: torch.Tensor, varlen: bool, cu: list[int], used: list[int], value) -> None:
+    """Fill each sequence's rows from ``used[i]`` on with ``value`` (rows that are not inputs)."""
+    for i in range(len(used)):
+        if varlen:
+            x[cu[i] + used[i] : cu[i + 1]] = value
+        else:
+            x[i, used[i] :] = value
+
+
+def _check_bwd_problem(launch, config: BwdConfig, device: torch.device, problem: Problem,
+                       generator: torch.Generator) -> None:  # fmt: skip
+    """One backward problem: the reference's out and LSE in, dq, dk, dv out, compared with the
+    fp32 autograd of the reference (``check_close``); rows past seqused read as 0. NaN in the
+    q / k / v rows past seqused (not inputs), 0 in those rows of dout and out."""
+    dtype = DTYPES[config.dtype]
+    d, dv, h, hk = config.head_dim, config.head_dim_v, problem.heads, problem.heads_kv
+    lens_q, lens_k = _lengths(config, problem.seqlen)
+    batch = len(lens_q)
+    cu_q = [0, *(sum(lens_q[: i + 1]) for i in range(batch))]
+    cu_k = [0, *(sum(lens_k[: i + 1]) for i in range(batch))]
+
+    def randn(rows: list[int], heads: int, dim: int, varlen: bool) -> torch.Tensor:
+        shape = (sum(rows), heads, dim) if varlen else (batch, rows[0], heads, dim)
+        x = torch.randn(shape, generator=generator, dtype=torch.float32)
+        return x.to(device=device, dtype=dtype)
+
+    q = randn(lens_q, h, d, config.varlen_q)
+    k = randn(lens_k, hk, d, config.varlen_k)
+    v = randn(lens_k, hk, dv, config.varlen_k)
+    dout = randn(lens_q, h, dv, config.varlen_q)
+    used_q = [n - CHECK_SEQUSED_Q_LESS for n in lens_q] if config.seqused_q else lens_q
+    used_k = [n - CHECK_SEQUSED_K_LESS for n in lens_k] if config.seqused_k else lens_k
+    scale = d**-0.5
+    softcap = CHECK_SOFTCAP if config.has_softcap else 0.0
+    window = CHECK_WINDOW if config.local else (None, 0) if config.causal else (None, None)
+    kw = dict(softmax_scale=scale, window_size=window, softcap=softcap)
+
+    out = torch.zeros(dout.shape, dtype=dtype, device=device)
+    lse_shape = (h, q.shape[0]) if config.varlen_q else (batch, h, lens_q[0])
+    lse = torch.full(lse_shape, -math.inf, dtype=torch.float32, device=device)
+    expected = []  # per sequence: (fp32 reference grads, kernel-precision grads)
+    for i in range(batch):
+        qi = _rows(q, config.varlen_q, cu_q, i)[:, : used_q[i]]
+        ki = _rows(k, config.varlen_k, cu_k, i)[:, : used_k[i]]
+        vi = _rows(v, config.varlen_k, cu_k, i)[:, : used_k[i]]
+        doi = _rows(dout, config.varlen_q, cu_q, i)[:, : used_q[i]]
+        o, lv = attention_ref(qi, ki, vi, **kw)
+        n = used_q[i]
+        if config.varlen_q:
+            out[cu_q[i] : cu_q[i] + n] = o[0].to(dtype)
+            lse[:, cu_q[i] : cu_q[i] + n] = lv[0]
+        else:
+            out[i, :n] = o[0].to(dtype)
+            lse[i, :, :n] = lv[0]
+        grads = []
+        for upcast in (True, False):
+            # The check runs inside autograd's backward (grad mode off there).
+            with torch.enable_grad():
+                leaves = [t.detach().to(torch.float32 if upcast else dtype).requires_grad_()
+                          for t in (qi, ki, vi)]  # fmt: skip
+                o_ref, _ = attention_ref(*leaves, upcast=upcast, reorder_ops=not upcast, **kw)
+                grads.append(torch.autograd.grad(o_ref, leaves, doi.to(o_ref.dtype)))
+        expected.append(grads)
+    for x, varlen, cu, used in ((q, config.varlen_q, cu_q, used_q), (k, config.varlen_k, cu_k,
+                                used_k), (v, config.varlen_k, cu_k, used_k)):  # fmt: skip
+        _poison_past(x, varlen, cu, used, math.nan)
+    _poison_past(dout, config.varlen_q, cu_q, used_q, 0.0)
+
+    def int32(values: list[int] | None) -> torch.Tensor | None:
+        return None if values is None else torch.tensor(values, dtype=torch.int32, device=device)
+
+    wl, wr = CHECK_WINDOW if config.local else (None, 0) if config.causal else (None, None)
+    dq, dk, dv_ = launch(
+        dout, q, k, v, out, lse, int32(cu_q if config.varlen_q else None),
+        int32(cu_k if config.varlen_k else None), int32(used_q if config.seqused_q else None),
+        int32(used_k if config.seqused_k else None), max(lens_q), max(lens_k), scale, wl, wr,
+        softcap,
+    )  # fmt: skip
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    for i, (ref, pt) in enumerate(expected):
+        for g, varlen, cu, used, r, p, name in (
+            (dq, config.varlen_q, cu_q, used_q, ref[0], pt[0], "dq"),
+            (dk, config.varlen_k, cu_k, used_k, ref[1], pt[1], "dk"),
+            (dv_, config.varlen_k, cu_k, used_k, ref[2], pt[2], "dv"),
+        ):
+            rows = _rows(g, varlen, cu, i)
+            check_close(rows[:, : used[i]], r, p, name=f"{name} of sequence {i}")
+            past = rows[:, used[i] :]
+            if not bool((past == 0).all()):
+                raise AssertionError(f"{name} of sequence {i}: rows past seqused are not 0")
+
+
+def run_bwd_check(launch, config: BwdConfig, device: torch.device) -> tuple[bool, str]:
+    """``run_check`` of a backward variant: ``launch`` runs the backward's launch sequence
+    with the compiled kernels of ``config`` (``cute_fa.backward``) on CHECK_PROBLEMS; dq, dk,
+    dv are compared with the fp32 autograd of the reference on ``device``."""
+    generator = torch.Generator().manual_seed(1)
+    for problem in CHECK_PROBLEMS:
+        label = f"{problem.seqlen} rows, {problem.heads} heads / {problem.heads_kv} kv heads"
+        try:
+            _check_bwd_problem(launch, config, device, problem, generator)
         except Exception as e:  # noqa: BLE001 - any failure of the kernel is the result
             message = " ".join(str(e).split())
             return False, f"{label}: {type(e).__name__}: {message}"
@@ -320,16 +429,25 @@ def _warn_once(tag: tuple, message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
-def check(kernel, config: FwdConfig, device: torch.device, *, force: bool = False
-          ) -> tuple[str, bool]:  # fmt: skip
+def check(kernel, config: FwdConfig | BwdConfig, device: torch.device, *, force: bool = False,
+          runner=None) -> tuple[str, bool]:  # fmt: skip
     """(result, ran): the recorded result of ``config`` on this GPU, or the check run now and
-    recorded ("pass" or "fail: <error>"); ``force`` runs it again."""
+    recorded ("pass" or "fail: <error>"); ``force`` runs it again. ``runner``: ``run_check``
+    (a forward kernel, the default) or ``run_bwd_check`` (``kernel`` is then the backward's
+    launch sequence). A first check during CUDA-graph capture raises SelfCheckError: it would
+    launch and synchronize inside the capture."""
     key = record_key(device)
     variant = variant_key(config)
     found = None if force else results(key).get(variant)
     if found is not None:
         return found, False
-    ok, error = run_check(kernel, config, device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise SelfCheckError(
+            f"cute_fa: {config.name} has not passed its first-use self-check on this GPU yet "
+            f"and a CUDA graph is being captured: run one call outside the capture first (or "
+            f"python -m cute_fa selftest); CUTE_FA_SELFTEST=0 runs it unchecked"
+        )
+    ok, error = (runner or run_check)(kernel, config, device)
     result = PASS if ok else _FAIL + error
     record(key, variant, result)
     return result, True
@@ -342,7 +460,15 @@ def failure(kernel, config: FwdConfig, device: torch.device) -> str:
     return "" if result == PASS else result.removeprefix(_FAIL)
 
 
-def warn_fallback(bad: FwdConfig, error: str, fallback: FwdConfig, device: torch.device) -> None:
+def bwd_failure(launch, config: BwdConfig, device: torch.device) -> str:
+    """``failure`` of a backward variant; ``launch`` is its launch sequence
+    (``run_bwd_check``)."""
+    result, _ = check(launch, config, device, runner=run_bwd_check)
+    return "" if result == PASS else result.removeprefix(_FAIL)
+
+
+def warn_fallback(bad: FwdConfig | BwdConfig, error: str, fallback: FwdConfig | BwdConfig,
+                  device: torch.device) -> None:  # fmt: skip
     """One warning a process for a variant that failed its check: which, the error, and the
     kernel its calls run instead."""
     key = record_key(device)

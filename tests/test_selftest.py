@@ -323,3 +323,148 @@ def test_selftest_command_lists_what_precompile_builds(monkeypatch):
         ("bf16 d64 plain", 100), ("bf16 d128 plain", 100), ("bf16 d256 plain", 80)
     ]  # fmt: skip
     assert not skipped and all(selftest.needs_check(c) for _, c in variants[:2])
+
+
+# --------------------------------------------------------------------------------------------
+# The backward's check
+
+
+class RefBackward:
+    """The backward's launch sequence (``cute_fa.backward._launch``'s arguments after
+    ``found``) computed by autograd of the reference at the kernels' precision, rows past
+    seqused 0 (passes the check); ``scale_error`` multiplies the softmax scale (a 1 % error
+    fails it)."""
+
+    def __init__(self, config, scale_error: float = 1.0):
+        self.config = config
+        self.scale_error = scale_error
+        self.launches = 0
+
+    def __call__(self, dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, max_q, max_k,
+                 scale, wl, wr, softcap, dlse=None):  # fmt: skip
+        self.launches += 1
+        c = self.config
+        window = (wl, wr) if c.local else (None, 0) if c.causal else (None, None)
+        kw = dict(softmax_scale=scale * self.scale_error, window_size=window, softcap=softcap,
+                  upcast=False, reorder_ops=True)  # fmt: skip
+        grads = [torch.zeros_like(t) for t in (q, k, v)]
+        if c.varlen_q:
+            seqs = [(slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1])))
+                    for i in range(len(cu_q) - 1)]  # fmt: skip
+        else:
+            seqs = [(i, i) for i in range(q.shape[0])]
+        for i, (sq, sk) in enumerate(seqs):
+            nq = int(used_q[i]) if used_q is not None else None
+            nk = int(used_k[i]) if used_k is not None else None
+            qi, ki, vi, doi = q[sq][:nq], k[sk][:nk], v[sk][:nk], dout[sq][:nq]
+            with torch.enable_grad():  # a kernel needs no grad mode; this stand-in does
+                leaves = [t.unsqueeze(0).detach().clone().requires_grad_() for t in (qi, ki, vi)]
+                o, _ = attention_ref(*leaves, **kw)
+                computed = torch.autograd.grad(o, leaves, doi.unsqueeze(0))
+            rows = (sq, sk, sk) if c.varlen_q else (i, i, i)
+            for g, x, r in zip(grads, computed, rows, strict=True):
+                g[r][: x.shape[1]] = x[0]
+        return tuple(grads)
+
+
+def bwd_key(**flags):
+    return planning.bwd_config("sm_90a", "bf16", 64, 64, **flags)
+
+
+BWD_VARIANTS = [
+    {},
+    {"causal": True},
+    {"local": True, "has_softcap": True},
+    {"varlen_q": True, "varlen_k": True, "seqused_q": True, "seqused_k": True},
+]
+
+
+@pytest.mark.parametrize("flags", BWD_VARIANTS, ids=lambda f: "+".join(f) or "plain")
+def test_bwd_check_passes_the_reference_and_fails_a_one_percent_scale_error(flags):
+    config = bwd_key(**flags)
+    right = RefBackward(config)
+    assert selftest.run_bwd_check(right, config, torch.device("cpu")) == (True, "")
+    assert right.launches == len(selftest.CHECK_PROBLEMS)
+    ok, error = selftest.run_bwd_check(RefBackward(config, 1.01), config, torch.device("cpu"))
+    assert not ok and error.startswith("300 rows, 2 heads / 2 kv heads: AssertionError")
+    assert "dq of sequence 0" in error
+
+
+def test_bwd_check_fails_gradients_past_seqused():
+    config = bwd_key(varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True)
+
+    def leaky(*args, **kwargs):
+        dq, dk, dv = RefBackward(config)(*args, **kwargs)
+        return dq, dk, dv.fill_(0.0) + dv + (dv == 0).to(dv.dtype)  # 1 where it was 0
+
+    ok, error = selftest.run_bwd_check(leaky, config, torch.device("cpu"))
+    assert not ok and "dv of sequence 0" in error
+
+
+@pytest.fixture
+def bwd_device(monkeypatch, tmp_path):
+    """The backward's kernels on CPU: ``_compiled`` gives (config, None, None, None), ``_launch``
+    the reference (``RefBackward``), wrong (a 2 % scale error) for the families in
+    ``dev.wrong``; the sm90 family is checked (forced)."""
+    from cute_fa import backward
+
+    class Device:
+        wrong: set[int] = set()
+        launched: list = []
+
+    dev = Device()
+
+    def launch(found, *args, dlse=None):
+        config = found[0]
+        dev.launched.append(config.arch)
+        return RefBackward(config, 1.02 if config.arch in dev.wrong else 1.0)(*args)
+
+    monkeypatch.setenv(settings.CACHE_DIR, str(tmp_path))
+    monkeypatch.delenv(settings.SELFTEST, raising=False)
+    monkeypatch.setattr(backward, "_compiled", lambda config, has_dlse: (config, None, None, None))
+    monkeypatch.setattr(backward, "_launch", launch)
+    monkeypatch.setattr(backward, "tuned_table", lambda _: None)
+    monkeypatch.setattr(selftest, "gpu_name", lambda _: "Fake H200")
+    selftest.forget_loaded()
+    with selftest.forced(90, 80):
+        yield dev
+    selftest.forget_loaded()
+
+
+def test_bwd_failing_variant_falls_back_to_sm80_with_one_warning(bwd_device):
+    from cute_fa import backward
+
+    bwd_device.wrong = {90}
+    found = backward._compiled(bwd_key(causal=True), False)
+    with pytest.warns(RuntimeWarning, match=r"bwd_sm90.*failed its first-use self-check.*bwd_sm80"):
+        checked = backward._checked(found, torch.device("cpu"), False)
+    assert checked[0].arch == 80 and checked[0].causal
+    results = json.loads(record_file().read_text())["results"]
+    assert sorted(results.values(), key=len) == ["pass", results[selftest.variant_key(found[0])]]
+    assert results[selftest.variant_key(found[0])].startswith("fail: 300 rows")
+    # Recorded: a later process neither checks again nor launches the failing kernel.
+    selftest.forget_loaded()
+    bwd_device.launched.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert backward._checked(found, torch.device("cpu"), False)[0].arch == 80
+    assert bwd_device.launched == []
+
+
+def test_bwd_check_runs_with_grad_mode_off(bwd_device):
+    """The check runs inside autograd's backward, where grad mode is off: its reference
+    gradients still come out."""
+    from cute_fa import backward
+
+    found = backward._compiled(bwd_key(causal=True), False)
+    with torch.no_grad():
+        assert backward._checked(found, torch.device("cpu"), False) == found
+
+
+def test_bwd_failing_sm80_variant_has_no_fallback(bwd_device):
+    from cute_fa import backward
+
+    bwd_device.wrong = {80}
+    found = backward._compiled(bwd_key(causal=True).replace(arch=80), False)
+    with pytest.raises(selftest.SelfCheckError, match="no other backward kernel"):
+        backward._checked(found, torch.device("cpu"), False)

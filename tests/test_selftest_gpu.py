@@ -97,3 +97,68 @@ def test_selftest_command(fresh):
     assert "bf16 d128 plain" in run.stdout and "pass" in run.stdout
     again = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0 and "pass (recorded)" in again.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# The backward's check (forced on the run-verified sm90 and sm80 backward kernels)
+
+
+def bwd_device_config(arch: int | None = None, **flags):
+    from cute_fa.backward import _compiled
+    from cute_fa.config import target_for_capability
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    config = planning.bwd_config(
+        target_for_capability(*capability(device)), "bf16", 64, 64, arch=arch, **flags
+    )
+    return device, _compiled(config, False)
+
+
+@pytest.mark.parametrize("flags", [{}, {"causal": True}, {"local": True, "has_softcap": True},
+                                   {"varlen_q": True, "varlen_k": True, "seqused_q": True,
+                                    "seqused_k": True}, {"deterministic": True}],
+                         ids=lambda f: "+".join(f) or "plain")  # fmt: skip
+@pytest.mark.parametrize("arch", [None, 80])
+def test_run_bwd_check_passes_real_kernels(fresh, flags, arch):
+    from cute_fa.backward import _launch
+
+    device, found = bwd_device_config(arch, **flags)
+    ok, error = selftest.run_bwd_check(lambda *a: _launch(found, *a, dlse=None), found[0], device)
+    assert ok, f"{found[0].name}: {error}"
+
+
+def test_a_wrong_backward_fails_the_check(fresh):
+    from cute_fa.backward import _launch
+
+    device, found = bwd_device_config(causal=True)
+
+    def wrong_scale(dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, mq, mk, scale, *rest):
+        return _launch(found, dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, mq, mk,
+                       scale * 1.01, *rest, dlse=None)  # fmt: skip
+
+    ok, error = selftest.run_bwd_check(wrong_scale, found[0], device)
+    assert not ok and "300 rows" in error and "AssertionError" in error
+
+
+def test_forced_bwd_check_is_recorded_and_the_call_goes_on(fresh, monkeypatch):
+    from cute_fa import backward
+
+    monkeypatch.setenv(settings.SELFTEST, "force")
+    monkeypatch.setattr(backward, "_launch_kernels", {})
+    q = torch.randn(2, 333, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 444, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))  # fmt: skip
+    out, _ = flash_attn_func(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    o_ref, _ = attention_ref(*leaves, causal=True)
+    ref = torch.autograd.grad(o_ref, leaves, dout.float())
+    pt_leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    o_pt, _ = attention_ref(*pt_leaves, causal=True, upcast=False, reorder_ops=True)
+    pt = torch.autograd.grad(o_pt, pt_leaves, dout)
+    for g, r, p, name in zip(grads, ref, pt, ("dq", "dk", "dv"), strict=True):
+        check_close(g, r, p, name=name)
+    device, found = bwd_device_config(causal=True)
+    results = json.loads(selftest.record_path(selftest.record_key(device)).read_text())["results"]
+    assert results.get(selftest.variant_key(found[0])) == "pass", results
