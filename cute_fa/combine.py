@@ -161,6 +161,24 @@ def _check_values(out_partial, packed, cu_seqlens, seqused) -> None:
         check_seqused(values, "seqused", lens, room_name)
 
 
+def _used_rows(t: torch.Tensor, packed: bool, cu_seqlens, seqused) -> torch.Tensor:
+    """Boolean mask broadcasting over ``t`` ((batch, seqlen, nheads, ...) or (total, nheads,
+    ...)): the rows the combine writes (all of them without seqused)."""
+    rows = t.shape[1] if not packed else t.shape[0]
+    shape = [1] * t.dim()
+    if seqused is None:
+        return torch.ones(shape, dtype=torch.bool, device=t.device)
+    pos = torch.arange(rows, device=t.device, dtype=torch.int32)
+    if packed:  # position of each packed row within its sequence
+        seq = torch.searchsorted(cu_seqlens, pos, right=True) - 1
+        keep = pos - cu_seqlens[seq] < seqused[seq]
+        shape[0] = rows
+    else:
+        keep = pos[None, :] < seqused[:, None]
+        shape[0], shape[1] = t.shape[0], rows
+    return keep.reshape(shape)
+
+
 def combine_kernel(device: torch.device, dtype_partial, dtype, head_dim: int, has_lse: bool,
                    varlen: bool, seqused: bool):  # fmt: skip
     """The compiled combine kernel for these choices on ``device`` (compile cache)."""
@@ -236,6 +254,11 @@ def flash_attn_combine(
             lse = torch.empty(lse_store, dtype=torch.float32, device=device)
         lse = lse.transpose(-1, -2)
     if out.numel() == 0:
+        return out, lse
+    if out_partial.shape[0] == 0:  # no splits: every row sees nothing (no launch on empty data)
+        out.masked_fill_(_used_rows(out, packed, cu_seqlens, seqused), 0.0)
+        if lse is not None:
+            lse.masked_fill_(_used_rows(lse, packed, cu_seqlens, seqused), float("-inf"))
         return out, lse
     kernel = combine_kernel(
         device, out_partial.dtype, out.dtype, out_partial.shape[-1], lse is not None,

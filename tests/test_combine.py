@@ -158,3 +158,25 @@ def test_combine_compiles(target, dtype_partial, dtype, d, has_lse, varlen, sequ
     assert load in sass and store in sass
     assert "MUFU.EX2" in sass and "MUFU.LG2" in sass
     assert usage["regs"] <= 128, usage
+
+
+def test_used_rows_mask_matches_the_kernels_rule() -> None:
+    """The rows a zero-split combine writes (done with torch ops, no launch): row m of batch b
+    below seqused[b]; packed, row m of the last sequence starting at or before it."""
+    from cute_fa.combine import _used_rows
+
+    out = torch.empty(2, 5, 3, 8)
+    used = torch.tensor([4, 0], dtype=torch.int32)
+    mask = _used_rows(out, False, None, used).expand(out.shape)
+    for b in range(2):
+        for m in range(5):
+            assert bool(mask[b, m].all()) == (m < used[b]) and bool(mask[b, m].any()) == (
+                m < used[b]
+            )
+    cu = torch.tensor([0, 2, 2, 5, 7], dtype=torch.int32)
+    used = torch.tensor([1, 0, 3, 0], dtype=torch.int32)
+    lse = torch.empty(3, 7).transpose(0, 1)  # (total, nheads)
+    mask = _used_rows(lse, True, cu, used).expand(lse.shape)
+    want = [True, False, True, True, True, False, False]
+    assert mask[:, 0].tolist() == want and mask.all(1).tolist() == want
+    assert _used_rows(out, False, None, None).all()

@@ -102,6 +102,10 @@ def test_combine_zero_splits_and_empty_rows():
     lse_p = torch.empty(0, 2, 3, 4, device="cuda")
     out, lse = cute_fa.flash_attn_combine(out_p, lse_p)
     assert (out == 0).all() and torch.isneginf(lse).all()
+    given = torch.full((2, 3, 4, 64), 7.0, device="cuda")
+    used = torch.tensor([2, 0], dtype=torch.int32, device="cuda")
+    cute_fa.flash_attn_combine(out_p, lse_p, out=given, seqused=used)
+    assert (given[0, :2] == 0).all() and (given[0, 2:] == 7).all() and (given[1] == 7).all()
     out, lse = cute_fa.flash_attn_combine(torch.empty(2, 2, 0, 4, 64, device="cuda"),
                                           torch.empty(2, 2, 0, 4, device="cuda"))  # fmt: skip
     assert out.shape == (2, 0, 4, 64) and lse.shape == (2, 0, 4)
