@@ -23,6 +23,8 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
         return False, f"head_dim {config.head_dim} not in {SUPPORTED_HEAD_DIMS}"
     if config.head_dim_v != config.head_dim:
         return False, "head_dim_v != head_dim is not supported on sm80"
+    if config.split_kv:
+        return False, "split-KV (num_splits > 1) is not implemented by the sm80 forward yet"
     if config.tile_m % (16 * config.num_warps) != 0:
         return False, f"tile_m {config.tile_m} is not a multiple of 16 * num_warps"
     if config.tile_n % 16 != 0:
