@@ -7,6 +7,9 @@ without importing the DSL at all.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 from cute_fa.config import SMEM_CAPACITY, BwdConfig, FwdConfig
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -20,6 +23,8 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
         return False, f"head_dim {config.head_dim} not in {SUPPORTED_HEAD_DIMS}"
     if config.head_dim_v != config.head_dim:
         return False, "head_dim_v != head_dim is not supported on sm80"
+    if config.split_kv:
+        return False, "split-KV (num_splits > 1) is not implemented by the sm80 forward yet"
     if config.tile_m % (16 * config.num_warps) != 0:
         return False, f"tile_m {config.tile_m} is not a multiple of 16 * num_warps"
     if config.tile_n % 16 != 0:
@@ -96,3 +101,63 @@ def dq_accum_offset(offset_q, seq, tile_m: int, varlen: bool):
 # (cu_seqlens_q[b] + b * tile_m + ceil(len_b / tile_m) * tile_m < cu_seqlens_q[b + 1] +
 # (b + 1) * tile_m), and the buffer has total_q + num_seqs * tile_m rows. The sm90 backward keeps
 # dQaccum row-major (its TMA reduce-adds write tiles of shared memory).
+
+
+# --------------------------------------------------------------------------------------------
+# The split-KV combine (ampere/flash_combine.py; runs on every GPU from sm80 up)
+
+# Element types of the combine's partial outputs and of its output.
+COMBINE_DTYPES = ("fp32", "bf16", "fp16")
+COMBINE_MAX_HEAD_DIM = 512
+# Elements a thread loads or stores at a time (16 bytes of fp32, 8 of 16-bit values): head dims,
+# strides and pointers must allow it (cute_fa/combine.py checks them).
+COMBINE_VEC = 4
+
+
+@dataclass(frozen=True)
+class CombineConfig:
+    """Compile key of the combine kernel. Split counts, batch, rows and heads are runtime
+    values; ``varlen`` (cu_seqlens) only matters with ``seqused`` (without it the combine is
+    the same for every row), so the interface sets it only then."""
+
+    arch: int
+    target: str
+    dtype_partial: str  # "fp32" | "bf16" | "fp16"
+    dtype: str  # of the output: "fp32" | "bf16" | "fp16"
+    head_dim: int
+    has_lse: bool = True  # write the combined LSE
+    varlen: bool = False  # packed rows: sequence b is rows cu_seqlens[b] : cu_seqlens[b + 1]
+    seqused: bool = False  # rows of sequence b past seqused[b] are left untouched
+
+    def __post_init__(self) -> None:
+        for field in ("dtype_partial", "dtype"):
+            value = getattr(self, field)
+            if value not in COMBINE_DTYPES:
+                raise ValueError(
+                    f"CombineConfig.{field} must be one of {tuple(COMBINE_DTYPES)}, got {value!r}"
+                )
+
+    def replace(self, **changes) -> CombineConfig:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def name(self) -> str:
+        flags = ["lse"] if self.has_lse else []
+        flags += ["varlen"] if self.varlen else []
+        flags += ["seqused"] if self.seqused else []
+        return "_".join(
+            [f"combine_sm{self.arch}", self.target, f"{self.dtype_partial}to{self.dtype}",
+             f"d{self.head_dim}", *flags]
+        )  # fmt: skip
+
+
+def combine_can_implement(config: CombineConfig) -> tuple[bool, str]:
+    """(True, "") when FlashAttentionCombine implements ``config``, else (False, why)."""
+    if config.arch != 80:
+        return False, f"config is for sm{config.arch}, the combine kernel is sm80 (runs on sm80+)"
+    d = config.head_dim
+    if d <= 0 or d % 8 or d > COMBINE_MAX_HEAD_DIM:
+        return False, f"head_dim {d} is not a positive multiple of 8 up to {COMBINE_MAX_HEAD_DIM}"
+    if config.varlen and not config.seqused:
+        return False, "varlen only matters with seqused (the combine is row-wise otherwise)"
+    return True, ""

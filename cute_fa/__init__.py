@@ -12,8 +12,15 @@ torch API.
 
 from .api import flash_attn_func, flash_attn_varlen_func
 from .cache import package_version
+from .combine import flash_attn_combine
 from .tuned import tuning
 
 __version__ = package_version()
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "tuning", "__version__"]
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_combine",
+    "tuning",
+    "__version__",
+]

@@ -35,6 +35,14 @@ right = 0; window ``(None, 0)`` is causal; any other window with an int is a sli
 ``left + right < 0`` sees no key (flash_attn.cute instead reads that as "no window", after
 FA2's ``(-1, -1)``). A row that sees no key gets output 0 and LSE -inf.
 
+Split-KV (``num_splits``, as flash_attn.cute): 1 (the default) off; n > 1 splits every query
+block's key blocks into n ranges, each run by its own CTA into fp32 partial outputs, then merged
+by the combine kernel (``flash_attn_combine``'s); 0, None or a negative value: a count from the
+SM count, the number of tiles and the key length (Note [split-KV heuristic] in
+cute_fa/planning.py; 1 where no kernel splits). Implemented by the sm90 forward; an explicit
+n > 1 on a GPU whose kernel cannot split raises NotImplementedError. The result is the same
+attention (not bitwise: a different summation order); the backward needs only out and lse.
+
 Return convention (as flash_attn.cute): ``(out, lse)``; lse is fp32 (batch, nheads, seqlen_q),
 or (nheads, total_q) for packed varlen queries, when ``return_lse=True`` or when an input
 requires grad; otherwise ``lse`` is None.
@@ -80,11 +88,12 @@ class _FlashAttnForward(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-        softmax_scale, causal, window_left, window_right, softcap, max_seqlen_k, deterministic,
+        softmax_scale, causal, window_left, window_right, softcap, num_splits, max_seqlen_k,
+        deterministic,
     ):  # fmt: skip
         out, lse = fwd_op(
             q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-            softmax_scale, causal, window_left, window_right, softcap,
+            softmax_scale, causal, window_left, window_right, softcap, num_splits,
         )  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
         ctx.params = (
@@ -111,7 +120,17 @@ class _FlashAttnForward(torch.autograd.Function):
         else:
             with tuned.restored(ctx.tuning):
                 dq, dk, dv = bwd_impl(*args) if eager_cuda(dout) else bwd_op(*args)
-        return dq, dk, dv, *([None] * 12)
+        return dq, dk, dv, *([None] * 13)
+
+
+def resolve_num_splits(num_splits) -> int:
+    """flash_attn.cute's ``num_splits`` as the op takes it: 1 off, n > 1 that many, 0 the
+    heuristic (for None, 0 and negative values)."""
+    if num_splits is None:
+        return 0
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise TypeError(f"num_splits must be an int or None, got {num_splits!r}")
+    return max(num_splits, 0)
 
 
 def _requires_grad(q, k, v) -> bool:
@@ -198,14 +217,14 @@ def flash_attn_func(
     returns ``(out, lse)`` with out (batch, seqlen_q, nheads, dv) in q's dtype and lse fp32
     (batch, nheads, seqlen_q), or None unless ``return_lse`` or an input requires grad.
     ``softmax_scale`` defaults to d ** -0.5; ``softcap`` > 0 caps scores as
-    ``softcap * tanh(scores / softcap)``; masks as in the module docstring. Arguments of
+    ``softcap * tanh(scores / softcap)``; masks as in the module docstring. ``num_splits``:
+    split-KV (module docstring). Arguments of
     flash_attn.cute that cute_fa does not implement yet raise NotImplementedError when set
     (``python -m cute_fa features`` lists them). ``deterministic`` only concerns the backward.
     """
     if not (
         qv is None
         and gather_kv_indices is None
-        and num_splits == 1
         and not pack_gqa
         and score_mod is None
         and score_mod_bwd is None
@@ -218,7 +237,6 @@ def flash_attn_func(
         reject_unimplemented(
             qv=qv,
             gather_kv_indices=gather_kv_indices,
-            num_splits=num_splits,
             pack_gqa=pack_gqa,
             score_mod=score_mod,
             score_mod_bwd=score_mod_bwd,
@@ -241,7 +259,7 @@ def flash_attn_func(
     out, lse = _forward(
         requires_grad, q, k, v, None, None, None, None, None,
         scale, causal, window_left, window_right, resolve_softcap(softcap),
-        deterministic=bool(deterministic),
+        resolve_num_splits(num_splits), deterministic=bool(deterministic),
     )  # fmt: skip
     if learnable_sink is not None:
         out, lse = _apply_learnable_sink(out, lse, learnable_sink)
@@ -291,14 +309,14 @@ def flash_attn_varlen_func(
     nheads, seqlen_q), or None unless ``return_lse`` or an input requires grad.
     ``max_seqlen_q`` sizes the grid (computed from cu_seqlens_q when None); ``max_seqlen_k``
     sizes the backward's grid (computed from cu_seqlens_k when None: a host sync);
-    ``min_seqlen_k`` and ``disable_scheduler_metadata`` are accepted and not needed. Sequence
-    metadata rules and checks: see the module docstring.
+    ``min_seqlen_k`` and ``disable_scheduler_metadata`` are accepted and not needed;
+    ``num_splits``: split-KV. Sequence metadata rules, split-KV and checks: see the module
+    docstring.
     """
     if not (
         qv is None
         and gather_kv_indices is None
         and page_table is None
-        and num_splits == 1
         and not pack_gqa
         and score_mod is None
         and score_mod_bwd is None
@@ -313,7 +331,6 @@ def flash_attn_varlen_func(
             qv=qv,
             gather_kv_indices=gather_kv_indices,
             page_table=page_table,
-            num_splits=num_splits,
             pack_gqa=pack_gqa,
             score_mod=score_mod,
             score_mod_bwd=score_mod_bwd,
@@ -344,7 +361,8 @@ def flash_attn_varlen_func(
     out, lse = _forward(
         requires_grad, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
         scale, causal, window_left, window_right, resolve_softcap(softcap),
-        max_seqlen_k=max_seqlen_k, deterministic=bool(deterministic),
+        resolve_num_splits(num_splits), max_seqlen_k=max_seqlen_k,
+        deterministic=bool(deterministic),
     )  # fmt: skip
     if learnable_sink is not None:
         out, lse = _apply_learnable_sink(out, lse, learnable_sink)

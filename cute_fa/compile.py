@@ -88,6 +88,20 @@ def _cache(name: str, compile_fn) -> CompileCache:
     return cache
 
 
+def compile_combine(config):
+    """Compiled split-KV combine kernel of a ``CombineConfig`` (``ampere/flash_combine.py``)."""
+    with step("import DSL"):
+        from .ampere.flash_combine import FlashAttentionCombine
+
+    kernel = FlashAttentionCombine(config)
+    return compile_tvm_ffi(kernel, FlashAttentionCombine.fake_args(config), config.target)
+
+
+def combine_cache() -> CompileCache:
+    """The process-wide cache of split-KV combine kernels."""
+    return _cache("combine", compile_combine)
+
+
 def bwd_cache() -> CompileCache:
     """The process-wide cache of main backward kernels."""
     return _cache("main", compile_bwd)
@@ -121,7 +135,8 @@ def fwd_cache() -> CompileCache:
 @dataclass(frozen=True)
 class PrecompileTask:
     """One kernel for ``python -m cute_fa precompile``: which cache (``kind``: "fwd", or "bwd",
-    "bwd-pre", "bwd-post" for the backward's main, preprocess and postprocess kernels) and its
+    "bwd-pre", "bwd-post" for the backward's main, preprocess and postprocess kernels,
+    "combine" for the split-KV combine) and its
     compile key. Picklable, so that worker processes can receive it."""
 
     kind: str
@@ -138,6 +153,7 @@ def _task_cache(kind: str) -> CompileCache:
         "bwd": bwd_cache,
         "bwd-pre": bwd_pre_cache,
         "bwd-post": bwd_post_cache,
+        "combine": combine_cache,
     }
     if kind not in caches:
         raise ValueError(f"unknown precompile task kind {kind!r}")

@@ -314,6 +314,10 @@ class FwdConfig(_Key):
     varlen_k: bool = False  # cu_seqlens_k given
     seqused_q: bool = False
     seqused_k: bool = False
+    # Split-KV: each CTA runs one of num_splits ranges of its key blocks and writes fp32 O and
+    # its LSE to the partial buffers (the split count is a runtime value; cute_fa/ops.py runs
+    # the combine, ampere/flash_combine.py).
+    split_kv: bool = False
 
     def __post_init__(self) -> None:
         self._check()
@@ -321,7 +325,7 @@ class FwdConfig(_Key):
     @property
     def name(self) -> str:
         """Short human-readable name, used in messages and cache file names."""
-        return self._name("fwd", [])
+        return self._name("fwd", ["splitkv"] if self.split_kv else [])
 
 
 # Tuned forward tiles of the sm80 (FA2-design) kernel: head_dim -> (tile_m, tile_n, num_warps).

@@ -10,6 +10,7 @@ runs ``cute_fa.backward.run_backward``. Autograd and the public functions are in
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -28,6 +29,7 @@ from .checks import (
     kernel_window,
     resolve_window,
 )
+from .combine import combine_kernel, launch_combine
 from .compile import fwd_cache
 from .device import capability, sm_count, tuned_table
 
@@ -58,6 +60,9 @@ class _Plan(NamedTuple):
     # to the shapes of out and lse.
     out_like: torch.Tensor
     lse_like: torch.Tensor
+    # Split-KV (Note [split-KV launches]): key splits (1: off) and the compiled combine kernel.
+    num_splits: int = 1
+    combine: object = None
 
 
 # Note [launch plans]
@@ -101,8 +106,10 @@ def _make_plan(
     window_left,
     window_right,
     softcap,
+    num_splits: int = 1,
 ) -> tuple[_Plan, int]:
-    """The full, ordered checks (module docstring); returns the plan and max_seqlen_q."""
+    """The full, ordered checks (module docstring); returns the plan and max_seqlen_q.
+    ``num_splits``: 1 no split-KV, > 1 that many splits, 0 the heuristic's count."""
     causal, local, window_left, window_right = resolve_window(causal, (window_left, window_right))
     shapes = check_metadata(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
@@ -129,9 +136,34 @@ def _make_plan(
     seqlen_hint = max_seqlen_q if shapes.varlen_q else shapes.seqlen_q
     plan_args = (capability(device), shapes.request, seqlen_hint, tuned_table(device))
     _, config = planning.fwd_plan(*plan_args)
+    splits = 1
+    if num_splits > 1:
+        splits = planning.clamp_num_splits(num_splits, shapes.batch)
+    elif num_splits == 0 and not no_work:
+        splits = _heuristic_splits(config, shapes, max_seqlen_q, device)
+    if splits > 1:
+        split_args = (plan_args[0], dataclasses.replace(shapes.request, split_kv=True),
+                      *plan_args[2:])  # fmt: skip
+        if num_splits > 1:  # asked for: NotImplementedError where no kernel splits
+            _, config = planning.fwd_plan(*split_args)
+        else:  # the heuristic's choice: only where a kernel splits
+            _, split_config, _ = planning.try_plan(*split_args)
+            if split_config is None:
+                splits = 1
+            else:
+                config = split_config
     config = _for_device(config, device, no_work)
     kernel = None if no_work else _compiled_kernel(config)
-    if kernel is not None:
+    combine = None
+    if kernel is not None and splits > 1:
+        # The partial O is fp32; the combine writes q's dtype. Rows past seqused_q are never
+        # written by the split kernel, so the combine skips them (with cu_seqlens_q for packed
+        # queries); they keep the 0 / -inf allocated for them.
+        combine = combine_kernel(
+            device, torch.float32, q.dtype, shapes.head_dim_v, True,
+            cu_seqlens_q is not None, seqused_q is not None,
+        )  # fmt: skip
+    elif kernel is not None:
         kernel, config = _self_checked(kernel, config, device, plan_args)
     wl, wr = kernel_window(local, window_left, window_right)
     plan = _Plan(
@@ -152,8 +184,36 @@ def _make_plan(
         shapes=shapes,
         out_like=torch.empty(1, dtype=q.dtype, device=device).expand(out_shape),
         lse_like=torch.empty(1, dtype=torch.float32, device=device).expand(lse_shape),
+        num_splits=splits if kernel is not None else 1,
+        combine=combine,
     )
     return plan, max_seqlen_q
+
+
+def _heuristic_splits(config, shapes: Shapes, max_seqlen_q: int, device) -> int:
+    """``num_splits`` 0: the count of Note [split-KV heuristic] for the tile of ``config``
+    (the unsplit plan), clamped to the grid (planning.clamp_num_splits)."""
+    tiles = shapes.batch * shapes.nheads * -(-max_seqlen_q // config.tile_m)
+    seqlen_k = shapes.seqlen_k
+    if shapes.varlen_k:  # packed keys: the average length (the longest is not known here)
+        seqlen_k = -(-seqlen_k // max(shapes.batch, 1))
+    splits = planning.num_splits_heuristic(tiles, -(-seqlen_k // config.tile_n), sm_count(device))
+    return planning.clamp_num_splits(splits, shapes.batch)
+
+
+# Note [split-KV launches]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# A plan with num_splits S > 1 runs a split-KV forward kernel (FwdConfig.split_kv) on fp32
+# partial buffers, then the combine kernel (ampere/flash_combine.py) into out and lse:
+#   dense q:  out_partial (S, b, sq, h, dv), lse_partial (S, b, h, sq); the forward kernel sees
+#             them as (S * b, sq, h, dv) and (S * b, h, sq) (split slowest), the combine as
+#             (S, b, sq, h, dv) and the transposed view (S, b, sq, h), out and lse.transpose.
+#   packed q: out_partial (S, total_q, h, dv), lse_partial (S, h, total_q): the forward kernel's
+#             batch extent is S; the combine adds a batch dim of 1.
+# The split count is a runtime value: one compiled kernel serves every S. The backward needs
+# only out and lse, so a split forward's backward is the usual one. The first-use self-check
+# (cute_fa/selftest.py) is not run on split variants: it launches a kernel with the unsplit
+# layout; split kernels exist on sm90 only, whose kernels the self-check does not ask for.
 
 
 def _for_device(config, device, no_work: bool):
@@ -196,26 +256,26 @@ def _self_checked(kernel, config, device, plan_args: tuple):
 
 def fwd_impl(
     q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-    softmax_scale, causal, window_left, window_right, softcap,
+    softmax_scale, causal, window_left, window_right, softcap, num_splits=1,
 ):  # fmt: skip
     if cu_seqlens_q is None and cu_seqlens_k is None and seqused_q is None and seqused_k is None:
         # The common batched call: a shorter key (device indices; a CPU tensor gives -1).
         key = (
             q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
             v.dtype, q.get_device(), k.get_device(), v.get_device(),
-            causal, window_left, window_right, softcap > 0, tuned.state(),
+            causal, window_left, window_right, softcap > 0, tuned.state(), num_splits,
         )  # fmt: skip
     else:
         key = (
             _tensor_key(q), _tensor_key(k), _tensor_key(v), _tensor_key(cu_seqlens_q),
             _tensor_key(cu_seqlens_k), _tensor_key(seqused_q), _tensor_key(seqused_k),
-            causal, window_left, window_right, softcap > 0, tuned.state(),
+            causal, window_left, window_right, softcap > 0, tuned.state(), num_splits,
         )  # fmt: skip
     plan = _plans.get(key)
     if plan is None:
         plan, max_seqlen_q = _make_plan(
             q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-            causal, window_left, window_right, softcap,
+            causal, window_left, window_right, softcap, num_splits,
         )  # fmt: skip
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
@@ -247,6 +307,10 @@ def fwd_impl(
     else:
         q4, out4, lse3 = q, out, lse
     k4, v4 = (k.unsqueeze(0), v.unsqueeze(0)) if plan.varlen_k else (k, v)
+    if plan.num_splits > 1:
+        _split_forward(plan, q4, k4, v4, out4, lse3, softmax_scale, softcap, max_seqlen_q,
+                       cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)  # fmt: skip
+        return out, lse
     plan.kernel(
         q4, k4, v4, out4, lse3, softmax_scale, softcap, plan.window_left, plan.window_right,
         max_seqlen_q, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
@@ -254,9 +318,29 @@ def fwd_impl(
     return out, lse
 
 
+def _split_forward(
+    plan, q4, k4, v4, out4, lse3, softmax_scale, softcap, max_seqlen_q,
+    cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+):  # fmt: skip
+    """The split-KV forward into fp32 partial buffers, then the combine into out4 (b, sq, h,
+    dv) and lse3 (b, h, sq) (packed q: b = 1), Note [split-KV launches]."""
+    splits, (b, sq, h, dv) = plan.num_splits, out4.shape
+    out_p = torch.empty((splits, b, sq, h, dv), dtype=torch.float32, device=out4.device)
+    lse_p = torch.empty((splits, b, h, sq), dtype=torch.float32, device=out4.device)
+    plan.kernel(
+        q4, k4, v4, out_p.view(splits * b, sq, h, dv), lse_p.view(splits * b, h, sq),
+        softmax_scale, softcap, plan.window_left, plan.window_right, max_seqlen_q,
+        cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+    )  # fmt: skip
+    seqused = seqused_q
+    cu = cu_seqlens_q if plan.varlen_q else None
+    launch_combine(plan.combine, out_p, lse_p.transpose(-1, -2), out4, lse3.transpose(-1, -2),
+                   cu, seqused)  # fmt: skip
+
+
 def fwd_fake(
     q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-    softmax_scale, causal, window_left, window_right, softcap,
+    softmax_scale, causal, window_left, window_right, softcap, num_splits=1,
 ):  # fmt: skip
     causal, local, _, _ = resolve_window(causal, (window_left, window_right))
     shapes = check_metadata(
@@ -275,7 +359,8 @@ _lib = torch.library.Library("cute_fa", "DEF")
 _lib.define(
     "fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
     "Tensor? seqused_q, Tensor? seqused_k, int? max_seqlen_q, float softmax_scale, "
-    "bool causal, int? window_left, int? window_right, float softcap) -> (Tensor, Tensor)"
+    "bool causal, int? window_left, int? window_right, float softcap, int num_splits=1) "
+    "-> (Tensor, Tensor)"
 )
 # CPU too, so that CPU tensors reach the checks and get a clear error instead of a dispatcher
 # message.

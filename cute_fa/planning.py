@@ -54,7 +54,6 @@ UNIMPLEMENTED_ARGUMENTS = {
     "qv": "None",
     "gather_kv_indices": "None",
     "page_table": "None",
-    "num_splits": "1 (or <= 0: automatic)",
     "pack_gqa": "None or False",
     "score_mod": "None",
     "score_mod_bwd": "None",
@@ -82,6 +81,7 @@ class FwdRequest:
     varlen_k: bool = False
     seqused_q: bool = False
     seqused_k: bool = False
+    split_kv: bool = False  # num_splits > 1: partial outputs of key splits, then a combine
 
     def describe(self) -> str:
         dims = f"head_dim={self.head_dim}"
@@ -195,8 +195,11 @@ def _sm90_config(
 def _sm100_config(
     target: str, request: FwdRequest, seqlen_q: int | None, table: tuned.Table | None
 ) -> FwdConfig:
+    if request.split_kv:
+        raise NotImplementedError("split-KV (num_splits > 1) is not implemented on sm100 yet")
     problem = tuned.problem_class(request.head_dim, request.head_dim_v, request.causal)
     flags = _problem_fields(request)
+    flags.pop("split_kv")
     base = sm100_support.fwd_config(
         flags.pop("head_dim"), flags.pop("head_dim_v"), target, flags.pop("dtype"), **flags
     )
@@ -271,6 +274,41 @@ def fwd_plan(
             f"{TARGETS[capability]} ({capability_name(capability)}): {reasons}"
         )
     return cls, config
+
+
+# Note [split-KV heuristic]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``num_splits`` 0 or None asks for a split count from the problem (``num_splits_heuristic``).
+# A forward launches one CTA a tile (query block, head, batch). When those tiles fill less than
+# half of the GPU's SMs (a decode step: one query block a head, few sequences) and each has a long
+# key range, the SMs idle while a few CTAs walk every key block. Splitting each tile's key blocks
+# into S ranges runs S times as many CTAs, at the cost of writing fp32 partial outputs and one
+# combine pass over them (2 * S * dv * 4 bytes a query row, against the split's own K and V
+# reads of at least SPLIT_MIN_KEY_BLOCKS * tile_n * (d + dv) * 2 bytes). The rule: no split
+# when the tiles fill at least half the SMs or the key range has fewer than
+# 2 * SPLIT_MIN_KEY_BLOCKS blocks; otherwise S = min(SMs // tiles, key_blocks //
+# SPLIT_MIN_KEY_BLOCKS, SPLIT_MAX): one wave of CTAs, each split at least SPLIT_MIN_KEY_BLOCKS
+# key blocks long. FA4's rule (flash_attn/cute/interface.py num_splits_heuristic) is
+# min(SMs // tiles, 128, key_blocks) above 4 key blocks; this one is more conservative about short
+# splits. Not measured yet: a starting point to tune on the GPU.
+SPLIT_MIN_KEY_BLOCKS = 4
+SPLIT_MAX = 128
+# The split index shares the grid's z dimension with the batch (hopper/flash_fwd.py).
+GRID_Z_MAX = 65535
+
+
+def num_splits_heuristic(tiles: int, key_blocks: int, sm_count: int) -> int:
+    """Split count for ``num_splits`` 0 / None (Note [split-KV heuristic]): ``tiles`` CTAs
+    without splits (query blocks x heads x batch), ``key_blocks`` of the longest (or, for
+    packed keys of unknown lengths, the average) key range, ``sm_count`` SMs."""
+    if tiles <= 0 or 2 * tiles > sm_count or key_blocks < 2 * SPLIT_MIN_KEY_BLOCKS:
+        return 1
+    return max(1, min(sm_count // tiles, key_blocks // SPLIT_MIN_KEY_BLOCKS, SPLIT_MAX))
+
+
+def clamp_num_splits(num_splits: int, batch: int) -> int:
+    """``num_splits`` limited so that batch * num_splits fits the grid's z dimension."""
+    return max(1, min(num_splits, GRID_Z_MAX // max(batch, 1)))
 
 
 def supported_capabilities() -> list[tuple[int, int]]:

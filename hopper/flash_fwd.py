@@ -337,6 +337,18 @@ class FlashAttentionForwardSm90(AttentionKernel):
     Softcap (compile-time flag; the value is a runtime argument): right after S is complete,
       s -> tanh(s * softmax_scale / softcap) (MUFU.TANH), with the exponent's scale
       softcap * log2(e); both scales come from the shared ``score_scales`` (as in sm80).
+    Split-KV (config.split_kv; cute_fa/ops.py Note [split-KV launches]): mO is fp32
+      (num_splits * batch, seqlen, heads, dv) and mLSE (num_splits * batch, heads, seqlen),
+      split slowest (packed q: batch 1), so num_splits = mO.shape[0] // mQ.shape[0]; the grid's
+      z is batch * num_splits (z = batch index * num_splits + split). A tile's key blocks
+      [n_min, n_max) (block_range, masks as above) are cut into num_splits ranges of
+      ceil((n_max - n_min) / num_splits) blocks, the last shorter, and a split takes its range
+      (empty past the end: O = 0, LSE = -inf, as any tile that sees no key). The mask loops
+      work on any sub-range: a split's first block is peeled and masked, and the loops' bounds
+      are clamped to the range. O, already divided by the split's own row sums, leaves from the
+      accumulator registers as fp32 (8-byte pairs of columns, rows < seqlen_q), not through
+      shared memory; the LSE as always. One CTA a tile (no persistent grid), no tma_store
+      (hopper/support.py rejects both). The combine (ampere/flash_combine.py) merges the splits.
     Every tuning switch is a field of the compile key (FwdConfig); hopper/support.py has
       each with its measurements and defaults.
     Not yet: head_dim_v != head_dim other than 192 x 128, persistent
@@ -362,6 +374,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         self.exp2_poly = tuning.exp2_poly  # 0: every exponential on MUFU
         self.rescale_threshold = float(tuning.rescale_threshold)  # 0: O rescaled every block
         self.tma_store = tuning.tma_store  # O leaves by one TMA store a consumer
+        self.split_kv = config.split_kv  # fp32 O and LSE of one key split (class docstring)
 
     can_implement = staticmethod(fwd_can_implement)
 
@@ -455,6 +468,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
         batch = cute.size(mQ.shape[0])
         if cutlass.const_expr(mCuSeqlensQ is not None):
             batch = cute.size(mCuSeqlensQ.shape[0]) - 1
+        if cutlass.const_expr(self.split_kv):  # the split index goes with the batch index
+            batch = batch * (cute.size(mO.shape[0]) // cute.size(mQ.shape[0]))
         grid = (cute.ceil_div(max_seqlen_q, self.tile_m), cute.size(mQ.shape[2]), batch)
         if cutlass.const_expr(self.num_ctas > 0):  # dense only: max_seqlen_q is mQ's seqlen
             units = unit_count(
@@ -567,6 +582,10 @@ class FlashAttentionForwardSm90(AttentionKernel):
         mQ, mK = gmem.mQ, gmem.mK
         mCuSeqlensQ, mCuSeqlensK = gmem.cu_seqlens_q, gmem.cu_seqlens_k
         m_block, head, batch = coords
+        if cutlass.const_expr(self.split_kv):
+            num_splits = gmem.mO.shape[0] // mQ.shape[0]
+            split = batch % num_splits
+            batch = batch // num_splits
         seq = seqlen_info(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, gmem.seqused_q, gmem.seqused_k)
         n_block_min, n_block_max, n_block_no_right, n_block_no_left = block_range(
             m_block, seq.seqlen_q, seq.seqlen_k, window.left, window.right,
@@ -575,6 +594,13 @@ class FlashAttentionForwardSm90(AttentionKernel):
         if cutlass.const_expr(mCuSeqlensQ is not None or gmem.seqused_q is not None):
             if m_block * self.tile_m >= seq.seqlen_q:
                 n_block_max = n_block_min  # no row of this CTA exists: load and store nothing
+        if cutlass.const_expr(self.split_kv):
+            # This split's share of the key blocks: ceil(n / num_splits) of them, the last split
+            # fewer; a split past the end visits none (it writes O = 0, LSE = -inf).
+            per_split = cute.ceil_div(cutlass.max(n_block_max - n_block_min, 0), num_splits)
+            n_block_min = n_block_min + split * per_split
+            n_block_max = cutlass.max(cutlass.min(n_block_min + per_split, n_block_max),
+                                      n_block_min)  # fmt: skip
         # This (batch, head)'s slices. Varlen tensors have a batch extent of 1 and each sequence
         # starts at its cu_seqlens offset: the TMA coordinate tensors are shifted there, so the
         # TMA boxes of one sequence start at its first row (rows past its end read the next
@@ -583,8 +609,11 @@ class FlashAttentionForwardSm90(AttentionKernel):
         qb = 0 if cutlass.const_expr(mCuSeqlensQ is not None) else batch
         kb = 0 if cutlass.const_expr(mCuSeqlensK is not None) else batch
         mQ_cur = gmem.mQ_tma[None, None, head, qb]
-        mO_cur = gmem.mO[qb, None, head, None]
-        mLSE_cur = gmem.mLSE[qb, head, None]
+        ob = qb  # split-KV: O and LSE are (num_splits * batch, ...), split slowest
+        if cutlass.const_expr(self.split_kv):
+            ob = split * mQ.shape[0] + qb
+        mO_cur = gmem.mO[ob, None, head, None]
+        mLSE_cur = gmem.mLSE[ob, head, None]
         mK_cur = gmem.mK_tma[None, None, head_kv, kb]
         mV_cur = gmem.mV_tma[None, None, head_kv, kb]
         if cutlass.const_expr(mCuSeqlensQ is not None):
@@ -782,9 +811,78 @@ class FlashAttentionForwardSm90(AttentionKernel):
             v_state.advance()
 
         # Epilogue: O / l once (rows that saw no key: O = 0, LSE = -inf), O -> this consumer's
-        # slice of sQ (its WGMMAs have all completed) -> 16-byte global stores.
+        # slice of sQ (its WGMMAs have all completed) -> 16-byte global stores; split-KV: fp32
+        # O from the registers to the partial buffer.
         lse = cute.make_rmem_tensor(cute.size(tScS.shape[0]), Float32)
         softmax.finalize(acc_O, lse)
+        if cutlass.const_expr(self.split_kv):
+            self.store_partial(acc_O, lse, work, thr_pv, tScS, row_start, rows_left, tidx)
+        else:
+            self.store_o(acc_O, lse, work, sQ, sQ_c, ops, q_state, consumer, tScS, row_start,
+                         rows_left, tidx)  # fmt: skip
+        if has_q:
+            # The Q stage (O staged in it) goes back to the producer for a later tile's Q: the
+            # generic-proxy reads and writes of O above come before that TMA write.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            pipes.q.consumer_release(q_state)
+            q_state.advance()
+        return ConsumerStates(q_state, k_state, v_state)
+
+    @cute.jit
+    def store_partial(
+        self,
+        acc_O: cute.Tensor,
+        lse: cute.Tensor,
+        work: TileWork,
+        thr_pv: cute.ThrMma,
+        tScS: cute.Tensor,
+        row_start: Int32,
+        rows_left: Int32,
+        tidx: Int32,
+    ):
+        """Split-KV epilogue: this consumer's fp32 O (already divided by its own row sums)
+        straight from the accumulator registers to the partial O (each thread's pairs of
+        neighbouring columns; a warp's store covers whole 32-byte sectors), rows below
+        ``rows_left`` only, and its LSE (natural log; -inf for rows that saw no key)."""
+        wg_m, dv = self.wg_m, self.tile_hdimv
+        gO = cute.local_tile(cute.domain_offset((row_start, 0), work.views.mO), (wg_m, dv),
+                             (0, 0))  # fmt: skip
+        tOgO = thr_pv.partition_C(gO)
+        tOcO = thr_pv.partition_C(cute.make_identity_tensor((wg_m, dv)))
+        # Unrolled at trace time (ptxas then pairs neighbouring columns into 8-byte stores,
+        # which cutlass.range(unroll_full=True) does not get), in chunks of 32 elements so that
+        # no static loop is long enough for the DSL's warning.
+        n = cute.size(acc_O)
+        for chunk in cutlass.range_constexpr((n + 31) // 32):
+            for j in cutlass.range_constexpr(min(32, n - 32 * chunk)):
+                i = 32 * chunk + j
+                if tOcO[i][0] < rows_left:
+                    tOgO[i] = acc_O[i]
+        if tidx % 4 == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = tScS[r, 0][0]
+                if row < rows_left:
+                    work.views.mLSE[row_start + row] = lse[r]
+
+    @cute.jit
+    def store_o(
+        self,
+        acc_O: cute.Tensor,
+        lse: cute.Tensor,
+        work: TileWork,
+        sQ: cute.Tensor,
+        sQ_c: cute.Tensor,
+        ops: ConsumerOps,
+        q_state: pipeline.PipelineState,
+        consumer: Int32,
+        tScS: cute.Tensor,
+        row_start: Int32,
+        rows_left: Int32,
+        tidx: Int32,
+    ):
+        """Epilogue of one consumer: O -> 16 bits -> its slice of sQ -> global memory (16-byte
+        row-predicated stores, or one TMA store with tuning.tma_store), and its LSE."""
+        wg_m, dv, m_block = self.wg_m, self.tile_hdimv, work.m_block
         # O (wg_m x dv) takes the first dv columns of the consumer's Q slice (dv <= d).
         sO = sQ_c
         if cutlass.const_expr(dv != self.tile_hdim):
@@ -819,13 +917,6 @@ class FlashAttentionForwardSm90(AttentionKernel):
             gO = cute.local_tile(cute.domain_offset((row_start, 0), work.views.mO), (wg_m, dv),
                                  (0, 0))  # fmt: skip
             store_rows(sO, gO, rows_left, ops.copy_r2g, tidx)
-        if has_q:
-            # The Q stage (O staged in it) goes back to the producer for a later tile's Q: the
-            # generic-proxy reads and writes of O above come before that TMA write.
-            cute.arch.fence_proxy("async.shared", space="cta")
-            pipes.q.consumer_release(q_state)
-            q_state.advance()
-        return ConsumerStates(q_state, k_state, v_state)
 
     @cute.jit
     def tile_has_q(self, n_block_min: Int32, n_block_max: Int32):

@@ -195,14 +195,17 @@ def fwd_persistent_fits(config: FwdConfig) -> bool:
     tiles])."""
     return not (
         config.local or config.varlen_q or config.varlen_k or config.seqused_q
-        or config.seqused_k
+        or config.seqused_k or config.split_kv
     )  # fmt: skip
 
 
 def fwd_tma_store_fits(config: FwdConfig) -> bool:
-    """Whether O can leave by TMA store: dense query rows (no cu_seqlens_q or seqused_q) and
-    dv == d."""
-    return not (config.varlen_q or config.seqused_q) and config.head_dim_v == config.head_dim
+    """Whether O can leave by TMA store: dense query rows (no cu_seqlens_q or seqused_q),
+    dv == d, and a 16-bit O (not the fp32 partial O of split-KV)."""
+    return (
+        not (config.varlen_q or config.seqused_q or config.split_kv)
+        and config.head_dim_v == config.head_dim
+    )
 
 
 def fwd_q_stages(config: FwdConfig) -> int:
@@ -248,6 +251,8 @@ def fwd_config(
         tma_store=asked.get("tma_store", False) and fwd_tma_store_fits(base),
     )
     config = base.replace(tuning=Sm90FwdTuning(**fields))
+    if base.split_kv:  # one CTA a (query block, head, batch, split); O leaves in fp32
+        return config
     persistent = config.with_tuning(num_ctas=SM90_SMS)
     if "num_ctas" in asked:
         by_default = bool(asked["num_ctas"])
@@ -371,11 +376,14 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
             "order the zeroing of the V rows past seqused_k before any P V GEMM reads them"
         )
     if tuning.tma_store and not fwd_tma_store_fits(config):
-        return False, "tma_store takes dense query rows (no cu_seqlens_q / seqused_q) and dv == d"
+        return False, (
+            "tma_store takes dense query rows (no cu_seqlens_q / seqused_q), dv == d and no "
+            "split-KV"
+        )
     if tuning.num_ctas and not fwd_persistent_fits(config):
         return False, (
-            "a persistent grid (num_ctas) takes dense calls without a window or seqused (their "
-            "tiles cost different amounts; Note [persistent tiles])"
+            "a persistent grid (num_ctas) takes dense calls without a window, seqused or "
+            "split-KV (their tiles cost different amounts; Note [persistent tiles])"
         )
     return True, ""
 

@@ -351,7 +351,6 @@ def test_zero_scale_reaches_the_kernels_as_a_tiny_one(monkeypatch):
 _SET = {
     "qv": torch.zeros(1),
     "gather_kv_indices": torch.zeros(1),
-    "num_splits": 2,
     "pack_gqa": True,
     "score_mod": lambda *a: a[0],
     "score_mod_bwd": lambda *a: a[0],

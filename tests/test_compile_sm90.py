@@ -665,3 +665,50 @@ def _check_compiled(config: FwdConfig, capfd) -> str:
     # appear (the WARPGROUP.ARRIVE count above sees the effect, this the warning itself).
     assert not re.search(r"C75(1\d|20)", output), "ptxas serialized WGMMAs"
     return sass
+
+
+# --------------------------------------------------------------------------------------------
+# Split-KV (FwdConfig.split_kv): fp32 partial O and LSE of one range of key blocks a CTA.
+
+SPLIT_CASES = [
+    pytest.param(128, 128, {}, id="d128"),
+    pytest.param(64, 64, {"causal": True}, id="d64-causal"),
+    pytest.param(256, 256, {**VARLEN_SEQUSED_K, "causal": True}, id="d256-causal-varlen-seqused"),
+    pytest.param(192, 128, LOCAL_SOFTCAP, id="d192x128-local-softcap", marks=EXHAUSTIVE),
+    pytest.param(96, 96, {"varlen_k": True}, id="d96-varlen_k", marks=EXHAUSTIVE),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d, dv, flags", SPLIT_CASES)
+def test_sm90_fwd_split_kv_compiles(d: int, dv: int, flags: dict, capfd) -> None:
+    """The split variant planning builds (one CTA a tile, O by the registers' fp32 stores)
+    passes every SASS check of the unsplit kernel, stores O with 8-byte STG (pairs of
+    neighbouring fp32 columns of the accumulator) and stages nothing in shared memory for it."""
+    config = _planned(d, dv=dv, split_kv=True, **flags)
+    assert config.split_kv and config.name.endswith("_splitkv")
+    assert not config.tuning.num_ctas and not config.tuning.tma_store
+    sass = _check_compiled(config, capfd)
+    assert re.search(r"STG\.E\.64\b", sass), "fp32 O pairs stored as 8-byte vectors"
+    # Only the V tail zeroing of seqused_k stores to shared memory (_check_compiled): O is not
+    # staged there.
+    assert "STS.U16" in sass or "STS" not in sass
+    assert "UTMASTG" not in sass
+
+
+def test_sm90_split_kv_rejects_persistent_and_tma_store() -> None:
+    for tuning, needle in ((Sm90FwdTuning(num_ctas=132), "persistent grid"),
+                           (Sm90FwdTuning(tma_store=True), "tma_store")):  # fmt: skip
+        ok, reason = fwd_can_implement(_config(tuning, split_kv=True))
+        assert not ok and needle in reason and "split-KV" in reason, reason
+    # Asked for (an override), planning keeps a split call off both.
+    config = _planned(128, {"num_ctas": 132, "tma_store": True}, split_kv=True)
+    assert fwd_can_implement(config) == (True, "")
+    assert not config.tuning.num_ctas and not config.tuning.tma_store
+
+
+def test_sm90_split_kv_keeps_the_unsplit_keys() -> None:
+    """split_kv off changes no existing compile key or name (the cache's entries stay valid)."""
+    config = _planned(128)
+    assert "split" not in config.name and not config.split_kv
+    assert config.replace(split_kv=True).name == config.name + "_splitkv"

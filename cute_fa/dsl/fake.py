@@ -56,6 +56,9 @@ def fwd_fake_args(config: FwdConfig) -> tuple:
       mV   (b, sk, h_kv, dv)
       mO   (b, sq, h, dv)
       mLSE (b, h, sq) fp32      varlen: (1, h, total_q)
+        split-KV (config.split_kv): mO fp32 (num_splits * b, sq, h, dv) and mLSE
+        (num_splits * b, h, sq), split slowest (varlen: num_splits * 1); num_splits is
+        mO.shape[0] // mQ.shape[0]
       softmax_scale: Float32, softcap: Float32 (ignored unless config.has_softcap),
       window_left: Int32, window_right: Int32 (ignored unless config.local),
       max_seqlen_q: Int32 (the longest query sequence; the grid has ceil(max_seqlen_q / tile_m)
@@ -69,7 +72,7 @@ def fwd_fake_args(config: FwdConfig) -> tuple:
         fake_qkv(dtype, config.head_dim),
         fake_qkv(dtype, config.head_dim),
         fake_qkv(dtype, config.head_dim_v),
-        fake_qkv(dtype, config.head_dim_v),
+        fake_qkv(cutlass.Float32 if config.split_kv else dtype, config.head_dim_v),
         fake_lse(),
         cutlass.Float32(1.0),
         cutlass.Float32(0.0),

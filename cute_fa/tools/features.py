@@ -44,6 +44,11 @@ def feature_rows() -> list[MatrixRow]:
         MatrixRow("varlen + causal", _base(varlen_q=True, varlen_k=True, causal=True)),
         MatrixRow("seqused_q", _base(varlen_q=True, varlen_k=True, seqused_q=True)),
         MatrixRow("seqused_k", _base(varlen_q=True, varlen_k=True, seqused_k=True)),
+        MatrixRow(
+            "split-KV (num_splits > 1)",
+            _base(split_kv=True),
+            "partial O/LSE of key splits, then flash_attn_combine's kernel (sm80+)",
+        ),
     ]
     names = ", ".join(UNIMPLEMENTED_ARGUMENTS)
     rows.append(
@@ -75,6 +80,7 @@ def _try_bwd(
 ) -> tuple[int | None, str]:
     """(kernel family, "") when the backward kernels implement ``request``, else (None, why)."""
     flags = {f.name: getattr(request, f.name) for f in fields(request)}
+    flags.pop("split_kv")  # a forward choice: the backward of a split forward is the usual one
     target = target_for_capability(*capability)
     try:
         config = bwd_config(target, flags.pop("dtype"), flags.pop("head_dim"),
