@@ -136,6 +136,7 @@ def _make_plan(
     seqlen_hint = max_seqlen_q if shapes.varlen_q else shapes.seqlen_q
     plan_args = (capability(device), shapes.request, seqlen_hint, tuned_table(device))
     _, config = planning.fwd_plan(*plan_args)
+    unsplit = config
     splits = 1
     if num_splits > 1:
         splits = planning.clamp_num_splits(num_splits, shapes.batch)
@@ -154,6 +155,14 @@ def _make_plan(
                 config = split_config
     config = _for_device(config, device, no_work)
     kernel = None if no_work else _compiled_kernel(config)
+    if kernel is not None and splits > 1 and selftest.needs_check(config):
+        # Split variants are self-checked (split, then merged); one that fails: the unsplit
+        # plan, with the warning.
+        error = selftest.failure(kernel, config, device)
+        if error:
+            fallback = _for_device(unsplit, device, no_work)
+            selftest.warn_fallback(config, error, fallback, device)
+            splits, config, kernel = 1, fallback, _compiled_kernel(fallback)
     combine = None
     if kernel is not None and splits > 1:
         # The partial O is fp32; the combine writes q's dtype. Rows past seqused_q are never
@@ -211,9 +220,9 @@ def _heuristic_splits(config, shapes: Shapes, max_seqlen_q: int, device) -> int:
 #   packed q: out_partial (S, total_q, h, dv), lse_partial (S, h, total_q): the forward kernel's
 #             batch extent is S; the combine adds a batch dim of 1.
 # The split count is a runtime value: one compiled kernel serves every S. The backward needs
-# only out and lse, so a split forward's backward is the usual one. The first-use self-check
-# (cute_fa/selftest.py) is not run on split variants: it launches a kernel with the unsplit
-# layout; split kernels exist on sm90 only, whose kernels the self-check does not ask for.
+# only out and lse, so a split forward's backward is the usual one. Every split variant gets
+# the first-use self-check (cute_fa/selftest.py: three splits into poisoned partials, merged by
+# the LSE-weighted sum, against the reference); one that fails serves its calls unsplit.
 
 
 def _for_device(config, device, no_work: bool):

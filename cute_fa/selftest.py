@@ -73,6 +73,8 @@ CHECK_WINDOW = (100, 30)
 CHECK_SOFTCAP = 8.0
 CHECK_SEQUSED_Q_LESS = 5
 CHECK_SEQUSED_K_LESS = 7
+# Key splits of a split-KV variant (three: on 300 keys, 128-key blocks, one split is empty).
+CHECK_SPLITS = 3
 
 PASS = "pass"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -110,6 +112,8 @@ def needs_check(config: FwdConfig | BwdConfig) -> bool:
     if mode == "off":
         return False
     if mode == "force" or config.arch in _forced:
+        return True
+    if getattr(config, "split_kv", False):  # split-KV forwards: not run on a GPU yet
         return True
     return config.arch == 100 or (config.arch == 80 and config.target in SMALL_SMEM_TARGETS)
 
@@ -180,6 +184,15 @@ def _check_problem(kernel, config: FwdConfig, device: torch.device, problem: Pro
         lse = torch.full(lse_shape, math.nan, dtype=torch.float32, device=device)
     q4, out4, lse3 = (q[None], out[None], lse[None]) if config.varlen_q else (q, out, lse)
     k4, v4 = (k[None], v[None]) if config.varlen_k else (k, v)
+    if config.split_kv:
+        # CHECK_SPLITS key splits into NaN-poisoned fp32 partials (the layouts of Note
+        # [split-KV launches] in cute_fa/ops.py), merged here by the LSE-weighted sum.
+        part_out = torch.full((CHECK_SPLITS, *out_shape), math.nan, device=device)
+        part_lse = torch.full((CHECK_SPLITS, *lse_shape), math.nan, device=device)
+        if config.varlen_q:
+            out4, lse3 = part_out, part_lse
+        else:
+            out4, lse3 = part_out.flatten(0, 1), part_lse.flatten(0, 1)
     kernel(
         q4, k4, v4, out4, lse3, scale, softcap, wl, wr,
         max(lens_q), int32(cu_q if config.varlen_q else None),
@@ -188,6 +201,16 @@ def _check_problem(kernel, config: FwdConfig, device: torch.device, problem: Pro
     )  # fmt: skip
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    if config.split_kv:
+        lse_all = torch.logsumexp(part_lse, dim=0)
+        weights = torch.exp(part_lse - lse_all).nan_to_num(nan=0.0)  # all -inf: weight 0
+        w = weights.movedim(-2, -1).unsqueeze(-1)  # (S, ..., rows, h, 1) like part_out
+        merged = (w * part_out).sum(0)
+        if config.seqused_q:  # rows past seqused_q: never written, left 0 / -inf
+            _poison_past(merged, config.varlen_q, cu_q, used_q, 0.0)
+            _poison_past(lse_all.movedim(-2, -1), config.varlen_q, cu_q, used_q, -math.inf)
+        out.copy_(merged)
+        lse.copy_(lse_all)
 
     # The expected out and lse in the kernel's layout: per sequence, the reference of its used
     # rows; rows past seqused_q 0 with LSE -inf.

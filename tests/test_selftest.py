@@ -33,6 +33,14 @@ class RefKernel:
             lse.fill_(2.0)
             return
         c = self.config
+        if c.split_kv:
+            # Split-KV partials (cute_fa/ops.py, Note [split-KV launches]): the whole result as
+            # split 0, empty splits after it (O 0, LSE -inf), which the merge ignores.
+            first = 1 if c.varlen_q else q.shape[0]
+            assert out.shape[0] == selftest.CHECK_SPLITS * first
+            out[first:] = 0.0
+            lse[first:] = -float("inf")
+            out, lse = out[:first], lse[:first]
         window = (wl, wr) if c.local else (None, 0) if c.causal else (None, None)
         kw = dict(softmax_scale=scale, window_size=window, softcap=softcap, upcast=False,
                   reorder_ops=True)  # fmt: skip
@@ -57,13 +65,15 @@ def device(monkeypatch, tmp_path):
     class Device:
         capability = (10, 0)
         wrong: set[int] = set()
+        wrong_split = False
         kernels: dict = {}
 
     dev = Device()
 
     def compiled_kernel(config):
         if config not in dev.kernels:
-            dev.kernels[config] = RefKernel(config, wrong=config.arch in dev.wrong)
+            wrong = config.arch in dev.wrong or (config.split_kv and dev.wrong_split)
+            dev.kernels[config] = RefKernel(config, wrong=wrong)
         return dev.kernels[config]
 
     monkeypatch.setenv(settings.CACHE_DIR, str(tmp_path))
@@ -468,3 +478,39 @@ def test_bwd_failing_sm80_variant_has_no_fallback(bwd_device):
     found = backward._compiled(bwd_key(causal=True).replace(arch=80), False)
     with pytest.raises(selftest.SelfCheckError, match="no other backward kernel"):
         backward._checked(found, torch.device("cpu"), False)
+
+
+# --------------------------------------------------------------------------------------------
+# Split-KV variants
+
+
+@pytest.mark.parametrize("flags", [{}, {"causal": True},
+                                   {"varlen_q": True, "varlen_k": True, "seqused_q": True,
+                                    "seqused_k": True}],
+                         ids=lambda f: "+".join(f) or "plain")  # fmt: skip
+def test_split_variant_is_checked_split_then_merged(flags):
+    config = planning.fwd_plan((9, 0), FwdRequest("bf16", 64, 64, split_kv=True, **flags))[1]
+    assert config.split_kv and selftest.needs_check(config)
+    right = RefKernel(config)
+    assert selftest.run_check(right, config, torch.device("cpu")) == (True, "")
+    ok, error = selftest.run_check(RefKernel(config, wrong=True), config, torch.device("cpu"))
+    assert not ok and "AssertionError" in error
+
+    def unwritten_split(q, k, v, out, lse, *rest):  # the last split's partials left as NaN
+        right(q, k, v, out, lse, *rest)
+        last = out.shape[0] // selftest.CHECK_SPLITS
+        out[-last:] = float("nan")
+
+    ok, error = selftest.run_check(unwritten_split, config, torch.device("cpu"))
+    assert not ok and "nan" in error.lower()
+
+
+def test_failing_split_variant_serves_its_calls_unsplit(device):
+    device.capability = (9, 0)
+    device.wrong_split = True
+    q, k, v = qkv(sq=5, sk=700, h=4, hk=2, d=64)
+    with pytest.warns(RuntimeWarning, match=r"splitkv failed its first-use self-check"):
+        out, lse = flash_attn_func(q, k, v, num_splits=3, return_lse=True)
+    o_ref, l_ref = attention_ref(q, k, v, upcast=False, reorder_ops=True)
+    assert torch.equal(out, o_ref) and torch.equal(lse, l_ref)
+    assert {c.split_kv for c in device.kernels} == {True, False}
