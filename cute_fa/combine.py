@@ -21,8 +21,11 @@ the attention functions), devices (ValueError), compute capability (NotImplement
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from . import selftest
 from .ampere.support import COMBINE_MAX_HEAD_DIM, COMBINE_VEC, CombineConfig
 from .checks import (
     ALIGN_BYTES,
@@ -37,6 +40,7 @@ from .checks import (
 from .compile import combine_cache
 from .config import target_for_capability
 from .device import capability
+from .settings import selftest_mode
 
 # dtype names of the combine's compile key (CombineConfig).
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -193,7 +197,30 @@ def combine_kernel(device: torch.device, dtype_partial, dtype, head_dim: int, ha
         dtype=_DTYPES[dtype], head_dim=head_dim, has_lse=has_lse, varlen=varlen and seqused,
         seqused=seqused,
     )  # fmt: skip
-    return combine_cache().get(config)
+    kernel = combine_cache().get(config)
+    error = _failure(kernel, config, device)
+    if error:
+        selftest.warn_fallback(config, error, "a torch combine", device)
+        return torch_combine
+    return kernel
+
+
+def torch_combine(out_partial, lse_partial, out, lse, cu_seqlens, seqused) -> None:
+    """The combine of the module docstring in torch ops, on the kernel-side views of
+    ``launch_combine`` (the first-use self-check's reference, and what a combine kernel that
+    failed its check is replaced by)."""
+    lse_all = torch.logsumexp(lse_partial, dim=0)
+    weights = torch.exp(lse_partial - lse_all).nan_to_num(nan=0.0)  # all -inf: weight 0
+    merged = (weights.unsqueeze(-1) * out_partial.float()).sum(0)
+    if seqused is None:
+        keep = torch.ones((1,) * out.dim(), dtype=torch.bool, device=out.device)
+    elif cu_seqlens is not None:  # packed: a batch dim of 1 over the rows
+        keep = _used_rows(out[0], True, cu_seqlens, seqused).unsqueeze(0)
+    else:
+        keep = _used_rows(out, False, None, seqused)
+    out.copy_(torch.where(keep, merged.to(out.dtype), out))
+    if lse is not None:
+        lse.copy_(torch.where(keep[..., 0], lse_all, lse))
 
 
 def launch_combine(kernel, out_partial, lse_partial, out, lse, cu_seqlens, seqused) -> None:
@@ -271,3 +298,49 @@ def flash_attn_combine(
         op, lp, o, lo = out_partial, lse_partial, out, lse
     launch_combine(kernel, op, lp, o, lo, cu_seqlens, seqused)
     return out, lse
+
+
+def run_check(kernel, config: CombineConfig, device: torch.device) -> tuple[bool, str]:
+    """The first-use self-check of a combine kernel (``cute_fa.selftest.check``'s runner):
+    3 splits of 2 x 37 rows x 3 heads, some splits and one whole row at LSE -inf, against
+    ``torch_combine``; rows past seqused must keep the value they had."""
+    generator = torch.Generator().manual_seed(2)
+    dtypes = {name: dtype for dtype, name in _DTYPES.items()}
+    splits, batch, rows, heads, d = 3, 2, 37, 3, config.head_dim
+    try:
+        part = torch.randn((splits, batch, rows, heads, d), generator=generator)
+        lse_part = torch.randn((splits, batch, rows, heads), generator=generator) * 3
+        lse_part[1, :, ::3] = -math.inf  # a split that saw no key for some rows
+        lse_part[:, 0, 5] = -math.inf  # a row no split saw
+        part = part.to(device=device, dtype=dtypes[config.dtype_partial])
+        lse_part = lse_part.to(device)
+        used = torch.tensor([30, 11], dtype=torch.int32, device=device)
+        cu = torch.tensor([0, rows, 2 * rows], dtype=torch.int32, device=device)
+        if config.varlen:  # packed rows: (S, 1, batch * rows, heads, d)
+            part, lse_part = part.flatten(1, 2).unsqueeze(1), lse_part.flatten(1, 2).unsqueeze(1)
+        results = []
+        for combine in (kernel, torch_combine):
+            out = torch.full(part.shape[1:], 7.0, dtype=dtypes[config.dtype], device=device)
+            lse = torch.full(lse_part.shape[1:], 7.0, device=device) if config.has_lse else None
+            launch_combine(combine, part, lse_part, out, lse, cu if config.varlen else None,
+                           used if config.seqused else None)  # fmt: skip
+            results.append((out, lse))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        (out, lse), (out_ref, lse_ref) = results
+        tol = {"fp32": 1e-5, "bf16": 2**-7, "fp16": 2**-10}[config.dtype]
+        torch.testing.assert_close(out.float(), out_ref.float(), rtol=tol, atol=1e-6)
+        if lse is not None:
+            torch.testing.assert_close(lse, lse_ref, rtol=1e-5, atol=1e-5)
+    except Exception as e:  # noqa: BLE001 - any failure of the kernel is the result
+        return False, f"{type(e).__name__}: {' '.join(str(e).split())}"
+    return True, ""
+
+
+def _failure(kernel, config: CombineConfig, device: torch.device) -> str:
+    """The error of a combine kernel's first-use self-check ("" when it passed), checked until
+    the kernel has run on a GPU; ``CUTE_FA_SELFTEST=0``: not checked."""
+    if selftest_mode() == "off":
+        return ""
+    result, _ = selftest.check(kernel, config, device, runner=run_check)
+    return selftest.error_of(result)

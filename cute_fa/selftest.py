@@ -476,6 +476,11 @@ def check(kernel, config: FwdConfig | BwdConfig, device: torch.device, *, force:
     return result, True
 
 
+def error_of(result: str) -> str:
+    """ "" for a passing result, else its error (the text after "fail: ")."""
+    return "" if result == PASS else result.removeprefix(_FAIL)
+
+
 def failure(kernel, config: FwdConfig, device: torch.device) -> str:
     """ "" when the compiled ``config`` may serve calls on ``device`` (its recorded result, or
     the check run now), else the error."""
@@ -490,14 +495,14 @@ def bwd_failure(launch, config: BwdConfig, device: torch.device) -> str:
     return "" if result == PASS else result.removeprefix(_FAIL)
 
 
-def warn_fallback(bad: FwdConfig | BwdConfig, error: str, fallback: FwdConfig | BwdConfig,
-                  device: torch.device) -> None:  # fmt: skip
+def warn_fallback(bad, error: str, fallback, device: torch.device) -> None:
     """One warning a process for a variant that failed its check: which, the error, and the
     kernel its calls run instead."""
     key = record_key(device)
     _warn_once(
         (key, variant_key(bad)),
         f"cute_fa: {bad.name} failed its first-use self-check on {key.gpu} (recorded in "
-        f"{record_path(key)}): {error}. Its calls run {fallback.name} instead; please report "
+        f"{record_path(key)}): {error}. Its calls run {getattr(fallback, 'name', fallback)} "
+        f"instead; please report "
         f"this (docs/blackwell.md).",
     )

@@ -180,3 +180,66 @@ def test_used_rows_mask_matches_the_kernels_rule() -> None:
     want = [True, False, True, True, True, False, False]
     assert mask[:, 0].tolist() == want and mask.all(1).tolist() == want
     assert _used_rows(out, False, None, None).all()
+
+
+# --------------------------------------------------------------------------------------------
+# The combine's first-use self-check (it has not run on a GPU yet) and its torch fallback
+
+
+def _combine_config(**changes):
+    from cute_fa.ampere.support import CombineConfig
+
+    values = dict(arch=80, target="sm_90a", dtype_partial="fp32", dtype="bf16", head_dim=64)
+    return CombineConfig(**(values | changes))
+
+
+@pytest.mark.parametrize("flags", [{}, {"seqused": True}, {"varlen": True, "seqused": True},
+                                   {"has_lse": False, "dtype": "fp32"}],
+                         ids=lambda f: "+".join(f) or "plain")  # fmt: skip
+def test_combine_check_passes_the_torch_combine_and_fails_wrong_ones(flags) -> None:
+    from cute_fa import combine as combine_mod
+    from cute_fa.combine import torch_combine
+
+    config = _combine_config(**flags)
+    cpu = torch.device("cpu")
+    assert combine_mod.run_check(torch_combine, config, cpu) == (True, "")
+
+    def scaled(part, lse_part, out, lse, cu, used):  # a 1 % error in the weights
+        torch_combine(part * 1.01, lse_part, out, lse, cu, used)
+
+    ok, error = combine_mod.run_check(scaled, config, cpu)
+    assert not ok and error.startswith("AssertionError")
+    if config.seqused:
+
+        def writes_everything(part, lse_part, out, lse, cu, used):  # ignores seqused
+            torch_combine(part, lse_part, out, lse, None, None)
+
+        ok, error = combine_mod.run_check(writes_everything, config, cpu)
+        assert not ok, "rows past seqused must keep their values"
+
+
+def test_a_combine_kernel_that_fails_is_replaced_by_the_torch_combine(monkeypatch, tmp_path):
+    from cute_fa import combine, selftest, settings
+
+    monkeypatch.setenv(settings.CACHE_DIR, str(tmp_path))
+    monkeypatch.delenv(settings.SELFTEST, raising=False)
+    monkeypatch.setattr(combine, "capability", lambda _: (9, 0))
+    monkeypatch.setattr(selftest, "gpu_name", lambda _: "Fake H200")
+    selftest.forget_loaded()
+
+    def wrong(part, lse_part, out, lse, cu, used):
+        out.fill_(0.5)
+
+    class Cache:
+        def get(self, config):
+            return wrong
+
+    monkeypatch.setattr(combine, "combine_cache", Cache)
+    cpu = torch.device("cpu")
+    with pytest.warns(RuntimeWarning, match="combine.*failed its first-use self-check.*torch"):
+        chosen = combine.combine_kernel(cpu, torch.float32, torch.bfloat16, 64, True, False, False)
+    assert chosen is combine.torch_combine
+    monkeypatch.setenv(settings.SELFTEST, "0")  # off: the kernel itself, unchecked
+    args = (cpu, torch.float32, torch.bfloat16, 64, True, False, False)
+    assert combine.combine_kernel(*args) is wrong
+    selftest.forget_loaded()
