@@ -357,6 +357,11 @@ def bwd_kernel_classes(arch: int) -> tuple[type, type, type]:
         from .hopper.flash_bwd import FlashAttentionBackwardSm90
 
         return pre_cls, FlashAttentionBackwardSm90, post_cls
+    if arch == 100:
+        pre_cls, _, post_cls = bwd_kernel_classes(80)
+        from .blackwell.flash_bwd import FlashAttentionBackwardSm100
+
+        return pre_cls, FlashAttentionBackwardSm100, post_cls
     raise NotImplementedError(f"cute_fa has no sm{arch} backward kernel yet")
 
 
@@ -378,37 +383,54 @@ def bwd_config(
     table: tuned.Table | None = None,
 ) -> BwdConfig:
     """The main kernel's compile key for a request on ``target``: the sm90 kernel on sm_90a
-    where it implements the request, else the sm80 kernel (Note [backward dispatch];
-    ``CUTE_FA_BWD_ARCH``, or ``arch``, forces a family); NotImplementedError naming the reason
-    when the kernel cannot implement it. ``table``: the GPU's tuned table."""
+    and the sm100 kernel on sm_100a / sm_103a where they implement the request, else the sm80
+    kernel (Note [backward dispatch]; ``CUTE_FA_BWD_ARCH``, or ``arch``, forces a family);
+    NotImplementedError naming the reason when the kernel cannot implement it. ``table``: the
+    GPU's tuned table."""
     forced = arch if arch is not None else settings.forced_bwd_arch()
-    if forced not in (None, 80, 90):
-        raise SettingError(f"backward arch {forced!r}: expected 80 or 90")
+    if forced not in (None, 80, 90, 100):
+        raise SettingError(f"backward arch {forced!r}: expected 80, 90 or 100")
     problem = tuned.problem_class(head_dim, head_dim_v, causal)
     flags = dict(
         target=target, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal,
         local=local, has_softcap=has_softcap, varlen_q=varlen_q, varlen_k=varlen_k,
         seqused_q=seqused_q, seqused_k=seqused_k, deterministic=deterministic,
     )  # fmt: skip
+    tried = []  # the reasons of the families that declined, for the error
     if forced == 90 or (forced is None and target.startswith("sm_90")):
         base = BwdConfig(arch=90, tuning=sm90_support.Sm90BwdTuning(), **flags)
         config = sm90_support.bwd_config(base, tuned.asked_fields("sm90_bwd", problem, table))
         ok, reason = sm90_support.bwd_can_implement(config)
         if ok:
             return config
+        tried.append(f"FlashAttentionBackwardSm90: {reason}")
         if forced == 90:
             raise NotImplementedError(
                 f"cute_fa: no backward kernel implements [{config.name}] on {target}: "
                 f"FlashAttentionBackwardSm90: {reason}"
+            )
+    if forced == 100 or (forced is None and target in sm100_support.SM100_FWD_TARGETS):
+        config = sm100_support.bwd_config(
+            head_dim, head_dim_v, **{k: v for k, v in flags.items() if "head_dim" not in k}
+        )
+        ok, reason = sm100_support.bwd_can_implement(config)
+        if ok:
+            return config
+        tried.append(f"FlashAttentionBackwardSm100: {reason}")
+        if forced == 100:
+            raise NotImplementedError(
+                f"cute_fa: no backward kernel implements [{config.name}] on {target}: "
+                f"FlashAttentionBackwardSm100: {reason}"
             )
     asked = tuned.asked_fields("sm80_bwd", problem, table)
     tiles = _with_fields(sm80_bwd_tile(head_dim, target), asked)
     config = BwdConfig(arch=80, tuning=tiles, **flags)
     ok, reason = sm80_support.bwd_can_implement(config)
     if not ok:
+        tried.append(f"FlashAttentionBackwardSm80: {reason}")
         raise NotImplementedError(
             f"cute_fa: no backward kernel implements [{config.name}] on {target}: "
-            f"FlashAttentionBackwardSm80: {reason}"
+            + "; ".join(tried)
         )
     return config
 
@@ -424,6 +446,10 @@ def bwd_config(
 # kernel's deterministic mode measured 266-291 TFLOPs at d128 8k, where the sm90 kernel's
 # default measured 502-518 and its deterministic mode 0.94x (non-causal) / 0.87x (causal) of
 # that (docs/performance.md, 2026-12-01).
+# On sm_100a / sm_103a the sm100 backward (blackwell/flash_bwd.py: cross-compiled, never run
+# here) takes what it implements, behind the first-use self-check of each variant
+# (cute_fa/selftest.py: dq, dk, dv against the reference; a failing variant falls back to
+# the sm80 backward, which serves the rest).
 
 
 def coresident_fits(config: BwdConfig, max_seqlen_k: int, sm_count: int) -> bool:

@@ -16,7 +16,7 @@ signature), the backward asks on every call.
 | ``CUTE_FA_LINKER`` | linker for disk-cache entries (default ``ld``); ``0``: object files only |
 | ``CUTE_FA_SKIP_CHECKS`` | ``1`` skips the value checks of cu_seqlens / seqused (a host sync) |
 | ``CUTE_FA_FWD_ARCH`` | ``80``, ``90`` or ``100``: the forward uses only that family (testing) |
-| ``CUTE_FA_BWD_ARCH`` | ``80`` or ``90``: the backward's main kernel family (testing) |
+| ``CUTE_FA_BWD_ARCH`` | ``80``, ``90`` or ``100``: the backward's main kernel family (testing) |
 | ``CUTE_FA_BWD_DET_ORDER`` | ``chain``: deterministic sm80 backward calls keep key-block order |
 | ``CUTE_FA_TUNED`` | ``0`` ignores the per-GPU tuned table (built-in defaults only) |
 | ``CUTE_FA_SELFTEST`` | ``0`` turns the first-use self-check off; ``force`` checks every variant |
@@ -98,7 +98,7 @@ def forced_fwd_arch() -> int | None:
 
 def forced_bwd_arch() -> int | None:
     """The backward main-kernel family ``CUTE_FA_BWD_ARCH`` forces, or None."""
-    value = _choice(BWD_ARCH, ("80", "90"))
+    value = _choice(BWD_ARCH, ("80", "90", "100"))
     return int(value) if value else None
 
 

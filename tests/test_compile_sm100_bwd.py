@@ -198,3 +198,19 @@ def test_sm100_bwd_compiles(d: int, target: str, flags: dict) -> None:
     doc = type(kernel).__doc__
     for name in kernel.protocol:
         assert f"pipeline_{name} " in doc, name
+
+
+@pytest.mark.compile
+def test_cpu_demo_shows_the_sm100_backward(capsys) -> None:
+    """``python -m cute_fa demo --cpu --mode bwd --targets sm_100a``: the backward's main
+    kernel that an sm_100a GPU dispatches to, compiled, 0 spills."""
+    import re
+
+    from cute_fa.tools.demo import _demo_cpu
+
+    assert _demo_cpu(["sm_100a"], [64], "bwd") == 0
+    out = capsys.readouterr().out
+    for causal in (0, 1):
+        row = re.search(rf"sm_100a\s+bwd\s+sm100\s+64\s+{causal}\s+128x128w16\s+\d+\s+\d+K\s+"
+                        rf"0\s+0\s+0\s+0\s+(\d+)", out)  # fmt: skip
+        assert row and int(row.group(1)) > 0, out  # UTCHMMA

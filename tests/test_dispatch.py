@@ -177,10 +177,14 @@ def test_feature_matrix_is_generated_from_can_implement(monkeypatch):
         assert rows["sliding window (local)"][columns.index(target)] == "sm100"
         assert rows["bf16, head_dim 64"][columns.index(target)] == "sm100"
     assert all(cell.startswith("-(") for cell in rows["bf16, head_dim 80"])
-    for target in ("sm_80", "sm_90a", "sm_100a"):
-        family = "sm90" if target == "sm_90a" else "sm80"  # Note [backward dispatch]
-        assert rows["backward, head_dim 128"][columns.index(target)] == family
-        assert rows["backward, causal"][columns.index(target)] == family
+    for target in ("sm_80", "sm_90a", "sm_100a", "sm_103a"):
+        family = {"sm_90a": "sm90", "sm_100a": "sm100", "sm_103a": "sm100"}.get(target, "sm80")
+        assert rows["backward, head_dim 128"][columns.index(target)] == family  # Note [backward
+        assert rows["backward, causal"][columns.index(target)] == family  # dispatch]
+    # What the sm100 backward declines goes to the sm80 kernel on the same GPU.
+    for row in ("backward, sliding window", "backward, softcap", "backward, head_dim 256",
+                "backward, deterministic=True"):  # fmt: skip
+        assert rows[row][columns.index("sm_100a")] == "sm80", row
     # The sm90 backward does deterministic dQ too (semaphores in its dQ writer warp).
     assert rows["backward, deterministic=True"][columns.index("sm_90a")] == "sm90"
     # 99 KiB of shared memory (sm86/sm89/sm120): d128 takes a 64-key tile, d256 fits none.
@@ -530,3 +534,23 @@ def test_gpu_suite_backward_tuning_cases(monkeypatch):
                 config = bwd_config("sm_90a", "bf16", 128, 128, causal=causal,
                                     deterministic=deterministic)  # fmt: skip
             assert config.arch == 90 and config.tuning.q_stages == 3
+
+
+def test_sm100_backward_takes_what_it_implements_and_sm80_the_rest(monkeypatch):
+    monkeypatch.delenv(settings.BWD_ARCH, raising=False)
+    for target in ("sm_100a", "sm_103a"):
+        for d in (64, 96, 128):
+            for flags in ({}, {"causal": True}, {"varlen_q": True, "varlen_k": True}):
+                config = planning.bwd_config(target, "bf16", d, d, **flags)
+                assert config.arch == 100 and config.target == target, (d, flags)
+        for flags in ({"local": True}, {"has_softcap": True}, {"deterministic": True},
+                      {"varlen_q": True, "varlen_k": True, "seqused_k": True}):  # fmt: skip
+            assert planning.bwd_config(target, "bf16", 128, 128, **flags).arch == 80, flags
+        assert planning.bwd_config(target, "bf16", 256, 256).arch == 80
+    with pytest.raises(NotImplementedError, match="FlashAttentionBackwardSm100: head_dim 192"):
+        planning.bwd_config("sm_100a", "bf16", 192, 128)
+    monkeypatch.setenv(settings.BWD_ARCH, "100")
+    with pytest.raises(NotImplementedError, match="FlashAttentionBackwardSm100: softcap"):
+        planning.bwd_config("sm_100a", "bf16", 128, 128, has_softcap=True)
+    monkeypatch.setenv(settings.BWD_ARCH, "80")
+    assert planning.bwd_config("sm_100a", "bf16", 128, 128).arch == 80

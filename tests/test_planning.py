@@ -32,9 +32,15 @@ def test_backward_kernel_classes_of_each_family():
         "FlashAttentionBackwardSm90",
         "FlashAttentionBackwardPostprocessSm80",
     ]
+    names = [cls.__name__ for cls in planning.bwd_kernel_classes(100)]
+    assert names == [
+        "FlashAttentionBackwardPreprocessSm80",
+        "FlashAttentionBackwardSm100",
+        "FlashAttentionBackwardPostprocessSm80",
+    ]
     with pytest.raises(NotImplementedError) as info:
-        planning.bwd_kernel_classes(100)
-    assert str(info.value) == "cute_fa has no sm100 backward kernel yet"
+        planning.bwd_kernel_classes(120)
+    assert str(info.value) == "cute_fa has no sm120 backward kernel yet"
 
 
 def _det(**flags) -> BwdConfig:
@@ -85,8 +91,10 @@ def test_backward_arch_and_causal_tuned_entries(monkeypatch):
 
     monkeypatch.delenv(settings.BWD_ARCH, raising=False)
     with pytest.raises(settings.SettingError) as info:
+        planning.bwd_config("sm_80", "bf16", 128, 128, arch=120)
+    assert str(info.value) == "backward arch 120: expected 80, 90 or 100"
+    with pytest.raises(NotImplementedError, match="the sm100 backward needs one of"):
         planning.bwd_config("sm_80", "bf16", 128, 128, arch=100)
-    assert str(info.value) == "backward arch 100: expected 80 or 90"
     key = tuned.TableKey("GPU", 1, 0, "0", "0")
     table = tuned.Table(key, {"sm80_bwd": {"d128-causal": {"tile_m": 32}}})
     causal = planning.bwd_config("sm_80", "bf16", 128, 128, causal=True, table=table)

@@ -65,7 +65,7 @@ def test_linker(monkeypatch):
 @pytest.mark.parametrize(
     "name, read, families",
     [(settings.FWD_ARCH, settings.forced_fwd_arch, (80, 90, 100)),
-     (settings.BWD_ARCH, settings.forced_bwd_arch, (80, 90))],
+     (settings.BWD_ARCH, settings.forced_bwd_arch, (80, 90, 100))],
 )  # fmt: skip
 def test_forced_arch(monkeypatch, name, read, families):
     """The forward's families include sm100 (its compile-only kernel); the backward's do not."""

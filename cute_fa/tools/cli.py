@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu", action="store_true", help="cross-compile and inspect even on a GPU")
     p.add_argument("--targets", type=_csv, default=["sm_80", "sm_90a", "sm_100a"])
     p.add_argument("--head-dims", type=_ints, default=[64, 128, 256])
+    p.add_argument(
+        "--mode",
+        choices=("fwd", "bwd", "both"),
+        default="fwd",
+        help="CPU: the forward, the backward's main kernel, or both (default fwd)",
+    )
     p.set_defaults(func=cmd_demo)
 
     from .selftest import add_arguments as add_selftest_arguments

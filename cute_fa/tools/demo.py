@@ -74,19 +74,23 @@ def _demo_check(label, out, lse, out_ref, lse_ref, out_pt, lse_pt, check_close) 
     return 0
 
 
-def _demo_cpu(targets: list[str], head_dims: list[int]) -> int:
+def _demo_cpu(targets: list[str], head_dims: list[int], mode: str = "fwd") -> int:
     from cute_fa.config import capability_for_target
-    from cute_fa.planning import FwdRequest, fwd_plan
+    from cute_fa.planning import FwdRequest, bwd_config, fwd_plan
 
     from .sass import compile_and_inspect
 
+    what = {"fwd": "forward kernel", "bwd": "backward main kernel",
+            "both": "forward and backward main kernels"}[mode]  # fmt: skip
     print(
-        "no CUDA GPU here: cross-compiling the forward kernel each target dispatches to (bf16) "
-        "and reading the cubins"
+        f"no CUDA GPU here: cross-compiling the {what} each target dispatches to (bf16) and "
+        f"reading the cubins"
     )
+    directions = ("fwd", "bwd") if mode == "both" else (mode,)
     ops = ("HMMA", "HGMMA", "UTCHMMA", "LDSM", "LDGSTS", "UTMALDG", "MUFU", "FFMA")
     header = [
         "target",
+        "dir",
         "kernel",
         "d",
         "causal",
@@ -99,29 +103,32 @@ def _demo_cpu(targets: list[str], head_dims: list[int]) -> int:
         "compile s",
     ]
     rows, failed = [], 0
-    for target in targets:
-        for d in head_dims:
-            for causal in (False, True):
-                t0 = time.perf_counter()
-                try:
-                    request = FwdRequest(dtype="bf16", head_dim=d, head_dim_v=d, causal=causal)
-                    _, config = fwd_plan(capability_for_target(target), request)
-                    info = compile_and_inspect(config)
-                except Exception as e:
-                    failed += 1
-                    print(f"FAIL  {target} d{d} causal={causal}: {type(e).__name__}: {e}")
-                    continue
-                counts = info["sass_counts"]
-                rows.append(
-                    [
-                        target, f"sm{config.arch}", str(d), str(int(causal)),
-                        f"{config.tile_m}x{config.tile_n}w{config.num_warps}",
-                        str(info["regs"]), f"{info['smem_tiles'] // 1024}K", str(info["stack"]),
-                        str(info["spills"]), *(str(counts[op]) for op in ops),
-                        f"{time.perf_counter() - t0:.1f}",
-                    ]
-                )  # fmt: skip
-                print("  ".join(rows[-1]), flush=True)
+    cases = [(t, way, d, c) for t in targets for way in directions for d in head_dims
+             for c in (False, True)]  # fmt: skip
+    for target, way, d, causal in cases:
+        t0 = time.perf_counter()
+        try:
+            if way == "fwd":
+                request = FwdRequest(dtype="bf16", head_dim=d, head_dim_v=d, causal=causal)
+                _, config = fwd_plan(capability_for_target(target), request)
+            else:
+                config = bwd_config(target, "bf16", d, d, causal=causal)
+            info = compile_and_inspect(config)
+        except Exception as e:
+            failed += 1
+            print(f"FAIL  {target} {way} d{d} causal={causal}: {type(e).__name__}: {e}")
+            continue
+        counts = info["sass_counts"]
+        rows.append(
+            [
+                target, way, f"sm{config.arch}", str(d), str(int(causal)),
+                f"{config.tile_m}x{config.tile_n}w{config.num_warps}",
+                str(info["regs"]), f"{info['smem_tiles'] // 1024}K", str(info["stack"]),
+                str(info["spills"]), *(str(counts[op]) for op in ops),
+                f"{time.perf_counter() - t0:.1f}",
+            ]
+        )  # fmt: skip
+        print("  ".join(rows[-1]), flush=True)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     print()
     for j, row in enumerate([header, *rows]):
@@ -137,4 +144,4 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     if torch.cuda.is_available() and not args.cpu:
         return _demo_gpu()
-    return _demo_cpu(args.targets, args.head_dims)
+    return _demo_cpu(args.targets, args.head_dims, args.mode)

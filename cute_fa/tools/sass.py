@@ -98,24 +98,30 @@ def count_opcodes(sass_text: str) -> Counter:
 
 
 def smem_tiles(config) -> int:
-    """Bytes of the Q, K and V tiles of a forward config (16-bit elements)."""
+    """Bytes of the Q, K and V tiles of a forward config (16-bit elements; for a backward
+    config the same count: its K, V tiles and one Q tile)."""
     return (
         config.tile_m * config.head_dim + config.tile_n * (config.head_dim + config.head_dim_v)
     ) * 2
 
 
 def compile_cubin(config) -> bytes:
-    """Cubin of the forward kernel of ``config``, cross-compiled for ``config.target``."""
+    """Cubin of the forward kernel of a ``FwdConfig`` (or the backward's main kernel of a
+    ``BwdConfig``), cross-compiled for ``config.target``."""
     import cutlass.cute as cute
 
-    from cute_fa.dsl.fake import fwd_fake_args
-    from cute_fa.planning import fwd_kernel_class
+    from cute_fa.config import BwdConfig
+    from cute_fa.dsl.fake import bwd_fake_args, fwd_fake_args
+    from cute_fa.planning import bwd_kernel_classes, fwd_kernel_class
 
-    kernel = fwd_kernel_class(config.arch)(config)
+    if isinstance(config, BwdConfig):
+        kernel, args = bwd_kernel_classes(config.arch)[1](config), bwd_fake_args(config)
+    else:
+        kernel, args = fwd_kernel_class(config.arch)(config), fwd_fake_args(config)
     with tempfile.TemporaryDirectory(prefix="cute-fa-cubin-") as d:
         compiled = cute.compile(
             kernel,
-            *fwd_fake_args(config),
+            *args,
             options=f"--gpu-arch {config.target} --keep-cubin --dump-dir {d}",
         )
         cubin = compiled.__cubin__
