@@ -34,11 +34,11 @@ from .support import (
     SM100_FWD_EXP2_POLY_EVERY,
     SM100_FWD_KV_STAGES,
     SM100_FWD_Q_TILES,
-    SM100_FWD_REGS,
     SM100_FWD_RESCALE_THRESHOLD,
     SM100_FWD_TILE_Q,
     TMEM_COLUMNS,
     fwd_can_implement,
+    fwd_regs,
     fwd_tmem_columns,
 )
 
@@ -86,8 +86,8 @@ class FlashAttentionForwardSm100(AttentionKernel):
       (the M of a tcgen05 MMA, and the 128 lanes of TMEM); grid = (ceil(max_seqlen_q / 256),
       heads, batch), causal grids in reverse (longest rows first). Key blocks of tile_n = 128
       from the last one the CTA sees down to the first (``block_range`` over the 256 rows).
-    Warp roles (16 warps; setmaxnreg per role, ``support.SM100_FWD_REGS``: 128 * (2 * 192 +
-    80 + 48) = 65536)
+    Warp roles (16 warps; setmaxnreg per role, ``support.fwd_regs``: 128 * (2 * 192 + 80 + 48)
+    = 65536; with softcap at dv 128 the correction warps take 88 and the rest 40)
       warps 0-3   softmax0: Q tile 0; thread t owns query row t (TMEM lane t).  192 registers
       warps 4-7   softmax1: Q tile 1, the same for rows 128-255.                 192
       warps 8-11  correction: rescales O0 / O1 in TMEM when a row max moved, then O / l, LSE,
@@ -177,9 +177,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
         self.q_tiles = SM100_FWD_Q_TILES
         self.num_threads = WARP * 16
         self.kv_stages = SM100_FWD_KV_STAGES[(config.head_dim, config.head_dim_v)]
-        self.regs_softmax, self.regs_correction, self.regs_other = SM100_FWD_REGS[
-            (config.head_dim, config.head_dim_v)
-        ]
+        self.regs_softmax, self.regs_correction, self.regs_other = fwd_regs(config)
         self.rescale_threshold = SM100_FWD_RESCALE_THRESHOLD
         self.exp2_poly_every = SM100_FWD_EXP2_POLY_EVERY
         # TMEM plan (columns of 32 bits).

@@ -58,6 +58,18 @@ SM100_FWD_REGS = {
 for _regs in SM100_FWD_REGS.values():
     assert 128 * (2 * _regs[0] + _regs[1] + _regs[2]) <= 65536
     assert all(r % 8 == 0 for r in _regs)
+# softcap with dv 128: the correction warpgroup takes 88 and the rest 40 (at 80 / 48 CUDA 12.9's
+# ptxas spilled the correction warps, 3 LDL / STL; CUDA 13's did not; both are clean at 88 / 40).
+SM100_FWD_REGS_SOFTCAP_DV128 = (192, 88, 40)
+assert 128 * (2 * 192 + 88 + 40) <= 65536
+
+
+def fwd_regs(config: FwdConfig) -> tuple[int, int, int]:
+    """(softmax, correction, other) registers after setmaxnreg for ``config``."""
+    if config.has_softcap and config.head_dim_v == 128:
+        return SM100_FWD_REGS_SOFTCAP_DV128
+    return SM100_FWD_REGS[(config.head_dim, config.head_dim_v)]
+
 
 # Conditional rescale (Note [rescale threshold] in cute_fa/dsl/softmax.py): a row's max moves
 # only by more than this many log2 units; 0: on every new max. FA4: 8 for 16-bit inputs.

@@ -24,6 +24,7 @@ from cute_fa.blackwell.support import (
     TMEM_COLUMNS,
     fwd_can_implement,
     fwd_config,
+    fwd_regs,
     fwd_smem_bytes,
     fwd_tmem_columns,
 )
@@ -146,7 +147,7 @@ def test_sm100_fwd_compiles(d: int, dv: int, target: str, flags: dict) -> None:
     assert sass.count("UTCATOMSWS.FIND_AND_SET") >= 1
     assert sass.count("UTCATOMSWS.AND") == 1
     # Registers re-budgeted by role: softmax up, correction and the other warps down.
-    softmax, correction, other = SM100_FWD_REGS[(d, dv)]
+    softmax, correction, other = fwd_regs(config)
     budgets = {(kind, int(value, 16)) for kind, value in _SETMAXNREG.findall(sass)}
     assert budgets == {("DEALLOC", other), ("DEALLOC", correction), ("TRY_ALLOC", softmax)}
     assert info["regs"] <= 128  # 512 threads launch
