@@ -74,7 +74,14 @@ def test_backward_reasons():
 def test_a_tile_n_off_the_mma_grid_is_declined():
     # every tuning class checks this itself: only a stand-in config reaches the kernel's check
     odd = SimpleNamespace(
-        arch=80, head_dim=128, head_dim_v=128, tile_m=128, tile_n=72, num_warps=4, target="sm_80"
+        arch=80,
+        head_dim=128,
+        head_dim_v=128,
+        tile_m=128,
+        tile_n=72,
+        num_warps=4,
+        target="sm_80",
+        split_kv=False,
     )
     assert support.fwd_can_implement(odd) == (False, "tile_n 72 is not a multiple of 16")
 
