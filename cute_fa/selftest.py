@@ -138,10 +138,28 @@ def _rows(t: torch.Tensor, varlen: bool, cu: list[int], i: int) -> torch.Tensor:
     return t[cu[i] : cu[i + 1]].unsqueeze(0) if varlen else t[i : i + 1]
 
 
-def _check_problem(kernel, config: FwdConfig, device: torch.device, problem: Problem,
-                   generator: torch.Generator) -> None:  # fmt: skip
-    """Launch ``kernel`` on ``problem`` in ``config``'s layout and compare with the reference
-    (AssertionError naming out or lse and the worst element)."""
+class _Inputs(NamedTuple):
+    """One problem's inputs in a variant's layout (``_inputs``)."""
+
+    dtype: torch.dtype
+    batch: int
+    lens_q: list[int]
+    lens_k: list[int]
+    cu_q: list[int]
+    cu_k: list[int]
+    used_q: list[int]  # the lengths themselves without seqused
+    used_k: list[int]
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor | None
+
+
+def _inputs(config, device: torch.device, problem: Problem, generator: torch.Generator,
+            with_dout: bool = False) -> _Inputs:  # fmt: skip
+    """Random q, k, v (and dout) of ``problem`` in the layout of ``config`` (dense, or packed
+    sequences of ``_lengths``) with the check's seqused lengths; drawn from ``generator`` in
+    that order."""
     dtype = DTYPES[config.dtype]
     d, dv, h, hk = config.head_dim, config.head_dim_v, problem.heads, problem.heads_kv
     lens_q, lens_k = _lengths(config, problem.seqlen)
@@ -157,15 +175,22 @@ def _check_problem(kernel, config: FwdConfig, device: torch.device, problem: Pro
     q = randn(lens_q, h, d, config.varlen_q)
     k = randn(lens_k, hk, d, config.varlen_k)
     v = randn(lens_k, hk, dv, config.varlen_k)
+    dout = randn(lens_q, h, dv, config.varlen_q) if with_dout else None
     used_q = [n - CHECK_SEQUSED_Q_LESS for n in lens_q] if config.seqused_q else lens_q
     used_k = [n - CHECK_SEQUSED_K_LESS for n in lens_k] if config.seqused_k else lens_k
+    return _Inputs(dtype, batch, lens_q, lens_k, cu_q, cu_k, used_q, used_k, q, k, v, dout)
+
+
+def _check_problem(kernel, config: FwdConfig, device: torch.device, problem: Problem,
+                   generator: torch.Generator) -> None:  # fmt: skip
+    """Launch ``kernel`` on ``problem`` in ``config``'s layout and compare with the reference
+    (AssertionError naming out or lse and the worst element)."""
+    inputs = _inputs(config, device, problem, generator)
+    dtype, batch, lens_q, lens_k, cu_q, cu_k, used_q, used_k, q, k, v, _ = inputs
+    d, dv, h = config.head_dim, config.head_dim_v, problem.heads
     if config.seqused_k:  # rows past seqused_k are not inputs: NaN must not reach out
-        for i in range(batch):
-            for x in (k, v):
-                if config.varlen_k:
-                    x[cu_k[i] + used_k[i] : cu_k[i + 1]] = math.nan
-                else:
-                    x[i, used_k[i] :] = math.nan
+        for x in (k, v):
+            _poison_past(x, config.varlen_k, cu_k, used_k, math.nan)
 
     def int32(values: list[int] | None) -> torch.Tensor | None:
         return None if values is None else torch.tensor(values, dtype=torch.int32, device=device)
@@ -266,24 +291,9 @@ def _check_bwd_problem(launch, config: BwdConfig, device: torch.device, problem:
     """One backward problem: the reference's out and LSE in, dq, dk, dv out, compared with the
     fp32 autograd of the reference (``check_close``); rows past seqused read as 0. NaN in the
     q / k / v rows past seqused (not inputs), 0 in those rows of dout and out."""
-    dtype = DTYPES[config.dtype]
-    d, dv, h, hk = config.head_dim, config.head_dim_v, problem.heads, problem.heads_kv
-    lens_q, lens_k = _lengths(config, problem.seqlen)
-    batch = len(lens_q)
-    cu_q = [0, *(sum(lens_q[: i + 1]) for i in range(batch))]
-    cu_k = [0, *(sum(lens_k[: i + 1]) for i in range(batch))]
-
-    def randn(rows: list[int], heads: int, dim: int, varlen: bool) -> torch.Tensor:
-        shape = (sum(rows), heads, dim) if varlen else (batch, rows[0], heads, dim)
-        x = torch.randn(shape, generator=generator, dtype=torch.float32)
-        return x.to(device=device, dtype=dtype)
-
-    q = randn(lens_q, h, d, config.varlen_q)
-    k = randn(lens_k, hk, d, config.varlen_k)
-    v = randn(lens_k, hk, dv, config.varlen_k)
-    dout = randn(lens_q, h, dv, config.varlen_q)
-    used_q = [n - CHECK_SEQUSED_Q_LESS for n in lens_q] if config.seqused_q else lens_q
-    used_k = [n - CHECK_SEQUSED_K_LESS for n in lens_k] if config.seqused_k else lens_k
+    inputs = _inputs(config, device, problem, generator, with_dout=True)
+    dtype, batch, lens_q, lens_k, cu_q, cu_k, used_q, used_k, q, k, v, dout = inputs
+    d, h = config.head_dim, problem.heads
     scale = d**-0.5
     softcap = CHECK_SOFTCAP if config.has_softcap else 0.0
     window = CHECK_WINDOW if config.local else (None, 0) if config.causal else (None, None)
