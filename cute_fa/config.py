@@ -168,13 +168,13 @@ class Sm90BwdTuning:
 
 
 @dataclass(frozen=True)
-class Sm100FwdTuning:
-    """Tuning of FlashAttentionForwardSm100 (blackwell/flash_fwd.py): two 128-row Q tiles a
-    CTA (tile_m 256) and tile_n keys a block; its other choices are constants of
-    ``blackwell/support.py`` until they are measured on a Blackwell GPU."""
+class _Sm100Tiles:
+    """The tiles of an sm100 kernel (16 warps, its roles in the kernel's docstring); its other
+    choices are constants of ``blackwell/support.py`` until they are measured on a Blackwell
+    GPU."""
 
-    tile_m: int = 256
-    tile_n: int = 128
+    tile_m: int
+    tile_n: int
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -182,7 +182,7 @@ class Sm100FwdTuning:
 
     @property
     def num_warps(self) -> int:
-        return 16  # two softmax warpgroups, a correction warpgroup, MMA / load / epilogue warps
+        return 16
 
     @property
     def label(self) -> str:
@@ -190,25 +190,21 @@ class Sm100FwdTuning:
 
 
 @dataclass(frozen=True)
-class Sm100BwdTuning:
+class Sm100FwdTuning(_Sm100Tiles):
+    """Tuning of FlashAttentionForwardSm100 (blackwell/flash_fwd.py): two 128-row Q tiles a
+    CTA (tile_m 256) and tile_n keys a block."""
+
+    tile_m: int = 256
+    tile_n: int = 128
+
+
+@dataclass(frozen=True)
+class Sm100BwdTuning(_Sm100Tiles):
     """Tuning of FlashAttentionBackwardSm100 (blackwell/flash_bwd.py): tile_n keys a CTA (the M
-    of its tcgen05 MMAs) and tile_m query rows a step; its other choices are constants of
-    ``blackwell/support.py`` until they are measured on a Blackwell GPU."""
+    of its tcgen05 MMAs) and tile_m query rows a step."""
 
     tile_m: int = 128
     tile_n: int = 128
-
-    def __post_init__(self) -> None:
-        _check_types(self)
-        _check_tile(self.tile_m, self.tile_n)
-
-    @property
-    def num_warps(self) -> int:
-        return 16  # dQ and two compute warpgroups, MMA / load warps, two idle
-
-    @property
-    def label(self) -> str:
-        return f"{self.tile_m}x{self.tile_n}w{self.num_warps}"
 
 
 def check_field_types(cls: type, values: dict) -> None:

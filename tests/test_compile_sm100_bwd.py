@@ -16,7 +16,6 @@ on the CPU without compiling.
 from __future__ import annotations
 
 import re
-import tempfile
 
 import pytest
 from cute_fa.blackwell.support import (
@@ -39,23 +38,12 @@ EXHAUSTIVE = pytest.mark.exhaustive
 
 def _compile(config):
     """(kernel instance, inspect_cubin's report) of the sm100 backward for ``config``."""
-    import cutlass.cute as cute
     from cute_fa.blackwell import FlashAttentionBackwardSm100
 
-    from cute_fa.dsl.fake import bwd_fake_args
-    from cute_fa.tools.sass import inspect_cubin
+    from cute_fa.tools.sass import compile_cubin, inspect_cubin
 
     kernel = FlashAttentionBackwardSm100(config)
-    with tempfile.TemporaryDirectory(prefix="cute-fa-sm100-bwd-") as d:
-        compiled = cute.compile(
-            kernel,
-            *bwd_fake_args(config),
-            options=f"--gpu-arch {config.target} --keep-cubin --dump-dir {d}",
-        )
-        cubin = compiled.__cubin__
-    assert cubin, f"no cubin kept for {config.name}"
-    cubin = cubin if isinstance(cubin, bytes) else cubin.encode("latin-1")
-    return kernel, inspect_cubin(cubin)
+    return kernel, inspect_cubin(compile_cubin(config, kernel))
 
 
 def test_lazy_import_and_support_without_dsl_kernel() -> None:

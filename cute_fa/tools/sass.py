@@ -105,9 +105,10 @@ def smem_tiles(config) -> int:
     ) * 2
 
 
-def compile_cubin(config) -> bytes:
+def compile_cubin(config, kernel=None) -> bytes:
     """Cubin of the forward kernel of a ``FwdConfig`` (or the backward's main kernel of a
-    ``BwdConfig``), cross-compiled for ``config.target``."""
+    ``BwdConfig``), cross-compiled for ``config.target``; ``kernel``: that kernel's instance
+    for ``config`` (whose trace-time records a caller reads), else a new one."""
     import cutlass.cute as cute
 
     from cute_fa.config import BwdConfig
@@ -115,9 +116,9 @@ def compile_cubin(config) -> bytes:
     from cute_fa.planning import bwd_kernel_classes, fwd_kernel_class
 
     if isinstance(config, BwdConfig):
-        kernel, args = bwd_kernel_classes(config.arch)[1](config), bwd_fake_args(config)
+        kernel, args = kernel or bwd_kernel_classes(config.arch)[1](config), bwd_fake_args(config)
     else:
-        kernel, args = fwd_kernel_class(config.arch)(config), fwd_fake_args(config)
+        kernel, args = kernel or fwd_kernel_class(config.arch)(config), fwd_fake_args(config)
     with tempfile.TemporaryDirectory(prefix="cute-fa-cubin-") as d:
         compiled = cute.compile(
             kernel,
