@@ -96,3 +96,51 @@ def test_forward_q_stages_of_a_persistent_grid():
     assert support.fwd_q_stages(config("sm_90a", 256, 128, 80)) == 1
     # a target of unknown shared memory: one stage
     assert support.fwd_q_stages(config("sm_90", 128, 128, 128)) == 1
+
+
+def test_forward_shared_memory_and_a_foreign_tuning():
+    from cute_fa.config import FwdConfig, Sm90FwdTuning, Tiles
+
+    config = FwdConfig(90, "sm_90a", "bf16", 128, 128, Sm90FwdTuning(tile_m=128, tile_n=128))
+    # one Q stage of 128 x 128 and two K / V stages of 128 x (128 + 128), 16-bit; 1 KiB slack
+    assert support.fwd_smem_bytes(config) == (128 * 128 + 2 * 128 * 256) * 2 + 1024
+    assert support.fwd_smem_bytes(config, 3, 2) == (2 * 128 * 128 + 3 * 128 * 256) * 2 + 1024
+    assert support.fwd_can_implement(config.replace(tuning=Tiles(128, 128, 8))) == (
+        False,
+        "tuning Tiles is not an Sm90FwdTuning",
+    )
+    assert support.fwd_can_implement(
+        config.replace(head_dim=96, head_dim_v=96).with_tuning(tile_m=192)
+    ) == (
+        False,
+        "tile_m 192 (three consumer warpgroups of 160 registers a thread) runs only head_dim "
+        "(64, 128) without local or has_softcap (more spills)",
+    )
+    # an sm_90 target other than sm_90a has no known shared memory: nothing fits
+    assert support.fwd_can_implement(config.replace(target="sm_90")) == (
+        False,
+        "tiles need 164864 B of shared memory, more than sm_90 has",
+    )
+
+
+def test_forward_reasons_of_the_tuning_flags():
+    from cute_fa.config import FwdConfig, Sm90FwdTuning
+
+    config = FwdConfig(90, "sm_90a", "bf16", 128, 128, Sm90FwdTuning(tile_m=128, tile_n=128))
+    no_turns = config.replace(seqused_k=True).with_tuning(pingpong=False)
+    assert support.fwd_can_implement(no_turns) == (
+        False,
+        "pingpong off with seqused_k: the consumers' turns order the zeroing of the V rows past "
+        "seqused_k before any P V GEMM reads them",
+    )
+    tma_store = config.replace(varlen_q=True).with_tuning(tma_store=True)
+    assert support.fwd_can_implement(tma_store) == (
+        False,
+        "tma_store takes dense query rows (no cu_seqlens_q / seqused_q) and dv == d",
+    )
+    persistent = config.replace(local=True).with_tuning(num_ctas=132)
+    assert support.fwd_can_implement(persistent) == (
+        False,
+        "a persistent grid (num_ctas) takes dense calls without a window or seqused (their "
+        "tiles cost different amounts; Note [persistent tiles])",
+    )
