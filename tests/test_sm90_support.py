@@ -144,3 +144,23 @@ def test_forward_reasons_of_the_tuning_flags():
         "a persistent grid (num_ctas) takes dense calls without a window or seqused (their "
         "tiles cost different amounts; Note [persistent tiles])",
     )
+
+
+def test_forward_defaults_of_causal_calls_on_a_persistent_grid():
+    from cute_fa.config import FwdConfig, Sm90FwdTuning
+
+    def tuning(d=64, causal=True, seqlen_q=None, asked=None):
+        base = FwdConfig(90, "sm_90a", "bf16", d, d, Sm90FwdTuning(), causal=causal)
+        t = support.fwd_config(base, seqlen_q, asked).tuning
+        return t.num_ctas, t.pingpong, t.overlap
+
+    # d 64, causal, two consumers on the persistent grid: no turns; up to 1024 rows no overlap
+    assert tuning(seqlen_q=1024) == (132, False, False)
+    assert tuning(seqlen_q=1025) == (132, False, True)
+    # ... only where they are not asked, only causal, only on the persistent grid
+    assert tuning(seqlen_q=1024, asked={"pingpong": True}) == (132, True, True)
+    assert tuning(seqlen_q=1024, asked={"overlap": True}) == (132, False, True)
+    assert tuning(causal=False, seqlen_q=1024, asked={"tile_m": 128}) == (132, True, True)
+    assert tuning(seqlen_q=None) == (0, True, True)
+    # d 128 has no short-call default: the overlap stays on without turns even for one row
+    assert tuning(d=128, seqlen_q=1, asked={"pingpong": False}) == (132, False, True)
