@@ -145,13 +145,55 @@ def test_a_failed_link_reason_is_cut_to_300_characters(linker_env, monkeypatch):
         cache.link_shared_library(b"OBJ")
 
 
+def test_link_works_in_its_own_temporary_folder_and_is_a_step(linker_env, monkeypatch):
+    _, calls = linker_env
+    monkeypatch.setattr(cache, "_steps", {})
+    cache.link_shared_library(b"OBJ")
+    ((cmd, _),) = calls
+    folder = Path(cmd[7]).parent
+    assert folder.name.startswith("cute-fa-link-") and Path(cmd[8]).parent == folder
+    assert set(cache.step_seconds()) == {"link"}
+
+
+def test_one_link_warning_a_process(linker_env, monkeypatch):
+    # a missing linker and a failed link are one kind: after either, the other is quiet
+    monkeypatch.setattr(cache.shutil, "which", lambda name: None)
+    with pytest.warns(UserWarning, match="not found"):
+        cache.link_shared_library(b"OBJ")
+    monkeypatch.setattr(cache.shutil, "which", lambda name: f"/usr/bin/{name}")
+    result = subprocess.CompletedProcess([], 1, "", "undefined symbol")
+    monkeypatch.setattr(cache.subprocess, "run", lambda cmd, **kw: result)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cache.link_shared_library(b"OBJ") is None
+    monkeypatch.setattr(cache, "_warned", set())
+    with pytest.warns(UserWarning, match="failed"):
+        cache.link_shared_library(b"OBJ")
+    monkeypatch.setattr(cache.shutil, "which", lambda name: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cache.link_shared_library(b"OBJ") is None
+
+
 class FakeCompiled:
     def __init__(self):
         self.calls = []
+        self.paths = []
 
     def export_to_c(self, path, function_name):
         self.calls.append(function_name)
+        self.paths.append(Path(path))
         Path(path).write_bytes(b"OBJ of " + function_name.encode())
+
+
+def test_export_works_in_its_own_temporary_folder_and_is_a_step(linker_env, monkeypatch):
+    monkeypatch.setattr(cache, "_steps", {})
+    compiled = FakeCompiled()
+    cache.export_tvm_ffi(compiled, "sym")
+    (path,) = compiled.paths
+    assert path.name == "module.o" and path.parent.name.startswith("cute-fa-export-")
+    assert not path.parent.exists()
+    assert set(cache.step_seconds()) == {"export", "link"}
 
 
 def test_export_packs_the_object_file_and_its_shared_library(linker_env, monkeypatch):
@@ -218,8 +260,88 @@ def test_warn_once_per_kind_points_at_the_caller_of_the_caller(fresh_warnings):
         assert record[0].filename == __file__
 
 
+def test_warn_once_is_given_two_frames_up(fresh_warnings, monkeypatch):
+    # _warn_once, then the function that warns, then its caller: stacklevel 3 (checked on the
+    # call, so that it holds under mutmut's trampolines too; the test above checks the file)
+    calls = _record_warn_calls(monkeypatch)
+    cache._warn_once("a kind", "first")
+    assert calls == [(("first",), {"stacklevel": 3})]
+
+
+def test_the_first_tvm_ffi_import_is_a_step(monkeypatch):
+    import builtins
+
+    import tvm_ffi
+
+    real_import = builtins.__import__
+    imported = []
+
+    def fake_import(name, *args, **kw):  # the module again, without running its import twice
+        if name == "tvm_ffi":
+            imported.append(name)
+            return tvm_ffi
+        return real_import(name, *args, **kw)
+
+    monkeypatch.delitem(sys.modules, "tvm_ffi")
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    monkeypatch.setattr(cache, "_steps", {})
+    assert cache.import_tvm_ffi() is tvm_ffi
+    assert imported == ["tvm_ffi"]
+    assert set(cache.step_seconds()) == {"import tvm_ffi"}
+
+
+def _record_warn_calls(monkeypatch) -> list:
+    calls = []
+    monkeypatch.setattr(cache.warnings, "warn", lambda *a, **kw: calls.append((a, kw)))
+    return calls
+
+
 # --------------------------------------------------------------------------------------------
 # CompileCache
+
+
+def test_an_entry_that_does_not_load_warns_at_the_caller_of_get(tmp_path):
+    _fake_cache(tmp_path, disk=True).get(Key("a"))
+
+    def load(payload, symbol):
+        if b"kernel a" in payload and not load.failed:
+            load.failed = True
+            raise ValueError("bad")
+        return lambda: payload
+
+    load.failed = False
+    with pytest.warns(UserWarning, match="did not load") as record:
+        _fake_cache(tmp_path, load=load, disk=True).get(Key("a"))
+    if "MUTANT_UNDER_TEST" not in os.environ:  # mutmut's trampolines add frames
+        assert record[0].filename == __file__
+
+
+def test_cache_warnings_stacklevels(tmp_path, monkeypatch):
+    # checked on the calls (mutmut's trampolines add frames; the tests around check the lines)
+    calls = _record_warn_calls(monkeypatch)
+
+    def load(payload, symbol):
+        raise ValueError("bad")
+
+    _fake_cache(tmp_path, disk=True).get(Key("a"))
+    with pytest.raises(ValueError):
+        _fake_cache(tmp_path, load=load, disk=True).get(Key("a"))
+    _fake_cache(tmp_path, disk=True)._disable_disk("a reason")
+    # _try_load, _get_uncached, get, its caller; _disable_disk, the helper, the method
+    assert [kw for _, kw in calls] == [{"stacklevel": 4}, {"stacklevel": 4}, {"stacklevel": 3}]
+
+
+def test_a_cache_folder_that_cannot_be_made_warns_at_the_lookup(tmp_path):
+    import linecache
+
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")
+    with pytest.warns(UserWarning, match="cannot create") as record:
+        _fake_cache(blocker / "sub", disk=True).get(Key("a"))
+    if "MUTANT_UNDER_TEST" not in os.environ:  # mutmut's trampolines add frames
+        line = linecache.getline(record[0].filename, record[0].lineno).strip()
+        assert record[0].filename == cache.__file__
+        assert line == "path = self._prepare_dir_and_path(key) if self._disk else None"
 
 
 def test_ensure_on_disk_messages(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cute_fa.config import (
+    BwdConfig,
     FwdConfig,
     Tiles,
     TuningError,
@@ -57,3 +58,25 @@ def test_an_unknown_target_is_named():
         "unknown target 'sm_70'; known: sm_100a, sm_103a, sm_120a, sm_80, sm_86, sm_87, sm_89, "
         "sm_90a"
     )
+
+
+@pytest.mark.parametrize("flags", [{}, {"deterministic": True, "local": True}])
+def test_a_coresident_key_needs_deterministic_and_no_window(flags):
+    with pytest.raises(ValueError) as info:
+        BwdConfig(80, "sm_80", "bf16", 64, 64, Tiles(64, 128, 8), det_coresident=True, **flags)
+    assert str(info.value) == "BwdConfig: det_coresident needs deterministic and no window"
+
+
+def test_key_and_tile_messages_name_the_field_and_the_class():
+    with pytest.raises(TuningError) as info:
+        Tiles(20, 64, 4)
+    assert str(info.value) == "tile_m must be a multiple of 16 from 16 to 256, got 20"
+    with pytest.raises(TuningError) as info:
+        Tiles(64, 300, 4)
+    assert str(info.value) == "tile_n must be a multiple of 16 from 16 to 256, got 300"
+    with pytest.raises(ValueError) as info:
+        FwdConfig(80, "sm_80", "fp32", 64, 64, Tiles(64, 64, 4))
+    assert str(info.value) == "FwdConfig.dtype must be one of ('bf16', 'fp16'), got 'fp32'"
+    with pytest.raises(ValueError) as info:
+        BwdConfig(80, "sm_80", "bf16", 64, 64, Tiles(64, 64, 4), causal=True, local=True)
+    assert str(info.value) == "BwdConfig: causal and local are exclusive"

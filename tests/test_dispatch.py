@@ -95,6 +95,31 @@ def test_fwd_arch_env_100_forces_the_sm100_family(monkeypatch):
         planning.fwd_plan((10, 0), req(head_dim=256, head_dim_v=256))
     with pytest.raises(NotImplementedError, match="CUTE_FA_FWD_ARCH=100 leaves no family"):
         planning.fwd_plan((9, 0), req())
+    # the setting, not the excluded family, is what leaves none
+    _, _, reasons = planning.try_plan((9, 0), req(), exclude=(90,))
+    assert reasons == "CUTE_FA_FWD_ARCH=100 leaves no family"
+
+
+def test_try_plan_gives_every_familys_reason_or_none(monkeypatch):
+    monkeypatch.delenv(settings.FWD_ARCH, raising=False)
+    cls, config, reasons = planning.try_plan((9, 0), req())
+    assert (cls, config.arch, reasons) == (planning.SM90_FWD, 90, "")
+    assert planning.try_plan((9, 0), req(head_dim=80, head_dim_v=80)) == (
+        None,
+        None,
+        "FlashAttentionForwardSm90: head_dim 80 not in (64, 96, 128, 192, 256) (sm90 forward); "
+        "FlashAttentionForwardSm80: head_dim=80 is not supported by the sm80 forward kernel "
+        "(supported: [64, 96, 128, 192, 256])",
+    )
+
+
+@pytest.mark.parametrize("arch, capability", [(90, (9, 0)), (100, (10, 0))])
+def test_a_family_off_by_default_serves_only_when_forced(arch, capability, monkeypatch):
+    monkeypatch.setattr(planning, f"SM{arch}_FWD_BY_DEFAULT", False)
+    monkeypatch.delenv(settings.FWD_ARCH, raising=False)
+    assert planning.fwd_kernel_classes(capability) == [planning.SM80_FWD]
+    monkeypatch.setenv(settings.FWD_ARCH, str(arch))
+    assert [s.arch for s in planning.fwd_kernel_classes(capability)] == [arch]
 
 
 def test_sm100_tuning_reaches_the_compile_key():

@@ -76,6 +76,28 @@ def test_sm80_forward_takes_the_tuned_entry_of_its_causal_problem_class(monkeypa
     assert (causal.tile_n, plain.tile_n) == (32, 48)
 
 
+def test_sm100_forward_takes_the_tuned_entry_of_its_problem_class():
+    from cute_fa import tuned
+    from cute_fa.planning import SM100_FWD, FwdRequest, fwd_config_for_target
+
+    key = tuned.TableKey("GPU", 1, 0, "0", "0")
+    entries = {"d128-causal": {"tile_n": 64}, "d128": {"tile_n": 128}, "d64": {"tile_n": 32}}
+    table = tuned.Table(key, {"sm100_fwd": entries})
+
+    def plan(d, causal=False, dtype="bf16"):
+        request = FwdRequest(dtype, d, d, causal)
+        return fwd_config_for_target(SM100_FWD, "sm_100a", request, None, table)
+
+    config, reason = plan(128, dtype="fp16")
+    assert reason == "" and (config.tile_n, config.dtype, config.head_dim_v) == (128, "fp16", 128)
+    # the sm100 forward declines any other tile, and its reason names the tile it was given
+    assert plan(128, causal=True) == (
+        None,
+        "tile 256x64w16: the sm100 forward needs (256, 128, 16)",
+    )
+    assert plan(64)[1].startswith("tile 256x32w16:")
+
+
 def test_pre_and_post_configs_follow_the_main_config():
     from cute_fa.ampere.flash_bwd_prepost import BwdPostConfig, BwdPreConfig
 
@@ -100,3 +122,22 @@ def test_backward_arch_and_causal_tuned_entries(monkeypatch):
     causal = planning.bwd_config("sm_80", "bf16", 128, 128, causal=True, table=table)
     plain = planning.bwd_config("sm_80", "bf16", 128, 128, table=table)
     assert (causal.tile_m, plain.tile_m) == (32, 64)
+    assert causal.causal and not plain.causal  # the flag reaches the compile key
+    assert planning.bwd_config("sm_90a", "bf16", 128, 128, causal=True).causal
+    table = tuned.Table(
+        key, {"sm90_bwd": {"d128-causal": {"q_stages": 2}, "d128": {"q_stages": 1}}}
+    )
+    causal = planning.bwd_config("sm_90a", "bf16", 128, 128, causal=True, table=table)
+    plain = planning.bwd_config("sm_90a", "bf16", 128, 128, table=table)
+    assert (causal.arch, causal.tuning.q_stages, plain.tuning.q_stages) == (90, 2, 1)
+
+
+BWD_FLAGS = ("local", "has_softcap", "varlen_q", "varlen_k", "seqused_q", "seqused_k")
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("flag", [*BWD_FLAGS, "deterministic"])
+def test_each_backward_flag_reaches_the_compile_key(target, flag):
+    config = planning.bwd_config(target, "bf16", 128, 128, **{flag: True})
+    assert config.arch == int(target[3:5])
+    assert [f for f in (*BWD_FLAGS, "causal", "deterministic") if getattr(config, f)] == [flag]

@@ -139,6 +139,20 @@ def test_visible_mask_bottom_right_aligned():
     assert m.tolist() == [[False, False, False], [True, False, False], [False, True, False]]
 
 
+def test_references_stay_on_the_inputs_device():
+    """The GPU tests build references on the GPU; "meta" stands in for it on the CPU (a tensor
+    made on the default device, the CPU, does not mix with it)."""
+    assert visible_mask(3, 5, 1, 0, device="meta").device.type == "meta"
+    q = torch.empty(1, 4, 2, 16, dtype=torch.bfloat16, device="meta")
+    out, lse = attention_ref(q, q, q, causal=True)
+    assert (out.device.type, lse.device.type) == ("meta", "meta")
+    assert (out.shape, lse.shape) == ((1, 4, 2, 16), (1, 2, 4))
+    cu = torch.tensor([0, 1, 4], dtype=torch.int32)
+    out, lse = attention_varlen_ref(q[0], q[0], q[0], cu, cu, causal=True)
+    assert (out.device.type, lse.device.type) == ("meta", "meta")
+    assert (out.shape, lse.shape) == ((4, 2, 16), (2, 4))
+
+
 @pytest.mark.parametrize("causal,window", WINDOWS, ids=[f"{c}-{w}" for c, w in WINDOWS])
 @pytest.mark.parametrize("sq,sk", [(1, 1), (3, 5), (5, 3), (4, 4), (0, 3), (3, 0)])
 def test_gpu_support_mask_bookkeeping_matches_visible_mask(sq, sk, causal, window):
