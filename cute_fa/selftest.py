@@ -266,11 +266,17 @@ def run_check(kernel, config: FwdConfig, device: torch.device) -> tuple[bool, st
     """Launch the compiled ``kernel`` of ``config`` on CHECK_PROBLEMS on ``device`` and compare
     with the fp32 reference: (True, "") or (False, the error). Never raises for what the kernel
     does (a launch error, a wrong element); the inputs are the same on every run (seeded)."""
-    generator = torch.Generator().manual_seed(0)
+    return _run_problems(_check_problem, kernel, config, device, seed=0)
+
+
+def _run_problems(check_one, kernel, config, device: torch.device, seed: int) -> tuple[bool, str]:
+    """``check_one`` on each of CHECK_PROBLEMS with one seeded generator: (True, "") or (False,
+    the first problem's error, named by the problem)."""
+    generator = torch.Generator().manual_seed(seed)
     for problem in CHECK_PROBLEMS:
         label = f"{problem.seqlen} rows, {problem.heads} heads / {problem.heads_kv} kv heads"
         try:
-            _check_problem(kernel, config, device, problem, generator)
+            check_one(kernel, config, device, problem, generator)
         except Exception as e:  # noqa: BLE001 - any failure of the kernel is the result
             message = " ".join(str(e).split())
             return False, f"{label}: {type(e).__name__}: {message}"
@@ -359,15 +365,7 @@ def run_bwd_check(launch, config: BwdConfig, device: torch.device) -> tuple[bool
     """``run_check`` of a backward variant: ``launch`` runs the backward's launch sequence
     with the compiled kernels of ``config`` (``cute_fa.backward``) on CHECK_PROBLEMS; dq, dk,
     dv are compared with the fp32 autograd of the reference on ``device``."""
-    generator = torch.Generator().manual_seed(1)
-    for problem in CHECK_PROBLEMS:
-        label = f"{problem.seqlen} rows, {problem.heads} heads / {problem.heads_kv} kv heads"
-        try:
-            _check_bwd_problem(launch, config, device, problem, generator)
-        except Exception as e:  # noqa: BLE001 - any failure of the kernel is the result
-            message = " ".join(str(e).split())
-            return False, f"{label}: {type(e).__name__}: {message}"
-    return True, ""
+    return _run_problems(_check_bwd_problem, launch, config, device, seed=1)
 
 
 # --------------------------------------------------------------------------------------------
