@@ -90,6 +90,21 @@ def window_args(causal, window_size) -> tuple[bool, int | None, int | None]:
     return causal, left, right
 
 
+def check_cu_seqlens_batch(cu_seqlens: torch.Tensor, name: str) -> int:
+    """The batch size of a ``cu_seqlens`` that sets it (a tensor, int32, 1-D with batch + 1 >= 1
+    entries, as ``check_int32_vector`` wants them); TypeError / ValueError naming ``name``."""
+    check_tensor(cu_seqlens, name)
+    if cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"{name} must be torch.int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
+        raise ValueError(
+            f"{name} must be 1-D with batch + 1 >= 1 entries, got shape {shape_str(cu_seqlens)}"
+        )
+    batch = cu_seqlens.shape[0] - 1
+    check_int32_vector(cu_seqlens, name, batch + 1, "batch + 1")
+    return batch
+
+
 def kernel_window(local: bool, left: int | None, right: int | None) -> tuple[int, int]:
     if not local:
         return 0, 0
@@ -278,16 +293,7 @@ def check_metadata(
         what = "total_k" if varlen_k else "(batch, seqlen_k)"
         raise ValueError(f"k and v must agree in {what}: k {shape_str(k)}, v {shape_str(v)}")
     if varlen_q:
-        check_tensor(cu_seqlens_q, "cu_seqlens_q")
-        if cu_seqlens_q.dtype != torch.int32:
-            raise TypeError(f"cu_seqlens_q must be torch.int32, got {cu_seqlens_q.dtype}")
-        if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1:
-            raise ValueError(
-                f"cu_seqlens_q must be 1-D with batch + 1 >= 1 entries, got shape "
-                f"{shape_str(cu_seqlens_q)}"
-            )
-        batch = cu_seqlens_q.shape[0] - 1
-        check_int32_vector(cu_seqlens_q, "cu_seqlens_q", batch + 1, "batch + 1")
+        batch = check_cu_seqlens_batch(cu_seqlens_q, "cu_seqlens_q")
     else:
         batch = q.shape[0]
     if varlen_k:

@@ -30,6 +30,7 @@ from .ampere.support import COMBINE_MAX_HEAD_DIM, COMBINE_VEC, CombineConfig
 from .checks import (
     ALIGN_BYTES,
     check_cu_seqlens,
+    check_cu_seqlens_batch,
     check_int32_vector,
     check_seqused,
     check_tensor,
@@ -122,16 +123,7 @@ def _check_metadata(out_partial, lse_partial, out, out_dtype, cu_seqlens, sequse
                 "cu_seqlens goes with packed input: out_partial (num_splits, total, nheads, "
                 f"head_dim), got shape {shape_str(out_partial)}"
             )
-        check_tensor(cu_seqlens, "cu_seqlens")
-        if cu_seqlens.dtype != torch.int32:
-            raise TypeError(f"cu_seqlens must be torch.int32, got {cu_seqlens.dtype}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
-            raise ValueError(
-                f"cu_seqlens must be 1-D with batch + 1 >= 1 entries, got shape "
-                f"{shape_str(cu_seqlens)}"
-            )
-        batch = cu_seqlens.shape[0] - 1
-        check_int32_vector(cu_seqlens, "cu_seqlens", batch + 1, "batch + 1")
+        batch = check_cu_seqlens_batch(cu_seqlens, "cu_seqlens")
     elif packed:
         if seqused is not None:
             raise ValueError(
