@@ -41,6 +41,7 @@ from .checks import (
 from .compile import combine_cache
 from .config import target_for_capability
 from .device import capability
+from .reference import merge_splits
 from .settings import selftest_mode
 
 # dtype names of the combine's compile key (CombineConfig).
@@ -201,9 +202,7 @@ def torch_combine(out_partial, lse_partial, out, lse, cu_seqlens, seqused) -> No
     """The combine of the module docstring in torch ops, on the kernel-side views of
     ``launch_combine`` (the first-use self-check's reference, and what a combine kernel that
     failed its check is replaced by)."""
-    lse_all = torch.logsumexp(lse_partial, dim=0)
-    weights = torch.exp(lse_partial - lse_all).nan_to_num(nan=0.0)  # all -inf: weight 0
-    merged = (weights.unsqueeze(-1) * out_partial.float()).sum(0)
+    merged, lse_all = merge_splits(out_partial, lse_partial)
     if seqused is None:
         keep = torch.ones((1,) * out.dim(), dtype=torch.bool, device=out.device)
     elif cu_seqlens is not None:  # packed: a batch dim of 1 over the rows

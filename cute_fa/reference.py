@@ -182,6 +182,16 @@ def attention_ref(
 # far below the bf16 rounding of P and are not modelled.
 
 
+def merge_splits(out_partial: torch.Tensor, lse_partial: torch.Tensor):
+    """The split-KV merge in fp32: (out, lse) of partial results over their first dim (the
+    splits), ``lse_partial`` with the shape of ``out_partial`` less its last dim: lse =
+    log(sum_s exp(lse_s)), out = sum_s exp(lse_s - lse) out_s; a split at LSE -inf adds
+    nothing, a row whose splits are all -inf gets out 0 and lse -inf."""
+    lse = torch.logsumexp(lse_partial, dim=0)
+    weights = torch.exp(lse_partial - lse).nan_to_num(nan=0.0)  # all -inf: weight 0
+    return (weights.unsqueeze(-1) * out_partial.float()).sum(0), lse
+
+
 def attention_varlen_ref(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -48,7 +48,7 @@ from . import settings
 from .cache import atomic_write, driver_cuda_version, entry_name, fingerprint
 from .config import BwdConfig, FwdConfig
 from .device import facts
-from .reference import attention_ref, check_close
+from .reference import attention_ref, check_close, merge_splits
 
 # Targets whose sm80 tiles have not run on hardware here (99 KiB of shared memory: their own
 # tile table, ``config.SM80_FWD_TILES_SMALL_SMEM``).
@@ -227,10 +227,9 @@ def _check_problem(kernel, config: FwdConfig, device: torch.device, problem: Pro
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     if config.split_kv:
-        lse_all = torch.logsumexp(part_lse, dim=0)
-        weights = torch.exp(part_lse - lse_all).nan_to_num(nan=0.0)  # all -inf: weight 0
-        w = weights.movedim(-2, -1).unsqueeze(-1)  # (S, ..., rows, h, 1) like part_out
-        merged = (w * part_out).sum(0)
+        # (lse_partial as (S, ..., rows, h), like out_partial)
+        merged, lse_rows = merge_splits(part_out, part_lse.movedim(-2, -1))
+        lse_all = lse_rows.movedim(-1, -2)
         if config.seqused_q:  # rows past seqused_q: never written, left 0 / -inf
             _poison_past(merged, config.varlen_q, cu_q, used_q, 0.0)
             _poison_past(lse_all.movedim(-2, -1), config.varlen_q, cu_q, used_q, -math.inf)
