@@ -88,12 +88,12 @@ class _FlashAttnForward(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-        softmax_scale, causal, window_left, window_right, softcap, num_splits, max_seqlen_k,
-        deterministic,
+        softmax_scale, causal, window_left, window_right, softcap, num_splits, pack_gqa,
+        max_seqlen_k, deterministic,
     ):  # fmt: skip
         out, lse = fwd_op(
             q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-            softmax_scale, causal, window_left, window_right, softcap, num_splits,
+            softmax_scale, causal, window_left, window_right, softcap, num_splits, pack_gqa,
         )  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
         ctx.params = (
@@ -120,7 +120,7 @@ class _FlashAttnForward(torch.autograd.Function):
         else:
             with tuned.restored(ctx.tuning):
                 dq, dk, dv = bwd_impl(*args) if eager_cuda(dout) else bwd_op(*args)
-        return dq, dk, dv, *([None] * 13)
+        return dq, dk, dv, *([None] * 14)
 
 
 def resolve_num_splits(num_splits) -> int:
@@ -131,6 +131,16 @@ def resolve_num_splits(num_splits) -> int:
     if isinstance(num_splits, bool) or not isinstance(num_splits, int):
         raise TypeError(f"num_splits must be an int or None, got {num_splits!r}")
     return max(num_splits, 0)
+
+
+def resolve_pack_gqa(pack_gqa) -> int:
+    """flash_attn.cute's ``pack_gqa`` as the op takes it: -1 automatic (None), 0 off (False),
+    1 on (True)."""
+    if pack_gqa is None:
+        return -1
+    if not isinstance(pack_gqa, bool):
+        raise TypeError(f"pack_gqa must be True, False or None, got {pack_gqa!r}")
+    return int(pack_gqa)
 
 
 def _requires_grad(q, k, v) -> bool:
@@ -225,7 +235,6 @@ def flash_attn_func(
     if not (
         qv is None
         and gather_kv_indices is None
-        and not pack_gqa
         and score_mod is None
         and score_mod_bwd is None
         and mask_mod is None
@@ -237,7 +246,6 @@ def flash_attn_func(
         reject_unimplemented(
             qv=qv,
             gather_kv_indices=gather_kv_indices,
-            pack_gqa=pack_gqa,
             score_mod=score_mod,
             score_mod_bwd=score_mod_bwd,
             mask_mod=mask_mod,
@@ -259,7 +267,8 @@ def flash_attn_func(
     out, lse = _forward(
         requires_grad, q, k, v, None, None, None, None, None,
         scale, causal, window_left, window_right, resolve_softcap(softcap),
-        resolve_num_splits(num_splits), deterministic=bool(deterministic),
+        resolve_num_splits(num_splits), resolve_pack_gqa(pack_gqa),
+        deterministic=bool(deterministic),
     )  # fmt: skip
     if learnable_sink is not None:
         out, lse = _apply_learnable_sink(out, lse, learnable_sink)
@@ -317,7 +326,6 @@ def flash_attn_varlen_func(
         qv is None
         and gather_kv_indices is None
         and page_table is None
-        and not pack_gqa
         and score_mod is None
         and score_mod_bwd is None
         and mask_mod is None
@@ -331,7 +339,6 @@ def flash_attn_varlen_func(
             qv=qv,
             gather_kv_indices=gather_kv_indices,
             page_table=page_table,
-            pack_gqa=pack_gqa,
             score_mod=score_mod,
             score_mod_bwd=score_mod_bwd,
             mask_mod=mask_mod,
@@ -361,7 +368,7 @@ def flash_attn_varlen_func(
     out, lse = _forward(
         requires_grad, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
         scale, causal, window_left, window_right, resolve_softcap(softcap),
-        resolve_num_splits(num_splits), max_seqlen_k=max_seqlen_k,
+        resolve_num_splits(num_splits), resolve_pack_gqa(pack_gqa), max_seqlen_k=max_seqlen_k,
         deterministic=bool(deterministic),
     )  # fmt: skip
     if learnable_sink is not None:

@@ -117,8 +117,6 @@ def reject_unimplemented(**kwargs) -> None:
     for name, value in kwargs.items():
         if name == "num_splits":
             off = value is None or (isinstance(value, int) and value <= 1)
-        elif name == "pack_gqa":
-            off = value is None or value is False
         else:
             off = value is None
         if not off:

@@ -314,14 +314,27 @@ class FwdConfig(_Key):
     # its LSE to the partial buffers (the split count is a runtime value; cute_fa/ops.py runs
     # the combine, ampere/flash_combine.py).
     split_kv: bool = False
+    # Packed GQA (Note [packed GQA] in cute_fa/dsl/pack_gqa.py): the query heads per K/V head
+    # whose rows share a tile (>= 2), or 0 (one head a tile). A compile-time constant: it is
+    # part of the tensors' layouts.
+    pack_gqa: int = 0
 
     def __post_init__(self) -> None:
         self._check()
+        if isinstance(self.pack_gqa, bool) or not isinstance(self.pack_gqa, int):
+            raise ValueError(f"FwdConfig.pack_gqa must be an int, got {self.pack_gqa!r}")
+        if self.pack_gqa == 1 or self.pack_gqa < 0:
+            raise ValueError(
+                f"FwdConfig.pack_gqa must be 0 (off) or the query heads per K/V head (>= 2), "
+                f"got {self.pack_gqa}"
+            )
 
     @property
     def name(self) -> str:
         """Short human-readable name, used in messages and cache file names."""
-        return self._name("fwd", ["splitkv"] if self.split_kv else [])
+        extra = ["splitkv"] if self.split_kv else []
+        extra += [f"packgqa{self.pack_gqa}"] if self.pack_gqa else []
+        return self._name("fwd", extra)
 
 
 # Tuned forward tiles of the sm80 (FA2-design) kernel: head_dim -> (tile_m, tile_n, num_warps).

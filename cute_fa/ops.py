@@ -63,6 +63,8 @@ class _Plan(NamedTuple):
     # Split-KV (Note [split-KV launches]): key splits (1: off) and the compiled combine kernel.
     num_splits: int = 1
     combine: object = None
+    # Packed GQA (Note [packed GQA plans]): query heads a tile packs per K/V head; 0: off.
+    pack_gqa: int = 0
 
 
 # Note [launch plans]
@@ -107,9 +109,11 @@ def _make_plan(
     window_right,
     softcap,
     num_splits: int = 1,
+    pack_gqa: int = -1,
 ) -> tuple[_Plan, int]:
     """The full, ordered checks (module docstring); returns the plan and max_seqlen_q.
-    ``num_splits``: 1 no split-KV, > 1 that many splits, 0 the heuristic's count."""
+    ``num_splits``: 1 no split-KV, > 1 that many splits, 0 the heuristic's count.
+    ``pack_gqa``: -1 automatic, 0 off, 1 on (Note [packed GQA plans])."""
     causal, local, window_left, window_right = resolve_window(causal, (window_left, window_right))
     shapes = check_metadata(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
@@ -136,6 +140,8 @@ def _make_plan(
     seqlen_hint = max_seqlen_q if shapes.varlen_q else shapes.seqlen_q
     plan_args = (capability(device), shapes.request, seqlen_hint, tuned_table(device))
     _, config = planning.fwd_plan(*plan_args)
+    if not no_work:
+        plan_args, config = _packed(plan_args, config, shapes, pack_gqa)
     unsplit = config
     splits = 1
     if num_splits > 1:
@@ -143,7 +149,7 @@ def _make_plan(
     elif num_splits == 0 and not no_work:
         splits = _heuristic_splits(config, shapes, max_seqlen_q, device)
     if splits > 1:
-        split_args = (plan_args[0], dataclasses.replace(shapes.request, split_kv=True),
+        split_args = (plan_args[0], dataclasses.replace(plan_args[1], split_kv=True),
                       *plan_args[2:])  # fmt: skip
         if num_splits > 1:  # asked for: NotImplementedError where no kernel splits
             _, config = planning.fwd_plan(*split_args)
@@ -195,14 +201,45 @@ def _make_plan(
         lse_like=torch.empty(1, dtype=torch.float32, device=device).expand(lse_shape),
         num_splits=splits if kernel is not None else 1,
         combine=combine,
+        pack_gqa=config.pack_gqa if kernel is not None else 0,
     )
     return plan, max_seqlen_q
+
+
+# Note [packed GQA plans]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# ``pack_gqa`` (flash_attn.cute's argument): True packs the query heads of each K/V head into
+# one tile's rows (Note [packed GQA] in cute_fa/dsl/pack_gqa.py) wherever a kernel of the device
+# does; None packs where ``planning.pack_gqa_helps`` says the packed tiles waste far fewer rows
+# (Note [pack_gqa heuristic]); False never. MHA calls (one query head per K/V head) have nothing
+# to pack. Where no kernel packs the call (the sm80 and sm100 forwards; on sm90, heads per K/V
+# head that do not divide 64) it runs unpacked: the same results, one head a tile. A launch
+# plan records what it packs (``_Plan.pack_gqa``).
+
+
+def _packed(plan_args: tuple, config, shapes: Shapes, pack_gqa: int):
+    """(plan_args, config) of the packed plan when the call packs (Note [packed GQA plans]),
+    else the arguments unchanged."""
+    group = shapes.nheads // max(shapes.nheads_kv, 1)
+    if group < 2 or pack_gqa == 0:
+        return plan_args, config
+    if pack_gqa < 0 and not planning.pack_gqa_helps(plan_args[2], group, config.tile_m):
+        return plan_args, config
+    # (the packed tile's rows: `group` heads of each query position)
+    capability_, request, seqlen_hint, table = plan_args
+    packed_args = (capability_, dataclasses.replace(request, pack_gqa=group), seqlen_hint * group,
+                   table)  # fmt: skip
+    _, packed_config, _ = planning.try_plan(*packed_args)
+    if packed_config is None:
+        return plan_args, config
+    return packed_args, packed_config
 
 
 def _heuristic_splits(config, shapes: Shapes, max_seqlen_q: int, device) -> int:
     """``num_splits`` 0: the count of Note [split-KV heuristic] for the tile of ``config``
     (the unsplit plan), clamped to the grid (planning.clamp_num_splits)."""
-    tiles = shapes.batch * shapes.nheads * -(-max_seqlen_q // config.tile_m)
+    group = config.pack_gqa or 1  # packed GQA: a tile holds the rows of `group` heads
+    tiles = shapes.batch * (shapes.nheads // group) * -(-max_seqlen_q * group // config.tile_m)
     seqlen_k = shapes.seqlen_k
     if shapes.varlen_k:  # packed keys: the average length (the longest is not known here)
         seqlen_k = -(-seqlen_k // max(shapes.batch, 1))
@@ -235,7 +272,8 @@ def _self_checked(kernel, config, device, plan_args: tuple):
     """(kernel, config) that may serve the call: ``config`` itself, or when its compiled kernel
     fails the first-use self-check (``cute_fa.selftest``), the plan without its family (one
     warning a process naming the variant and the error); SelfCheckError when no other family
-    implements the call."""
+    implements the call. A packed GQA call whose other families do not pack runs unpacked
+    there."""
     exclude: set[int] = set()
     while selftest.needs_check(config):
         error = selftest.failure(kernel, config, device)
@@ -243,6 +281,11 @@ def _self_checked(kernel, config, device, plan_args: tuple):
             break
         exclude.add(config.arch)
         _, fallback, why = planning.try_plan(*plan_args, exclude=frozenset(exclude))
+        if fallback is None and plan_args[1].pack_gqa:
+            capability_, request, seqlen_hint, table = plan_args
+            plan_args = (capability_, dataclasses.replace(request, pack_gqa=0),
+                         seqlen_hint // request.pack_gqa, table)  # fmt: skip
+            _, fallback, why = planning.try_plan(*plan_args, exclude=frozenset(exclude))
         if fallback is None:
             raise selftest.SelfCheckError(
                 f"cute_fa: {config.name} failed its first-use self-check on this GPU ({error}) "
@@ -265,26 +308,26 @@ def _self_checked(kernel, config, device, plan_args: tuple):
 
 def fwd_impl(
     q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-    softmax_scale, causal, window_left, window_right, softcap, num_splits=1,
+    softmax_scale, causal, window_left, window_right, softcap, num_splits=1, pack_gqa=-1,
 ):  # fmt: skip
     if cu_seqlens_q is None and cu_seqlens_k is None and seqused_q is None and seqused_k is None:
         # The common batched call: a shorter key (device indices; a CPU tensor gives -1).
         key = (
             q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
             v.dtype, q.get_device(), k.get_device(), v.get_device(),
-            causal, window_left, window_right, softcap > 0, tuned.state(), num_splits,
+            causal, window_left, window_right, softcap > 0, tuned.state(), num_splits, pack_gqa,
         )  # fmt: skip
     else:
         key = (
             _tensor_key(q), _tensor_key(k), _tensor_key(v), _tensor_key(cu_seqlens_q),
             _tensor_key(cu_seqlens_k), _tensor_key(seqused_q), _tensor_key(seqused_k),
-            causal, window_left, window_right, softcap > 0, tuned.state(), num_splits,
+            causal, window_left, window_right, softcap > 0, tuned.state(), num_splits, pack_gqa,
         )  # fmt: skip
     plan = _plans.get(key)
     if plan is None:
         plan, max_seqlen_q = _make_plan(
             q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-            causal, window_left, window_right, softcap, num_splits,
+            causal, window_left, window_right, softcap, num_splits, pack_gqa,
         )  # fmt: skip
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
@@ -349,7 +392,7 @@ def _split_forward(
 
 def fwd_fake(
     q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-    softmax_scale, causal, window_left, window_right, softcap, num_splits=1,
+    softmax_scale, causal, window_left, window_right, softcap, num_splits=1, pack_gqa=-1,
 ):  # fmt: skip
     causal, local, _, _ = resolve_window(causal, (window_left, window_right))
     shapes = check_metadata(
@@ -368,7 +411,8 @@ _lib = torch.library.Library("cute_fa", "DEF")
 _lib.define(
     "fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
     "Tensor? seqused_q, Tensor? seqused_k, int? max_seqlen_q, float softmax_scale, "
-    "bool causal, int? window_left, int? window_right, float softcap, int num_splits=1) "
+    "bool causal, int? window_left, int? window_right, float softcap, int num_splits=1, "
+    "int pack_gqa=-1) "
     "-> (Tensor, Tensor)"
 )
 # CPU too, so that CPU tensors reach the checks and get a clear error instead of a dispatcher

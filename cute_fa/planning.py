@@ -54,7 +54,6 @@ UNIMPLEMENTED_ARGUMENTS = {
     "qv": "None",
     "gather_kv_indices": "None",
     "page_table": "None",
-    "pack_gqa": "None or False",
     "score_mod": "None",
     "score_mod_bwd": "None",
     "mask_mod": "None",
@@ -82,12 +81,15 @@ class FwdRequest:
     seqused_q: bool = False
     seqused_k: bool = False
     split_kv: bool = False  # num_splits > 1: partial outputs of key splits, then a combine
+    pack_gqa: int = 0  # query heads per K/V head packed into a tile's rows; 0: off
 
     def describe(self) -> str:
         dims = f"head_dim={self.head_dim}"
         if self.head_dim_v != self.head_dim:
             dims += f", head_dim_v={self.head_dim_v}"
         flags = [f.name for f in fields(self) if f.type in ("bool", bool) and getattr(self, f.name)]
+        if self.pack_gqa:
+            flags.append(f"pack_gqa={self.pack_gqa}")
         return ", ".join([self.dtype, dims, *flags])
 
 
@@ -197,9 +199,12 @@ def _sm100_config(
 ) -> FwdConfig:
     if request.split_kv:
         raise NotImplementedError("split-KV (num_splits > 1) is not implemented on sm100 yet")
+    if request.pack_gqa:
+        raise NotImplementedError("pack_gqa is not implemented on sm100 yet")
     problem = tuned.problem_class(request.head_dim, request.head_dim_v, request.causal)
     flags = _problem_fields(request)
     flags.pop("split_kv")
+    flags.pop("pack_gqa")
     base = sm100_support.fwd_config(
         flags.pop("head_dim"), flags.pop("head_dim_v"), target, flags.pop("dtype"), **flags
     )
@@ -309,6 +314,34 @@ def num_splits_heuristic(tiles: int, key_blocks: int, sm_count: int) -> int:
 def clamp_num_splits(num_splits: int, batch: int) -> int:
     """``num_splits`` limited so that batch * num_splits fits the grid's z dimension."""
     return max(1, min(num_splits, GRID_Z_MAX // max(batch, 1)))
+
+
+# Note [pack_gqa heuristic]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``pack_gqa=None`` packs the query heads of a K/V head into one tile (Note [packed GQA] in
+# cute_fa/dsl/pack_gqa.py) when that fills the tiles' rows better: with ``seqlen_q`` query rows
+# a head and ``tile_m`` rows a tile, the share of computed rows that are real is
+# seqlen_q / (ceil(seqlen_q / tile_m) * tile_m) unpacked and the same with G * seqlen_q rows
+# packed; pack when the unpacked share is at most PACK_GQA_MAX_SHARE of the packed one (a
+# decode step: 1 of 128 rows against G of 128). Prefills fill their tiles either way and stay
+# unpacked. FA3's ``should_pack_gqa`` packs below 0.9 of the packed share and FA4 packs every GQA
+# call; here a packed tile gives up the sm90 forward's persistent grid, which its defaults pick
+# for dense calls up to 2k rows (measured faster there), so only calls whose rows packing at
+# least doubles pack by default. Not measured between the two yet.
+PACK_GQA_MAX_SHARE = 0.5
+
+
+def pack_gqa_helps(seqlen_q: int, qhead_per_kvhead: int, tile_m: int) -> bool:
+    """Whether ``pack_gqa=None`` packs a call of ``seqlen_q`` query rows (the longest
+    sequence) with ``qhead_per_kvhead`` query heads per K/V head into tiles of ``tile_m``
+    rows (Note [pack_gqa heuristic])."""
+    if qhead_per_kvhead < 2 or seqlen_q <= 0:
+        return False
+
+    def filled(rows: int) -> float:
+        return rows / (-(-rows // tile_m) * tile_m)
+
+    return filled(seqlen_q) <= PACK_GQA_MAX_SHARE * filled(seqlen_q * qhead_per_kvhead)
 
 
 def supported_capabilities() -> list[tuple[int, int]]:

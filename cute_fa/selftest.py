@@ -272,7 +272,11 @@ def _run_problems(check_one, kernel, config, device: torch.device, seed: int) ->
     """``check_one`` on each of CHECK_PROBLEMS with one seeded generator: (True, "") or (False,
     the first problem's error, named by the problem)."""
     generator = torch.Generator().manual_seed(seed)
-    for problem in CHECK_PROBLEMS:
+    problems = CHECK_PROBLEMS
+    group = getattr(config, "pack_gqa", 0)
+    if group:  # packed GQA: the group size is compiled in
+        problems = tuple(p._replace(heads=p.heads_kv * group) for p in CHECK_PROBLEMS)
+    for problem in problems:
         label = f"{problem.seqlen} rows, {problem.heads} heads / {problem.heads_kv} kv heads"
         try:
             check_one(kernel, config, device, problem, generator)

@@ -18,6 +18,7 @@ from cute_fa.config import FwdConfig
 from cute_fa.dsl.copy import acc_to_smem, row_store_copy, store_rows, tma_views, transposed
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import BlockRange, Window, apply_mask, block_range
+from cute_fa.dsl.pack_gqa import pack_lse_rows, pack_rows
 from cute_fa.dsl.scheduler import TileScheduler, for_each_tile, unit_count
 from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import (
@@ -375,6 +376,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
         self.rescale_threshold = float(tuning.rescale_threshold)  # 0: O rescaled every block
         self.tma_store = tuning.tma_store  # O leaves by one TMA store a consumer
         self.split_kv = config.split_kv  # fp32 O and LSE of one key split (class docstring)
+        # Packed GQA: query heads whose rows share a tile (1: one head a tile; class docstring)
+        self.packed_heads = config.pack_gqa or 1
 
     can_implement = staticmethod(fwd_can_implement)
 
@@ -417,7 +420,14 @@ class FlashAttentionForwardSm90(AttentionKernel):
         stream: cuda.CUstream,
     ):
         d, dv, tile_n, wg_m = self.tile_hdim, self.tile_hdimv, self.tile_n, self.wg_m
-        mQ_t, mK_t, mVt = tma_views(mQ, mK, mV)
+        # Packed GQA: Q, O and LSE with (G, seqlen) rows and the K/V heads (mQ itself keeps the
+        # call's shapes for the sequence lengths).
+        mQ_rows, mO_rows, mLSE_rows = mQ, mO, mLSE
+        if cutlass.const_expr(self.packed_heads > 1):
+            mQ_rows = pack_rows(mQ, self.packed_heads)
+            mO_rows = pack_rows(mO, self.packed_heads)
+            mLSE_rows = pack_lse_rows(mLSE, self.packed_heads)
+        mQ_t, mK_t, mVt = tma_views(mQ_rows, mK, mV)
 
         tiled_mma_qk, tiled_mma_pv = self.make_tiled_mmas()
 
@@ -470,14 +480,15 @@ class FlashAttentionForwardSm90(AttentionKernel):
             batch = cute.size(mCuSeqlensQ.shape[0]) - 1
         if cutlass.const_expr(self.split_kv):  # the split index goes with the batch index
             batch = batch * (cute.size(mO.shape[0]) // cute.size(mQ.shape[0]))
-        grid = (cute.ceil_div(max_seqlen_q, self.tile_m), cute.size(mQ.shape[2]), batch)
+        grid = (cute.ceil_div(max_seqlen_q * self.packed_heads, self.tile_m),
+                cute.size(mQ_rows.shape[2]), batch)  # fmt: skip
         if cutlass.const_expr(self.num_ctas > 0):  # dense only: max_seqlen_q is mQ's seqlen
             units = unit_count(
                 max_seqlen_q, self.tile_m, cute.size(mQ.shape[2]), batch, self.causal
             )
             grid = (cutlass.min(units, self.num_ctas), 1, 1)
         self.kernel(
-            mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE, tma_q, tma_k, tma_v,
+            mQ_tma, mK_tma, mV_tma, mQ, mK, mO_rows, mLSE_rows, tma_q, tma_k, tma_v,
             score_scale, scale_log2, window_left, window_right,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, tma_o, mO_tma,
             sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv, copy_r2g,
@@ -589,10 +600,10 @@ class FlashAttentionForwardSm90(AttentionKernel):
         seq = seqlen_info(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, gmem.seqused_q, gmem.seqused_k)
         n_block_min, n_block_max, n_block_no_right, n_block_no_left = block_range(
             m_block, seq.seqlen_q, seq.seqlen_k, window.left, window.right,
-            self.tile_m, self.tile_n, self.causal, self.local,
+            self.tile_m, self.tile_n, self.causal, self.local, self.packed_heads,
         )  # fmt: skip
         if cutlass.const_expr(mCuSeqlensQ is not None or gmem.seqused_q is not None):
-            if m_block * self.tile_m >= seq.seqlen_q:
+            if m_block * self.tile_m >= seq.seqlen_q * self.packed_heads:
                 n_block_max = n_block_min  # no row of this CTA exists: load and store nothing
         if cutlass.const_expr(self.split_kv):
             # This split's share of the key blocks: ceil(n / num_splits) of them, the last split
@@ -605,7 +616,9 @@ class FlashAttentionForwardSm90(AttentionKernel):
         # starts at its cu_seqlens offset: the TMA coordinate tensors are shifted there, so the
         # TMA boxes of one sequence start at its first row (rows past its end read the next
         # sequence, or zeros past the tensor; Note in the class docstring).
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        head_kv = head  # packed GQA: the grid's heads are the K/V heads
+        if cutlass.const_expr(self.packed_heads == 1):
+            head_kv = head // (mQ.shape[2] // mK.shape[2])
         qb = 0 if cutlass.const_expr(mCuSeqlensQ is not None) else batch
         kb = 0 if cutlass.const_expr(mCuSeqlensK is not None) else batch
         mQ_cur = gmem.mQ_tma[None, None, head, qb]
@@ -617,9 +630,10 @@ class FlashAttentionForwardSm90(AttentionKernel):
         mK_cur = gmem.mK_tma[None, None, head_kv, kb]
         mV_cur = gmem.mV_tma[None, None, head_kv, kb]
         if cutlass.const_expr(mCuSeqlensQ is not None):
-            mQ_cur = cute.domain_offset((seq.offset_q, 0), mQ_cur)
-            mO_cur = cute.domain_offset((seq.offset_q, 0), mO_cur)
-            mLSE_cur = cute.domain_offset((seq.offset_q,), mLSE_cur)
+            row_offset = seq.offset_q * self.packed_heads  # packed: (head 0, position offset_q)
+            mQ_cur = cute.domain_offset((row_offset, 0), mQ_cur)
+            mO_cur = cute.domain_offset((row_offset, 0), mO_cur)
+            mLSE_cur = cute.domain_offset((row_offset,), mLSE_cur)
         if cutlass.const_expr(mCuSeqlensK is not None):
             mK_cur = cute.domain_offset((seq.offset_k, 0), mK_cur)
             mV_cur = cute.domain_offset((0, seq.offset_k), mV_cur)
@@ -753,7 +767,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         softmax = OnlineSoftmax(scales.scale_log2, cute.size(tScS.shape[0]), view=mn_view_wgmma,
                                 rescale_threshold=self.rescale_threshold)  # fmt: skip
         softmax.reset()
-        rows_left = seqlen_q - row_start
+        rows_left = seqlen_q * self.packed_heads - row_start  # packed GQA: rows of G heads
 
         # Key blocks from n_block_max - 1 down. Step j issues, in this consumer's turn,
         # S_j = Q K_j^T and O += P_{j-1} V_{j-1}, then runs the softmax of S_j while the other
@@ -1059,7 +1073,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
             apply_mask(
                 mn_view_wgmma(acc_S), mma.tScS, rows.row_start, n_block * self.tile_n,
                 rows.seqlen_q, rows.seqlen_k, rows.window.left, rows.window.right, self.causal,
-                self.local,
+                self.local, self.packed_heads,
             )  # fmt: skip
         check_inf = masked and (self.causal or self.local)
         # Polynomial exponentials take finite scores only: not on masked blocks (-inf).

@@ -195,7 +195,7 @@ def fwd_persistent_fits(config: FwdConfig) -> bool:
     tiles])."""
     return not (
         config.local or config.varlen_q or config.varlen_k or config.seqused_q
-        or config.seqused_k or config.split_kv
+        or config.seqused_k or config.split_kv or config.pack_gqa
     )  # fmt: skip
 
 
@@ -203,9 +203,16 @@ def fwd_tma_store_fits(config: FwdConfig) -> bool:
     """Whether O can leave by TMA store: dense query rows (no cu_seqlens_q or seqused_q),
     dv == d, and a 16-bit O (not the fp32 partial O of split-KV)."""
     return (
-        not (config.varlen_q or config.seqused_q or config.split_kv)
+        not (config.varlen_q or config.seqused_q or config.split_kv or config.pack_gqa)
         and config.head_dim_v == config.head_dim
     )
+
+
+def fwd_pack_gqa_fits(qhead_per_kvhead: int) -> bool:
+    """Whether packed GQA rows (Note [packed GQA] in cute_fa/dsl/pack_gqa.py) with this many
+    query heads per K/V head tile into the consumers' 64-row TMA boxes."""
+    g = qhead_per_kvhead
+    return g >= 2 and (SM90_FWD_WG_M % g == 0 or g % SM90_FWD_WG_M == 0)
 
 
 def fwd_q_stages(config: FwdConfig) -> int:
@@ -251,7 +258,7 @@ def fwd_config(
         tma_store=asked.get("tma_store", False) and fwd_tma_store_fits(base),
     )
     config = base.replace(tuning=Sm90FwdTuning(**fields))
-    if base.split_kv:  # one CTA a (query block, head, batch, split); O leaves in fp32
+    if base.split_kv or base.pack_gqa:  # one CTA a tile (split-KV: O leaves in fp32)
         return config
     persistent = config.with_tuning(num_ctas=SM90_SMS)
     if "num_ctas" in asked:
@@ -378,12 +385,18 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
     if tuning.tma_store and not fwd_tma_store_fits(config):
         return False, (
             "tma_store takes dense query rows (no cu_seqlens_q / seqused_q), dv == d and no "
-            "split-KV"
+            "split-KV or pack_gqa"
         )
     if tuning.num_ctas and not fwd_persistent_fits(config):
         return False, (
-            "a persistent grid (num_ctas) takes dense calls without a window, seqused or "
-            "split-KV (their tiles cost different amounts; Note [persistent tiles])"
+            "a persistent grid (num_ctas) takes dense calls without a window, seqused, "
+            "split-KV or pack_gqa (their tiles cost different amounts; Note [persistent tiles])"
+        )
+    if config.pack_gqa and not fwd_pack_gqa_fits(config.pack_gqa):
+        return False, (
+            f"pack_gqa with {config.pack_gqa} query heads per K/V head: the packed rows take "
+            f"TMA boxes of {SM90_FWD_WG_M} rows, which needs the heads per K/V head to divide "
+            f"{SM90_FWD_WG_M} (or be a multiple of it)"
         )
     return True, ""
 

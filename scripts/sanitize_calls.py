@@ -120,6 +120,24 @@ PATHS: dict[str, tuple[Callable, tuple[int, ...]]] = {
     "varlen": (lambda t: _varlen(t, [0, 100, 200, 713], [0, 90, 300, 711], causal=True), ARCHS),
     "seqused_q": (lambda t: _seqused_q(t), ARCHS),
     "seqused_k": (lambda t: _seqused_k(t), ARCHS),
+    # sm90 forward only: packed GQA (4 query heads a K/V head in one tile's rows), split-KV
+    # with the combine kernel, and both over packed sequences with seqused_k.
+    "pack_gqa": (lambda t: _dense(t, h=8, h_kv=2, causal=True, pack_gqa=True), (90,)),
+    "split": (lambda t: _dense(t, h=8, h_kv=2, pack_gqa=False, num_splits=3), (90,)),
+    "pack_split_varlen": (
+        lambda t: _varlen(
+            t,
+            [0, 1, 5, 12],
+            [0, 300, 301, 1000],
+            seqused_k=[257, 0, 640],
+            h=8,
+            h_kv=2,
+            causal=True,
+            pack_gqa=True,
+            num_splits=3,
+        ),
+        (90,),
+    ),
 }
 
 

@@ -56,12 +56,10 @@ def test_resolve_softcap():
 
 
 def test_only_the_off_values_of_unimplemented_arguments_pass():
-    checks.reject_unimplemented(pack_gqa=False, num_splits=0, score_mod=None)
-    checks.reject_unimplemented(pack_gqa=None, num_splits=1)
-    with pytest.raises(NotImplementedError, match="pack_gqa is not implemented"):
-        checks.reject_unimplemented(pack_gqa=True)
+    checks.reject_unimplemented(num_splits=0, score_mod=None)
+    checks.reject_unimplemented(num_splits=1)
     with pytest.raises(NotImplementedError, match="score_mod is not implemented"):
-        checks.reject_unimplemented(score_mod=False)  # False is "off" for pack_gqa alone
+        checks.reject_unimplemented(score_mod=False)  # only None is "off"
 
 
 # --------------------------------------------------------------------------------------------

@@ -351,7 +351,6 @@ def test_zero_scale_reaches_the_kernels_as_a_tiny_one(monkeypatch):
 _SET = {
     "qv": torch.zeros(1),
     "gather_kv_indices": torch.zeros(1),
-    "pack_gqa": True,
     "score_mod": lambda *a: a[0],
     "score_mod_bwd": lambda *a: a[0],
     "mask_mod": lambda *a: True,
@@ -388,6 +387,7 @@ def test_unimplemented_arguments_varlen(name):
         dict(num_splits=-1),
         dict(pack_gqa=False),
         dict(pack_gqa=None),
+        dict(pack_gqa=True),
         dict(deterministic=True),
     ],
 )

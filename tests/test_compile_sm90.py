@@ -712,3 +712,39 @@ def test_sm90_split_kv_keeps_the_unsplit_keys() -> None:
     config = _planned(128)
     assert "split" not in config.name and not config.split_kv
     assert config.replace(split_kv=True).name == config.name + "_splitkv"
+
+
+# --------------------------------------------------------------------------------------------
+# Packed GQA (FwdConfig.pack_gqa, Note [packed GQA] in cute_fa/dsl/pack_gqa.py): the query heads
+# of a K/V head as (G, seqlen) rows of one tile.
+
+PACK_CASES = [
+    pytest.param(128, 128, 4, {"causal": True}, id="d128-g4-causal"),
+    pytest.param(64, 64, 8, {**VARLEN_SEQUSED_K, "causal": True}, id="d64-g8-varlen-seqused"),
+    pytest.param(128, 128, 2, {"split_kv": True}, id="d128-g2-split"),
+    pytest.param(256, 256, 16, LOCAL_SOFTCAP, id="d256-g16-local-softcap", marks=EXHAUSTIVE),
+    pytest.param(192, 128, 64, {}, id="d192x128-g64", marks=EXHAUSTIVE),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d, dv, group, flags", PACK_CASES)
+def test_sm90_fwd_pack_gqa_compiles(d: int, dv: int, group: int, flags: dict, capfd) -> None:
+    """The packed variant passes every SASS check of the unpacked kernel; Q comes in by one
+    5-D TMA box a consumer and d-chunk (d, G, seqlen, K/V heads, batch), where the unpacked Q
+    box is 4-D; K and V stay 4-D."""
+    config = _planned(d, dv=dv, pack_gqa=group, **flags)
+    assert config.pack_gqa == group and f"_packgqa{group}" in config.name
+    assert not config.tuning.num_ctas and not config.tuning.tma_store
+    sass = _check_compiled(config, capfd)
+    assert "UTMALDG.5D" in sass, "packed Q by a 5-D TMA box"
+    assert "UTMALDG.4D" in sass, "K and V by 4-D TMA boxes"
+    unpacked = _sass(config.replace(pack_gqa=0))
+    assert "UTMALDG.5D" not in unpacked
+
+
+def test_sm90_pack_gqa_keeps_the_unpacked_keys() -> None:
+    """pack_gqa off changes no existing compile key or name (the cache's entries stay valid)."""
+    config = _planned(128)
+    assert "pack" not in config.name and not config.pack_gqa
+    assert config.replace(pack_gqa=4).name == config.name + "_packgqa4"

@@ -78,6 +78,25 @@ def test_run_check_passes_real_kernels(fresh, monkeypatch, flags, arch):
     assert ok, f"{config.name}: {error}"
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="the sm90 forward packs GQA",
+)
+@pytest.mark.parametrize(
+    "flags",
+    [{"pack_gqa": 2}, {"pack_gqa": 8, "causal": True}, {"pack_gqa": 4, "split_kv": True},
+     {"pack_gqa": 4, "varlen_q": True, "varlen_k": True, "seqused_q": True,
+      "seqused_k": True}],
+    ids=lambda f: "+".join(f"{k}{v if v is not True else ''}" for k, v in f.items()),
+)  # fmt: skip
+def test_run_check_passes_packed_kernels(fresh, flags):
+    """Packed GQA variants: the check draws its problems with the compiled group size."""
+    device, config = device_config(FwdRequest("bf16", 128, 128, **flags))
+    assert config.pack_gqa == flags["pack_gqa"]
+    ok, error = selftest.run_check(fwd_cache().get(config), config, device)
+    assert ok, f"{config.name}: {error}"
+
+
 def test_a_wrong_kernel_fails_the_check(fresh):
     device, config = device_config(FwdRequest("bf16", 128, 128))
     kernel = fwd_cache().get(config)

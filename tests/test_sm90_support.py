@@ -136,13 +136,14 @@ def test_forward_reasons_of_the_tuning_flags():
     tma_store = config.replace(varlen_q=True).with_tuning(tma_store=True)
     assert support.fwd_can_implement(tma_store) == (
         False,
-        "tma_store takes dense query rows (no cu_seqlens_q / seqused_q), dv == d and no split-KV",
+        "tma_store takes dense query rows (no cu_seqlens_q / seqused_q), dv == d and no split-KV "
+        "or pack_gqa",
     )
     persistent = config.replace(local=True).with_tuning(num_ctas=132)
     assert support.fwd_can_implement(persistent) == (
         False,
-        "a persistent grid (num_ctas) takes dense calls without a window, seqused or "
-        "split-KV (their tiles cost different amounts; Note [persistent tiles])",
+        "a persistent grid (num_ctas) takes dense calls without a window, seqused, "
+        "split-KV or pack_gqa (their tiles cost different amounts; Note [persistent tiles])",
     )
 
 

@@ -80,29 +80,35 @@ def block_range(
     tile_n: cutlass.Constexpr[int],
     causal: cutlass.Constexpr[bool],
     local: cutlass.Constexpr[bool],
+    qhead_per_kvhead: cutlass.Constexpr[int] = 1,
 ):
     """Key blocks of one query block, a ``BlockRange``.
 
     Blocks are visited from n_max - 1 down to n_min; an empty range (n_max <= n_min) means no
     row of the block sees any key. Blocks at or above n_no_right may cut the seqlen_k tail or
     the causal/right window edge; blocks below n_no_left may cut the left window edge (local
-    only).
+    only). ``qhead_per_kvhead`` > 1: the block's rows are packed GQA rows (Note [packed GQA] in
+    cute_fa/dsl/pack_gqa.py), query positions ``row // qhead_per_kvhead``; ``seqlen_q`` is
+    the query length in positions.
     """
+    g = qhead_per_kvhead
     offset = seqlen_k - seqlen_q
     n_max = cute.ceil_div(seqlen_k, tile_n)
     n_min = Int32(0)
     n_min_no_left = Int32(0)
     n_no_right = seqlen_k // tile_n
-    row_last = cutlass.min((m_block + 1) * tile_m, seqlen_q) - 1
+    row_first = m_block * tile_m  # in positions below
+    row_last = cutlass.min((m_block + 1) * tile_m, seqlen_q * g) - 1
+    if cutlass.const_expr(g > 1):
+        row_first = row_first // g
+        row_last = row_last // g
     if cutlass.const_expr(causal or local):
         right = Int32(0) if cutlass.const_expr(causal) else window_right
         col_end = row_last + offset + right + 1  # one past the last key any row sees
         n_max = cutlass.min(n_max, cute.ceil_div(cutlass.max(col_end, 0), tile_n))
-        n_no_right = key_blocks_without_right_mask(
-            m_block * tile_m, seqlen_q, seqlen_k, right, tile_n
-        )
+        n_no_right = key_blocks_without_right_mask(row_first, seqlen_q, seqlen_k, right, tile_n)
     if cutlass.const_expr(local):
-        col_first = m_block * tile_m + offset - window_left  # first key of the first row
+        col_first = row_first + offset - window_left  # first key of the first row
         n_min = cutlass.max(col_first, 0) // tile_n
         col_first_last_row = row_last + offset - window_left  # the last row starts furthest right
         n_min_no_left = cute.ceil_div(cutlass.max(col_first_last_row, 0), tile_n)
@@ -264,11 +270,14 @@ def apply_mask(
     window_right: Int32,
     causal: cutlass.Constexpr[bool],
     local: cutlass.Constexpr[bool],
+    qhead_per_kvhead: cutlass.Constexpr[int] = 1,
 ):
     """Set masked scores of ``S`` (an (rows, cols) view) to -inf.
 
     ``coords`` is the identity tensor of the tile partitioned and viewed like ``S``: its entries are
     (row, col) inside the tile; ``row_base`` / ``col_base`` place the tile in the sequence.
+    ``qhead_per_kvhead`` > 1: rows are packed GQA rows, query position ``row //
+    qhead_per_kvhead`` (Note [packed GQA] in cute_fa/dsl/pack_gqa.py).
     """
     offset = seqlen_k - seqlen_q
     num_rows = cute.size(S.shape[0])
@@ -287,6 +296,8 @@ def apply_mask(
     else:
         for r in cutlass.range_constexpr(num_rows):
             row = coords[r, 0][0] + row_base
+            if cutlass.const_expr(qhead_per_kvhead > 1):
+                row = row // qhead_per_kvhead
             right = Int32(0) if cutlass.const_expr(causal) else window_right
             col_limit_right = cutlass.min(row + offset + right + 1, seqlen_k) - col_base - col0
             col_limit_left = row + offset - window_left - col_base - col0

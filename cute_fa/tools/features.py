@@ -81,6 +81,7 @@ def _try_bwd(
     """(kernel family, "") when the backward kernels implement ``request``, else (None, why)."""
     flags = {f.name: getattr(request, f.name) for f in fields(request)}
     flags.pop("split_kv")  # a forward choice: the backward of a split forward is the usual one
+    flags.pop("pack_gqa")  # likewise: the backward takes the heads unpacked
     target = target_for_capability(*capability)
     try:
         config = bwd_config(target, flags.pop("dtype"), flags.pop("head_dim"),
