@@ -35,7 +35,7 @@ DEVICE = "cuda"
 
 
 # --------------------------------------------------------------------------------------------
-# FLOPs
+# FLOPs and bytes
 
 
 def family_settings() -> tuple[str, ...]:
@@ -160,6 +160,11 @@ def attention_flops(
     return flops
 
 
+def bandwidth_tbps(nbytes: float, ms: float) -> float:
+    """TB/s (10^12 bytes a second) of ``nbytes`` moved in ``ms`` milliseconds."""
+    return nbytes / (ms * 1e-3) / 1e12
+
+
 # --------------------------------------------------------------------------------------------
 # Timing
 
@@ -219,6 +224,7 @@ class Rotation:
         return fn()
 
 
-def num_input_sets(set_bytes: int, l2_bytes: int, max_sets: int = 16) -> int:
-    """How many input sets to rotate so that together they are >= 3x the L2 (at least 2)."""
-    return max(2, min(max_sets, math.ceil(3 * l2_bytes / max(set_bytes, 1))))
+def num_input_sets(set_bytes: int, l2_bytes: int, max_sets: int = 16, min_sets: int = 2) -> int:
+    """How many input sets to rotate so that together they are >= 3x the L2 (at least
+    ``min_sets``: the grid keeps two; decode, whose sets reach 32 GiB, one)."""
+    return max(min_sets, min(max_sets, math.ceil(3 * l2_bytes / max(set_bytes, 1))))

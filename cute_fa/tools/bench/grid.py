@@ -10,6 +10,7 @@ import os
 import statistics
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .common import (
@@ -46,6 +47,11 @@ class Case:
     def d_label(self) -> str:
         """'128', or '192x128' when the value head dim differs."""
         return str(self.head_dim) if self.dv == self.head_dim else f"{self.head_dim}x{self.dv}"
+
+    @property
+    def label(self) -> str:
+        """The case in a log line: 'd=128 s=8192 causal=1'."""
+        return f"d={self.head_dim} s={self.seqlen} causal={int(self.causal)}"
 
 
 @dataclass
@@ -97,7 +103,9 @@ class ErrorLog:
     def __init__(self) -> None:
         self.seen: set[tuple[str, str]] = set()
 
-    def report(self, impl: str, case: Case, mode: str, exc: BaseException) -> str:
+    def report(self, impl: str, case, mode: str, exc: BaseException) -> str:
+        """Print ``exc`` against ``impl`` unless that reason was printed before; return the
+        reason. ``case`` is anything with a ``label`` (a grid ``Case``, a decode point)."""
         reason = (
             f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
         )
@@ -105,12 +113,7 @@ class ErrorLog:
         key = (impl, reason)
         if key not in self.seen:
             self.seen.add(key)
-            print(
-                f"  [{impl}] {mode} d={case.head_dim} s={case.seqlen} causal={int(case.causal)}: "
-                f"{reason}",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(f"  [{impl}] {mode} {case.label}: {reason}", file=sys.stderr, flush=True)
             if os.environ.get("CUTE_FA_BENCH_TRACEBACK"):
                 traceback.print_exception(exc)
         return reason
@@ -148,7 +151,7 @@ def _failed(mode: str, case: Case, impl: Impl, e: BaseException, errors: ErrorLo
     return Result(mode, case, impl.name, None, "err", errors.report(impl.name, case, mode, e))
 
 
-def _settle(impl: Impl | None, case: Case, mode: str, errors: ErrorLog) -> None:
+def _settle(impl: Impl | None, case, mode: str, errors: ErrorLog) -> None:
     """Wait for the GPU and free cached blocks; an error there (e.g. a sticky launch error, after
     which later cells err too) is logged against ``impl``."""
     import torch
@@ -158,6 +161,30 @@ def _settle(impl: Impl | None, case: Case, mode: str, errors: ErrorLog) -> None:
         torch.cuda.empty_cache()
     except Exception as e:  # noqa: BLE001
         errors.report(impl.name if impl else "bench", case, mode, e)
+
+
+def time_rounds(
+    prepared: list[tuple[Impl, list]],
+    args: argparse.Namespace,
+    failed: Callable[[Impl, BaseException], None],
+) -> dict[str, float]:
+    """Median ms of each prepared implementation (its calls rotated over its input sets): every
+    round (``args.rounds``) times each of them in turn (A, B, C, A, B, C, ...), so with
+    --rounds > 1 all of them see the same run of clocks. One that raises is passed to
+    ``failed`` once, never timed again, and left out of the result."""
+    round_ms: dict[str, list[float]] = {impl.name: [] for impl, _ in prepared}
+    dead: set[str] = set()
+    for _ in range(args.rounds):
+        for impl, fns in prepared:
+            if impl.name in dead:  # failed in an earlier round
+                continue
+            try:
+                with impl.context():
+                    round_ms[impl.name].append(median_ms(Rotation(fns), args.warmup, args.rep))
+            except Exception as e:  # noqa: BLE001 - a failing peer is reported, never fatal
+                dead.add(impl.name)
+                failed(impl, e)
+    return {name: statistics.median(ms) for name, ms in round_ms.items() if name not in dead}
 
 
 def time_case(
@@ -186,12 +213,15 @@ def time_case(
                 Result(mode, case, impl.name, None, "err", errors.report(impl.name, case, mode, e))
             )
         return results
-    # Each implementation's calls are built once; then every round times each of them in turn
-    # (A, B, C, A, B, C, ...), so with --rounds > 1 all of them see the same run of clocks.
+    # Each implementation's calls are built once, then timed in rounds (time_rounds).
     prepared: list[tuple[Impl, list]] = []
     outcome: dict[str, Result] = {}
-    round_ms: dict[str, list[float]] = {impl.name: [] for impl in impls}
     fns = None
+
+    def failed(impl: Impl, e: BaseException) -> None:
+        outcome[impl.name] = _failed(mode, case, impl, e, errors)
+        _settle(impl, case, mode, errors)
+
     try:
         for impl in impls:
             try:
@@ -205,24 +235,12 @@ def time_case(
                 prepared.append((impl, fns))
             except Exception as e:  # noqa: BLE001 - a failing peer is reported, never fatal
                 outcome[impl.name] = _failed(mode, case, impl, e, errors)
-        for _ in range(args.rounds):
-            for impl, fns in prepared:
-                if impl.name in outcome:  # failed in an earlier round
-                    continue
-                try:
-                    with impl.context():
-                        round_ms[impl.name].append(median_ms(Rotation(fns), args.warmup, args.rep))
-                except Exception as e:  # noqa: BLE001 - as above
-                    outcome[impl.name] = _failed(mode, case, impl, e, errors)
-                    _settle(impl, case, mode, errors)
+        for name, ms in time_rounds(prepared, args, failed).items():
+            outcome[name] = Result(mode, case, name, ms)
     finally:
         del prepared, fns
         _settle(None, case, mode, errors)
     for impl in impls:
-        if impl.name not in outcome:
-            outcome[impl.name] = Result(
-                mode, case, impl.name, statistics.median(round_ms[impl.name])
-            )
         results.append(outcome[impl.name])
     del base_sets
     with contextlib.suppress(Exception):

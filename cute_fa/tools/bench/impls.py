@@ -1,4 +1,5 @@
-"""The implementations under test (cute_fa, SDPA FLASH / CUDNN, FlexAttention, FA4)."""
+"""The implementations under test (cute_fa, SDPA FLASH / CUDNN, FlexAttention, FA4), for the grid
+(``forward_fn``, ``backward_fn``) and for decode (``decode_fn``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ from .common import split_impl, variant_context
 
 class ImplUnavailable(Exception):
     """The implementation cannot run this case (e.g. cute_fa has no backward yet): 'n/a'."""
+
+
+def fa4_decode_splits(major: int) -> int:
+    """The ``num_splits`` FA4 gets in decode on a GPU of this compute capability major: 0 (its
+    split-KV heuristic) where its forward splits (sm100 / sm110), 1 elsewhere (its sm80, sm90
+    and sm120 forwards assert that num_splits resolves to 1)."""
+    return 0 if major in (10, 11) else 1
 
 
 @dataclass
@@ -103,6 +111,81 @@ class Impl:
 
             return run
         raise ValueError(f"unknown implementation {self.name!r}")
+
+    def decode_fn(
+        self, q, k, v, seqused_k, page_table=None, max_seqlen_k: int | None = None
+    ) -> Callable[[], object]:
+        """Zero-argument decode forward; returns out. q (batch, seqlen_q, heads, d); k, v
+        (batch, cache_len, heads_kv, d) with ``page_table`` None, or pages (num_pages,
+        page_size, heads_kv, d) with ``page_table`` int32 (batch, pages_per_seq) (FA4's paged
+        layout); ``seqused_k`` int32 (batch,) the keys each sequence uses. Causal, bottom-right
+        aligned: each query row sees the keys up to its own position at the end of the cache.
+        cute_fa and FA4 take flash_attn.cute's ``flash_attn_varlen_func`` arguments; SDPA takes
+        the contiguous layout only, with ``enable_gqa`` and every key of the cache used (it has
+        no seqused_k: decode points use the whole cache)."""
+        if self.base in ("cute_fa", "cute_fa_det"):
+            import cute_fa
+
+            det = self.base == "cute_fa_det"
+
+            def run():
+                return cute_fa.flash_attn_varlen_func(
+                    q, k, v, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k,
+                    page_table=page_table, causal=True, num_splits=0, pack_gqa=None,
+                    deterministic=det,
+                )[0]  # fmt: skip
+
+            return run
+        if self.name == "fa4":
+            import torch
+
+            try:
+                from flash_attn.cute import flash_attn_varlen_func as fa4_varlen
+            except ImportError as e:  # not installed (pip install flash-attn-4): 'n/a'
+                raise ImplUnavailable(f"fa4: flash_attn.cute is not importable ({e})") from e
+            num_splits = fa4_decode_splits(torch.cuda.get_device_capability(q.device)[0])
+
+            def run():
+                result = fa4_varlen(
+                    q, k, v, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k,
+                    page_table=page_table, causal=True, num_splits=num_splits, pack_gqa=None,
+                )  # fmt: skip
+                return result[0] if isinstance(result, tuple) else result
+
+            return run
+        if self.name in ("flash", "cudnn"):
+            return self._sdpa_decode(q, k, v, page_table)
+        raise ImplUnavailable(f"{self.name}: not timed in decode mode")
+
+    def _sdpa_decode(self, q, k, v, page_table) -> Callable[[], object]:
+        """SDPA on the contiguous cache. One query row sees every key (no mask); more rows need
+        a bottom-right causal mask, which SDPA's ``is_causal`` (top-left) is not: FLASH gets
+        torch's ``causal_lower_right`` bias (run by FA2's own causal kernel, checked to be
+        FLASH's before timing), CUDNN an explicit boolean mask."""
+        import torch
+        import torch.nn.functional as F
+
+        if page_table is not None:
+            raise ImplUnavailable(f"{self.name}: SDPA has no paged K/V")
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+        if seqlen_q == 1:
+            return lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        if self.name == "flash":
+            from torch.backends.cuda import SDPAParams, can_use_flash_attention
+            from torch.nn.attention.bias import causal_lower_right
+
+            # Without the flash kernel, the bias would run another backend under FLASH's name.
+            if not can_use_flash_attention(SDPAParams(qt, kt, vt, None, 0.0, False, True)):
+                raise ImplUnavailable("flash: SDPA's flash kernel does not take this shape")
+            bias = causal_lower_right(seqlen_q, seqlen_k)
+            return lambda: F.scaled_dot_product_attention(
+                qt, kt, vt, attn_mask=bias, enable_gqa=True
+            )
+        mask = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device).tril(
+            seqlen_k - seqlen_q
+        )
+        return lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True)
 
     def _flex(self, batch: int, seqlen_q: int, seqlen_k: int, causal: bool, device, window=None):
         import torch

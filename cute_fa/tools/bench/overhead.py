@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
-from .common import DEVICE, impl_label, median_ms
+from .common import DEVICE, bandwidth_tbps, impl_label, median_ms
 from .grid import Case, ErrorLog, _torch_dtype, environment
 from .impls import Impl
 
@@ -78,6 +79,25 @@ def run_overhead(args: argparse.Namespace) -> int:
     return 0
 
 
+COPY_BYTES = 1 << 30
+
+
+def copy_bandwidth(
+    warmup_ms: float, rep_ms: float, nbytes: int = COPY_BYTES
+) -> tuple[float, float]:
+    """(TB/s, median ms) of a device-to-device copy of ``nbytes``, counting the bytes read and
+    the bytes written (2 * nbytes); the buffers are freed on return."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    copy = functools.partial(dst.copy_, src)
+    ms = median_ms(copy, warmup_ms, rep_ms)
+    del copy, src, dst
+    torch.cuda.empty_cache()
+    return bandwidth_tbps(2 * nbytes, ms), ms
+
+
 def run_ceilings(args: argparse.Namespace) -> int:
     """What this GPU reaches on plain work: a large dense matmul and a device-to-device copy."""
     import torch
@@ -88,11 +108,7 @@ def run_ceilings(args: argparse.Namespace) -> int:
     a, b = (torch.randn(n, n, dtype=dtype, device=DEVICE) for _ in range(2))
     ms = median_ms(lambda: torch.matmul(a, b), args.warmup, args.rep)
     matmul = 2 * n**3 / (ms * 1e-3) / 1e12
-    nbytes = 1 << 30
-    src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    ms_copy = median_ms(lambda: dst.copy_(src), args.warmup, args.rep)
-    bandwidth = 2 * nbytes / (ms_copy * 1e-3) / 1e12
+    bandwidth, ms_copy = copy_bandwidth(args.warmup, args.rep)
     print(f"{args.dtype} matmul {n}x{n}x{n}: {matmul:.1f} TFLOPs/s ({ms:.3f} ms)")
     print(f"device copy 1 GiB (read + write): {bandwidth:.2f} TB/s ({ms_copy:.3f} ms)")
     return 0
