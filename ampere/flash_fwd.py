@@ -120,6 +120,7 @@ class FlashAttentionForwardSm80(AttentionKernel):
         mCuSeqlensK: cute.Tensor | None,
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
+        mPageTable: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
         # Shared memory: 8-row swizzled atoms, 64 (or 32) columns wide, so ldmatrix and the

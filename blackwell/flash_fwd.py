@@ -211,6 +211,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
         mCuSeqlensK: cute.Tensor | None,
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
+        mPageTable: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
         d, dv, tile_n, tile_q = self.tile_hdim, self.tile_hdimv, self.tile_n, self.tile_q

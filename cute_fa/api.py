@@ -173,15 +173,21 @@ def _apply_learnable_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tens
 # final normalization would remove them.
 
 
-def _forward(requires_grad: bool, q, k, v, *args, max_seqlen_k=None, deterministic=False):
+def _forward(requires_grad: bool, q, k, v, *args, max_seqlen_k=None, deterministic=False,
+             page_table=None):  # fmt: skip
     """Forward with autograd when needed; eager calls on plain CUDA tensors skip the
     dispatcher (Note [eager fast path]). ``max_seqlen_k`` and ``deterministic`` only concern
-    the backward."""
+    the backward; ``page_table`` (paged K/V) is forward-only."""
     if requires_grad:
+        if page_table is not None:
+            raise NotImplementedError(
+                "cute_fa: paged K/V (page_table) is forward-only (a serving path); call "
+                "it under torch.no_grad() or with inputs that do not require grad"
+            )
         return _FlashAttnForward.apply(q, k, v, *args, max_seqlen_k, deterministic)
     if eager_cuda(q):
-        return fwd_impl(q, k, v, *args)
-    return fwd_op(q, k, v, *args)
+        return fwd_impl(q, k, v, *args, page_table)
+    return fwd_op(q, k, v, *args, page_table)
 
 
 # Note [eager fast path]
@@ -319,13 +325,18 @@ def flash_attn_varlen_func(
     ``max_seqlen_q`` sizes the grid (computed from cu_seqlens_q when None); ``max_seqlen_k``
     sizes the backward's grid (computed from cu_seqlens_k when None: a host sync);
     ``min_seqlen_k`` and ``disable_scheduler_metadata`` are accepted and not needed;
-    ``num_splits``: split-KV. Sequence metadata rules, split-KV and checks: see the module
+    ``num_splits``: split-KV. ``page_table`` (int32 (batch, max_pages)): paged K/V, k and v
+    then (num_pages, page_size, nheads_kv, d), sequence b's key j in page
+    ``page_table[b, j // page_size]`` at row ``j % page_size``; ``seqused_k`` the cache
+    lengths (without it every page of a row counts); not with ``cu_seqlens_k``; forward only.
+    Only the pages a sequence uses are read; their indices must be in [0, num_pages) (checked
+    with the other metadata unless ``CUTE_FA_SKIP_CHECKS=1``: an index out of range there is
+    an out-of-bounds read). Sequence metadata rules, split-KV and checks: see the module
     docstring.
     """
     if not (
         qv is None
         and gather_kv_indices is None
-        and page_table is None
         and score_mod is None
         and score_mod_bwd is None
         and mask_mod is None
@@ -338,7 +349,6 @@ def flash_attn_varlen_func(
         reject_unimplemented(
             qv=qv,
             gather_kv_indices=gather_kv_indices,
-            page_table=page_table,
             score_mod=score_mod,
             score_mod_bwd=score_mod_bwd,
             mask_mod=mask_mod,
@@ -369,7 +379,7 @@ def flash_attn_varlen_func(
         requires_grad, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
         scale, causal, window_left, window_right, resolve_softcap(softcap),
         resolve_num_splits(num_splits), resolve_pack_gqa(pack_gqa), max_seqlen_k=max_seqlen_k,
-        deterministic=bool(deterministic),
+        deterministic=bool(deterministic), page_table=page_table,
     )  # fmt: skip
     if learnable_sink is not None:
         out, lse = _apply_learnable_sink(out, lse, learnable_sink)

@@ -211,6 +211,48 @@ def check_int32_vector(t, name: str, length: int, what: str) -> None:
         raise ValueError(f"{name} must be contiguous, got stride {t.stride(0)}")
 
 
+def check_page_table(page_table, batch: int, k) -> None:
+    """page_table: int32 (batch, max_pages) with contiguous rows; k (num_pages, page_size, ...)
+    with at least one page of at least one key (flash_attn.cute's paged layout)."""
+    check_tensor(page_table, "page_table")
+    if page_table.dtype != torch.int32:
+        raise TypeError(f"page_table must be torch.int32, got {page_table.dtype}")
+    if page_table.dim() != 2 or page_table.shape[0] != batch:
+        raise ValueError(
+            f"page_table must be 2-D (batch = {batch}, max_pages), got shape "
+            f"{shape_str(page_table)}"
+        )
+    if page_table.shape[1] > 1 and page_table.stride(1) != 1:
+        raise ValueError(
+            f"page_table must be contiguous in its last dim, got strides {page_table.stride()}"
+        )
+    if k.shape[0] < 1 or k.shape[1] < 1:
+        raise ValueError(
+            f"paged k must have at least one page of at least one key (num_pages, page_size, "
+            f"nheads_kv, head_dim), got shape {shape_str(k)}"
+        )
+
+
+def check_page_table_values(page_table, seqused_k, page_size: int, num_pages: int) -> None:
+    """Every page a sequence uses (the first ceil(seqused_k / page_size) entries of its row;
+    every entry without seqused_k) is in [0, num_pages). The value check reads one count."""
+    used = page_table.shape[1]
+    slots = torch.arange(used, device=page_table.device)
+    if seqused_k is not None:
+        pages_used = (seqused_k.to(page_table.device).long() + page_size - 1) // page_size
+        in_use = slots[None, :] < pages_used[:, None]
+    else:
+        in_use = torch.ones_like(page_table, dtype=torch.bool)
+    bad = ((page_table < 0) | (page_table >= num_pages)) & in_use
+    count = int(bad.sum())
+    if count:
+        first = [int(x) for x in bad.nonzero()[0].tolist()]
+        raise ValueError(
+            f"page_table has {count} used entries outside [0, num_pages = {num_pages}), e.g. "
+            f"page_table[{first[0]}, {first[1]}] = {int(page_table[first[0], first[1]])}"
+        )
+
+
 def check_strides(t: torch.Tensor, name: str) -> None:
     strides = t.stride()
     if t.shape[-1] > 1 and strides[-1] != 1:
@@ -238,8 +280,11 @@ def check_metadata(
     causal=False,
     local=False,
     softcap=0.0,
+    page_table=None,
 ) -> Shapes:
-    """Checks that need no data: types, dtypes, ranks, extents, strides, sequence metadata."""
+    """Checks that need no data: types, dtypes, ranks, extents, strides, sequence metadata.
+    ``page_table``: paged K/V (k and v (num_pages, page_size, nheads_kv, d)), flash_attn.cute's
+    layout; its values are checked with the other metadata (``check_values_and_max_seqlen_q``)."""
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         check_tensor(t, name)
     if q.dtype not in DTYPE_NAMES:
@@ -250,6 +295,12 @@ def check_metadata(
 
     varlen_q = cu_seqlens_q is not None
     varlen_k = cu_seqlens_k is not None
+    paged = page_table is not None
+    if paged and varlen_k:
+        raise ValueError(
+            "page_table and cu_seqlens_k cannot be used together (as in flash_attn.cute): with "
+            "pages, seqused_k gives each sequence's key count"
+        )
     for t, name, varlen, cu in (
         (q, "q", varlen_q, "cu_seqlens_q"),
         (k, "k", varlen_k, "cu_seqlens_k"),
@@ -259,6 +310,8 @@ def check_metadata(
         if t.dim() != want:
             layout = "(total, nheads, head_dim)" if varlen else "(batch, seqlen, nheads, head_dim)"
             given = f"with {cu}" if varlen else f"without {cu}"
+            if paged and name != "q":
+                layout, given = "(num_pages, page_size, nheads_kv, head_dim)", "with page_table"
             raise ValueError(f"{name} must be {want}-D {layout} {given}, got shape {shape_str(t)}")
 
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
@@ -288,7 +341,7 @@ def check_metadata(
 
     # Batch and sequence extents.
     if k.shape[:-2] != v.shape[:-2]:
-        what = "total_k" if varlen_k else "(batch, seqlen_k)"
+        what = "total_k" if varlen_k else "(num_pages, page_size)" if paged else "(batch, seqlen_k)"
         raise ValueError(f"k and v must agree in {what}: k {shape_str(k)}, v {shape_str(v)}")
     if varlen_q:
         batch = check_cu_seqlens_batch(cu_seqlens_q, "cu_seqlens_q")
@@ -302,6 +355,8 @@ def check_metadata(
                 f"{batch + 1} and {cu_seqlens_k.shape[0]}"
             )
         check_int32_vector(cu_seqlens_k, "cu_seqlens_k", batch + 1, "batch + 1")
+    elif paged:
+        check_page_table(page_table, batch, k)
     elif k.shape[0] != batch:
         source = "len(cu_seqlens_q) - 1" if varlen_q else "q.shape[0]"
         raise ValueError(
@@ -326,12 +381,16 @@ def check_metadata(
         varlen_k=varlen_k,
         seqused_q=seqused_q is not None,
         seqused_k=seqused_k is not None,
+        page_size=int(k.shape[1]) if paged else 0,
     )
     planning.check_fwd_implementable_somewhere(request)
+    seqlen_k = k.shape[0] if varlen_k else k.shape[1]
+    if paged:  # every sequence's room: its row of the page table
+        seqlen_k = page_table.shape[1] * k.shape[1]
     return Shapes(
         batch=batch,
         seqlen_q=q.shape[0] if varlen_q else q.shape[1],
-        seqlen_k=k.shape[0] if varlen_k else k.shape[1],
+        seqlen_k=seqlen_k,
         nheads=nheads,
         nheads_kv=nheads_kv,
         head_dim=head_dim,
@@ -417,6 +476,8 @@ def check_values_and_max_seqlen_q(
         check_seqused(used_q, "seqused_q", lens_q, room)
     if seqused_k is not None:
         room = "its cu_seqlens_k extent" if shapes.varlen_k else "seqlen_k, k.shape[1]"
+        if shapes.request.page_size:
+            room = "its page_table row, max_pages * page_size"
         check_seqused(take(batch), "seqused_k", lens_k, room)
     if not shapes.varlen_q:
         return shapes.seqlen_q

@@ -318,9 +318,20 @@ class FwdConfig(_Key):
     # whose rows share a tile (>= 2), or 0 (one head a tile). A compile-time constant: it is
     # part of the tensors' layouts.
     pack_gqa: int = 0
+    # Paged K/V (flash_attn.cute's page_table): the keys per page, a compile-time constant (its
+    # divisions and the TMA boxes depend on it); 0: K and V are (batch, seqlen, ...) tensors.
+    page_size: int = 0
 
     def __post_init__(self) -> None:
         self._check()
+        if (
+            isinstance(self.page_size, bool)
+            or not isinstance(self.page_size, int)
+            or (self.page_size < 0)
+        ):
+            raise ValueError(f"FwdConfig.page_size must be an int >= 0, got {self.page_size!r}")
+        if self.page_size and self.varlen_k:
+            raise ValueError("FwdConfig: paged K/V (page_size) takes no cu_seqlens_k (varlen_k)")
         if isinstance(self.pack_gqa, bool) or not isinstance(self.pack_gqa, int):
             raise ValueError(f"FwdConfig.pack_gqa must be an int, got {self.pack_gqa!r}")
         if self.pack_gqa == 1 or self.pack_gqa < 0:
@@ -334,6 +345,7 @@ class FwdConfig(_Key):
         """Short human-readable name, used in messages and cache file names."""
         extra = ["splitkv"] if self.split_kv else []
         extra += [f"packgqa{self.pack_gqa}"] if self.pack_gqa else []
+        extra += [f"page{self.page_size}"] if self.page_size else []
         return self._name("fwd", extra)
 
 

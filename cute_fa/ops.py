@@ -23,6 +23,7 @@ from .checks import (
     Shapes,
     check_alignment,
     check_metadata,
+    check_page_table_values,
     check_values,
     check_values_and_max_seqlen_q,
     device_of,
@@ -110,6 +111,7 @@ def _make_plan(
     softcap,
     num_splits: int = 1,
     pack_gqa: int = -1,
+    page_table=None,
 ) -> tuple[_Plan, int]:
     """The full, ordered checks (module docstring); returns the plan and max_seqlen_q.
     ``num_splits``: 1 no split-KV, > 1 that many splits, 0 the heuristic's count.
@@ -117,7 +119,7 @@ def _make_plan(
     causal, local, window_left, window_right = resolve_window(causal, (window_left, window_right))
     shapes = check_metadata(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-        causal=causal, local=local, softcap=softcap,
+        causal=causal, local=local, softcap=softcap, page_table=page_table,
     )  # fmt: skip
     check_alignment(q, k, v)
     max_seqlen_q = check_values_and_max_seqlen_q(
@@ -126,7 +128,10 @@ def _make_plan(
     device = device_of(
         (q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"),
         (cu_seqlens_k, "cu_seqlens_k"), (seqused_q, "seqused_q"), (seqused_k, "seqused_k"),
+        (page_table, "page_table"),
     )  # fmt: skip
+    if page_table is not None and check_values(q):
+        check_page_table_values(page_table, seqused_k, k.shape[1], k.shape[0])
     if shapes.varlen_q:
         lse_shape = (shapes.nheads, shapes.seqlen_q)
     else:
@@ -191,7 +196,7 @@ def _make_plan(
         seqlen_q=shapes.seqlen_q,
         seqused_q=seqused_q is not None,
         has_int_metadata=any(
-            t is not None for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+            t is not None for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table)
         ),
         no_work=no_work,
         window_left=wl,
@@ -309,8 +314,12 @@ def _self_checked(kernel, config, device, plan_args: tuple):
 def fwd_impl(
     q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
     softmax_scale, causal, window_left, window_right, softcap, num_splits=1, pack_gqa=-1,
+    page_table=None,
 ):  # fmt: skip
-    if cu_seqlens_q is None and cu_seqlens_k is None and seqused_q is None and seqused_k is None:
+    if (
+        cu_seqlens_q is None and cu_seqlens_k is None and seqused_q is None
+        and seqused_k is None and page_table is None
+    ):  # fmt: skip
         # The common batched call: a shorter key (device indices; a CPU tensor gives -1).
         key = (
             q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
@@ -322,12 +331,13 @@ def fwd_impl(
             _tensor_key(q), _tensor_key(k), _tensor_key(v), _tensor_key(cu_seqlens_q),
             _tensor_key(cu_seqlens_k), _tensor_key(seqused_q), _tensor_key(seqused_k),
             causal, window_left, window_right, softcap > 0, tuned.state(), num_splits, pack_gqa,
+            _tensor_key(page_table),
         )  # fmt: skip
     plan = _plans.get(key)
     if plan is None:
         plan, max_seqlen_q = _make_plan(
             q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-            causal, window_left, window_right, softcap, num_splits, pack_gqa,
+            causal, window_left, window_right, softcap, num_splits, pack_gqa, page_table,
         )  # fmt: skip
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
@@ -340,6 +350,8 @@ def fwd_impl(
                 plan.shapes, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                 check_values(q),
             )  # fmt: skip
+            if page_table is not None and check_values(q):
+                check_page_table_values(page_table, seqused_k, k.shape[1], k.shape[0])
     if not plan.varlen_q:
         max_seqlen_q = plan.seqlen_q
 
@@ -361,18 +373,18 @@ def fwd_impl(
     k4, v4 = (k.unsqueeze(0), v.unsqueeze(0)) if plan.varlen_k else (k, v)
     if plan.num_splits > 1:
         _split_forward(plan, q4, k4, v4, out4, lse3, softmax_scale, softcap, max_seqlen_q,
-                       cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)  # fmt: skip
+                       cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table)  # fmt: skip
         return out, lse
     plan.kernel(
         q4, k4, v4, out4, lse3, softmax_scale, softcap, plan.window_left, plan.window_right,
-        max_seqlen_q, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+        max_seqlen_q, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
     )  # fmt: skip
     return out, lse
 
 
 def _split_forward(
     plan, q4, k4, v4, out4, lse3, softmax_scale, softcap, max_seqlen_q,
-    cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+    cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table=None,
 ):  # fmt: skip
     """The split-KV forward into fp32 partial buffers, then the combine into out4 (b, sq, h,
     dv) and lse3 (b, h, sq) (packed q: b = 1), Note [split-KV launches]."""
@@ -382,7 +394,7 @@ def _split_forward(
     plan.kernel(
         q4, k4, v4, out_p.view(splits * b, sq, h, dv), lse_p.view(splits * b, h, sq),
         softmax_scale, softcap, plan.window_left, plan.window_right, max_seqlen_q,
-        cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+        cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
     )  # fmt: skip
     seqused = seqused_q
     cu = cu_seqlens_q if plan.varlen_q else None
@@ -393,11 +405,12 @@ def _split_forward(
 def fwd_fake(
     q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
     softmax_scale, causal, window_left, window_right, softcap, num_splits=1, pack_gqa=-1,
+    page_table=None,
 ):  # fmt: skip
     causal, local, _, _ = resolve_window(causal, (window_left, window_right))
     shapes = check_metadata(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-        causal=causal, local=local, softcap=softcap,
+        causal=causal, local=local, softcap=softcap, page_table=page_table,
     )  # fmt: skip
     out = q.new_empty((*q.shape[:-1], shapes.head_dim_v))
     if shapes.varlen_q:
@@ -412,7 +425,7 @@ _lib.define(
     "fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
     "Tensor? seqused_q, Tensor? seqused_k, int? max_seqlen_q, float softmax_scale, "
     "bool causal, int? window_left, int? window_right, float softcap, int num_splits=1, "
-    "int pack_gqa=-1) "
+    "int pack_gqa=-1, Tensor? page_table=None) "
     "-> (Tensor, Tensor)"
 )
 # CPU too, so that CPU tensors reach the checks and get a clear error instead of a dispatcher

@@ -53,7 +53,6 @@ MIN_CAPABILITY = (8, 0)
 UNIMPLEMENTED_ARGUMENTS = {
     "qv": "None",
     "gather_kv_indices": "None",
-    "page_table": "None",
     "score_mod": "None",
     "score_mod_bwd": "None",
     "mask_mod": "None",
@@ -82,6 +81,7 @@ class FwdRequest:
     seqused_k: bool = False
     split_kv: bool = False  # num_splits > 1: partial outputs of key splits, then a combine
     pack_gqa: int = 0  # query heads per K/V head packed into a tile's rows; 0: off
+    page_size: int = 0  # paged K/V (page_table): keys per page; 0: not paged
 
     def describe(self) -> str:
         dims = f"head_dim={self.head_dim}"
@@ -90,6 +90,8 @@ class FwdRequest:
         flags = [f.name for f in fields(self) if f.type in ("bool", bool) and getattr(self, f.name)]
         if self.pack_gqa:
             flags.append(f"pack_gqa={self.pack_gqa}")
+        if self.page_size:
+            flags.append(f"page_size={self.page_size}")
         return ", ".join([self.dtype, dims, *flags])
 
 
@@ -201,10 +203,13 @@ def _sm100_config(
         raise NotImplementedError("split-KV (num_splits > 1) is not implemented on sm100 yet")
     if request.pack_gqa:
         raise NotImplementedError("pack_gqa is not implemented on sm100 yet")
+    if request.page_size:
+        raise NotImplementedError("paged K/V (page_table) is not implemented on sm100 yet")
     problem = tuned.problem_class(request.head_dim, request.head_dim_v, request.causal)
     flags = _problem_fields(request)
     flags.pop("split_kv")
     flags.pop("pack_gqa")
+    flags.pop("page_size")
     base = sm100_support.fwd_config(
         flags.pop("head_dim"), flags.pop("head_dim_v"), target, flags.pop("dtype"), **flags
     )

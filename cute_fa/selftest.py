@@ -188,6 +188,22 @@ def _check_problem(kernel, config: FwdConfig, device: torch.device, problem: Pro
     inputs = _inputs(config, device, problem, generator)
     dtype, batch, lens_q, lens_k, cu_q, cu_k, used_q, used_k, q, k, v, _ = inputs
     d, dv, h = config.head_dim, config.head_dim_v, problem.heads
+    page_table = None
+    if config.page_size:
+        # Paged K/V: the keys padded to whole pages (random keys: inputs, unless seqused_k
+        # leaves them out), stored as pages in a shuffled order.
+        ps = config.page_size
+        pages = -(-lens_k[0] // ps)
+        k, v = (
+            torch.cat([x, torch.randn((batch, pages * ps - lens_k[0], *x.shape[2:]),
+                                      generator=generator).to(device=device, dtype=dtype)], 1)
+            for x in (k, v)
+        )  # fmt: skip
+        lens_k = [pages * ps] * batch
+        if not config.seqused_k:
+            used_k = lens_k
+        order = torch.randperm(batch * pages, generator=generator).to(device)
+        page_table = order.reshape(batch, pages).to(torch.int32)
     if config.seqused_k:  # rows past seqused_k are not inputs: NaN must not reach out
         for x in (k, v):
             _poison_past(x, config.varlen_k, cu_k, used_k, math.nan)
@@ -209,6 +225,8 @@ def _check_problem(kernel, config: FwdConfig, device: torch.device, problem: Pro
         lse = torch.full(lse_shape, math.nan, dtype=torch.float32, device=device)
     q4, out4, lse3 = (q[None], out[None], lse[None]) if config.varlen_q else (q, out, lse)
     k4, v4 = (k[None], v[None]) if config.varlen_k else (k, v)
+    if page_table is not None:  # logical page j of the batch stored at slot order[j]
+        k4, v4 = (_to_pages(x, config.page_size, page_table) for x in (k, v))
     if config.split_kv:
         # CHECK_SPLITS key splits into NaN-poisoned fp32 partials (the layouts of Note
         # [split-KV launches] in cute_fa/ops.py), merged here by the LSE-weighted sum.
@@ -222,7 +240,7 @@ def _check_problem(kernel, config: FwdConfig, device: torch.device, problem: Pro
         q4, k4, v4, out4, lse3, scale, softcap, wl, wr,
         max(lens_q), int32(cu_q if config.varlen_q else None),
         int32(cu_k if config.varlen_k else None), int32(used_q if config.seqused_q else None),
-        int32(used_k if config.seqused_k else None),
+        int32(used_k if config.seqused_k else None), page_table,
     )  # fmt: skip
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -284,6 +302,15 @@ def _run_problems(check_one, kernel, config, device: torch.device, seed: int) ->
             message = " ".join(str(e).split())
             return False, f"{label}: {type(e).__name__}: {message}"
     return True, ""
+
+
+def _to_pages(x: torch.Tensor, page_size: int, page_table: torch.Tensor) -> torch.Tensor:
+    """(batch, pages * page_size, heads, d) -> (batch * pages, page_size, heads, d) with logical
+    page j of sequence b at slot page_table[b, j] (flash_attn.cute's paged layout)."""
+    b, s, h, d = x.shape
+    out = torch.empty((b * (s // page_size), page_size, h, d), dtype=x.dtype, device=x.device)
+    out[page_table.reshape(-1).long()] = x.reshape(-1, page_size, h, d)
+    return out
 
 
 def _poison_past(x: torch.Tensor, varlen: bool, cu: list[int], used: list[int], value) -> None:

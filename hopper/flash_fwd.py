@@ -41,6 +41,7 @@ from .support import (
     fwd_can_implement,
     fwd_kv_stages,
     fwd_num_consumers,
+    fwd_page_box,
     fwd_q_stages,
 )
 from .sync import tma_pipeline
@@ -76,6 +77,7 @@ class GlobalTensors(NamedTuple):
     cu_seqlens_k: cute.Tensor | None
     seqused_q: cute.Tensor | None
     seqused_k: cute.Tensor | None
+    page_table: cute.Tensor | None
 
 
 class SmemTiles(NamedTuple):
@@ -138,6 +140,7 @@ class TileViews(NamedTuple):
     mO: cute.Tensor
     mLSE: cute.Tensor
     mO_tma: cute.Tensor | None
+    pages: cute.Tensor | None  # paged K/V: this sequence's row of the page table
 
 
 class TileWork(NamedTuple):
@@ -378,6 +381,9 @@ class FlashAttentionForwardSm90(AttentionKernel):
         self.split_kv = config.split_kv  # fp32 O and LSE of one key split (class docstring)
         # Packed GQA: query heads whose rows share a tile (1: one head a tile; class docstring)
         self.packed_heads = config.pack_gqa or 1
+        # Paged K/V: keys a page, and a TMA box of keys (gcd(page_size, tile_n); class docstring)
+        self.page_size = config.page_size
+        self.page_box = fwd_page_box(config) if config.page_size else 0
 
     can_implement = staticmethod(fwd_can_implement)
 
@@ -417,6 +423,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         mCuSeqlensK: cute.Tensor | None,
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
+        mPageTable: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
         d, dv, tile_n, wg_m = self.tile_hdim, self.tile_hdimv, self.tile_n, self.wg_m
@@ -445,11 +452,20 @@ class FlashAttentionForwardSm90(AttentionKernel):
         tma_q, mQ_tma = cpasync.make_tiled_tma_atom(
             load, mQ_t, cute.slice_(sQ_layout, (None, None, 0)), (wg_m, d)
         )
+        # K and V^T: one box a key block, or with paged K/V (num_pages, page_size, ...) boxes of
+        # page_box keys, tile_n / page_box a block (each from its own page).
+        kv_rows = self.page_box if cutlass.const_expr(self.page_size) else tile_n
+        sK_box = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, (wg_m, kv_rows, d), self.dtype, 1
+        )
+        sV_box = sm90_utils.make_smem_layout_b(
+            LayoutEnum.COL_MAJOR, (wg_m, dv, kv_rows), self.dtype, 1
+        )
         tma_k, mK_tma = cpasync.make_tiled_tma_atom(
-            load, mK_t, cute.slice_(sK_layout, (None, None, 0)), (tile_n, d)
+            load, mK_t, cute.slice_(sK_box, (None, None, 0)), (kv_rows, d)
         )
         tma_v, mV_tma = cpasync.make_tiled_tma_atom(
-            load, mVt, cute.slice_(sV_layout, (None, None, 0)), (dv, tile_n)
+            load, mVt, cute.slice_(sV_box, (None, None, 0)), (dv, kv_rows)
         )
         # O by TMA store (config.tuning.tma_store): from the consumer's Q slice, (wg_m, dv) boxes.
         tma_o, mO_tma = None, None
@@ -490,7 +506,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         self.kernel(
             mQ_tma, mK_tma, mV_tma, mQ, mK, mO_rows, mLSE_rows, tma_q, tma_k, tma_v,
             score_scale, scale_log2, window_left, window_right,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, tma_o, mO_tma,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, tma_o, mO_tma,
             sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv, copy_r2g,
             SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
@@ -520,6 +536,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         mCuSeqlensK: cute.Tensor | None,
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
+        mPageTable: cute.Tensor | None,
         tma_o: cute.CopyAtom | None,
         mO_tma: cute.Tensor | None,
         sQ_layout: cute.ComposedLayout,
@@ -550,7 +567,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
             sV=storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner),
         )
         gmem = GlobalTensors(mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE, mO_tma,
-                             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)  # fmt: skip
+                             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+                             mPageTable)  # fmt: skip
         window = Window(window_left, window_right)
         # The tiles of this CTA (Note [persistent tiles]), walked by every role.
         scheduler = TileScheduler(mQ.shape[1], mQ.shape[2], mQ.shape[0], self.tile_m,
@@ -598,6 +616,9 @@ class FlashAttentionForwardSm90(AttentionKernel):
             split = batch % num_splits
             batch = batch // num_splits
         seq = seqlen_info(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, gmem.seqused_q, gmem.seqused_k)
+        if cutlass.const_expr(self.page_size and gmem.seqused_k is None):
+            # paged K/V without seqused_k: every page of the sequence's table row is full
+            seq = seq._replace(seqlen_k=gmem.page_table.shape[1] * self.page_size)
         n_block_min, n_block_max, n_block_no_right, n_block_no_left = block_range(
             m_block, seq.seqlen_q, seq.seqlen_k, window.left, window.right,
             self.tile_m, self.tile_n, self.causal, self.local, self.packed_heads,
@@ -627,8 +648,14 @@ class FlashAttentionForwardSm90(AttentionKernel):
             ob = split * mQ.shape[0] + qb
         mO_cur = gmem.mO[ob, None, head, None]
         mLSE_cur = gmem.mLSE[ob, head, None]
-        mK_cur = gmem.mK_tma[None, None, head_kv, kb]
-        mV_cur = gmem.mV_tma[None, None, head_kv, kb]
+        pages = None
+        if cutlass.const_expr(self.page_size):  # (page_size, d / dv, num_pages) views
+            mK_cur = gmem.mK_tma[None, None, head_kv, None]
+            mV_cur = gmem.mV_tma[None, None, head_kv, None]
+            pages = gmem.page_table[batch, None]
+        else:
+            mK_cur = gmem.mK_tma[None, None, head_kv, kb]
+            mV_cur = gmem.mV_tma[None, None, head_kv, kb]
         if cutlass.const_expr(mCuSeqlensQ is not None):
             row_offset = seq.offset_q * self.packed_heads  # packed: (head 0, position offset_q)
             mQ_cur = cute.domain_offset((row_offset, 0), mQ_cur)
@@ -644,7 +671,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
             m_block=m_block,
             seqlen_q=seq.seqlen_q,
             seqlen_k=seq.seqlen_k,
-            views=TileViews(mQ_cur, mK_cur, mV_cur, mO_cur, mLSE_cur, mO_tma_cur),
+            views=TileViews(mQ_cur, mK_cur, mV_cur, mO_cur, mLSE_cur, mO_tma_cur, pages),
             blocks=BlockRange(n_block_min, n_block_max, n_block_no_right, n_block_no_left),
         )
 
@@ -704,11 +731,13 @@ class FlashAttentionForwardSm90(AttentionKernel):
         m_block = work.m_block
         n_block_min, n_block_max = work.blocks.n_min, work.blocks.n_max
         gQ = cute.local_tile(work.views.mQ, (wg_m, d), (None, 0))
-        gK = cute.local_tile(work.views.mK, (tile_n, d), (None, 0))
-        gV = cute.local_tile(work.views.mV, (dv, tile_n), (0, None))
         tQsQ, tQgQ = cpasync.tma_partition(
             tma.q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
         )
+        if cutlass.const_expr(self.page_size):
+            return self.load_paged(work, tma, smem_tiles, pipes, states, tQsQ, tQgQ)
+        gK = cute.local_tile(work.views.mK, (tile_n, d), (None, 0))
+        gV = cute.local_tile(work.views.mV, (dv, tile_n), (0, None))
         tKsK, tKgK = cpasync.tma_partition(
             tma.k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
         )
@@ -730,6 +759,71 @@ class FlashAttentionForwardSm90(AttentionKernel):
                 pipes.v.producer_acquire(kv_state)
                 cute.copy(tma.v, tVgV[None, n_block], tVsV[None, kv_state.index],
                           tma_bar_ptr=pipes.v.producer_get_barrier(kv_state))  # fmt: skip
+                kv_state.advance()
+        return ProducerStates(q_state, kv_state)
+
+    @cute.jit
+    def load_paged(
+        self,
+        work: TileWork,
+        tma: TmaLoads,
+        smem_tiles: SmemTiles,
+        pipes: Pipelines,
+        states: ProducerStates,
+        tQsQ: cute.Tensor,
+        tQgQ: cute.Tensor,
+    ) -> ProducerStates:
+        """``load`` with paged K/V: each key block is tile_n / page_box TMA boxes of page_box
+        keys, box i of block n from page ``pages[(n * tile_n + i * page_box) // page_size]``
+        at row ``(n * tile_n + i * page_box) % page_size``, all on the stage's one barrier
+        (the same transaction bytes as one whole block). A box past the sequence's last page
+        (the tail block) reads the last page again instead of the page table past its end:
+        those keys are masked and, with seqused_k, their V rows zeroed (``zero_v_tail``)."""
+        d, dv, tile_n, box = self.tile_hdim, self.tile_hdimv, self.tile_n, self.page_box
+        page_size = self.page_size
+        sQ, sK, sV = smem_tiles
+        q_state, kv_state = states
+        n_block_min, n_block_max = work.blocks.n_min, work.blocks.n_max
+        boxes = tile_n // box
+        # (box, d, page_size / box, 1, num_pages) and (dv, box, 1, page_size / box, num_pages)
+        gK = cute.flat_divide(work.views.mK, (box, d))
+        gV = cute.flat_divide(work.views.mV, (dv, box))
+        sKb = cute.flat_divide(sK, (box, d))  # (box, d, boxes, 1, stages)
+        sVb = cute.flat_divide(sV, (dv, box))  # (dv, box, 1, boxes, stages)
+        tKsK, tKgK = cpasync.tma_partition(
+            tma.k, 0, cute.make_layout(1), cute.group_modes(sKb, 0, 2),
+            cute.group_modes(gK, 0, 2),
+        )  # fmt: skip
+        tVsV, tVgV = cpasync.tma_partition(
+            tma.v, 0, cute.make_layout(1), cute.group_modes(sVb, 0, 2),
+            cute.group_modes(gV, 0, 2),
+        )  # fmt: skip
+        last_slot = cute.ceil_div(work.seqlen_k, page_size) - 1
+        if self.tile_has_q(n_block_min, n_block_max):
+            pipes.q.producer_acquire(q_state)
+            for c in cutlass.range_constexpr(self.num_consumers):
+                cute.copy(tma.q, tQgQ[None, work.m_block * self.num_consumers + c],
+                          tQsQ[None, q_state.index * self.num_consumers + c],
+                          tma_bar_ptr=pipes.q.producer_get_barrier(q_state))  # fmt: skip
+            q_state.advance()
+            for j in cutlass.range(n_block_max - n_block_min, unroll=1):
+                n_block = n_block_max - 1 - j
+                # (The producer runs on 24 registers: each box's page is read from the table
+                # where it is used, twice a box (K, then V; the second read hits L1).)
+                pipes.k.producer_acquire(kv_state)
+                for i in cutlass.range(boxes, unroll=1):
+                    key = n_block * tile_n + i * box
+                    page = work.views.pages[cutlass.min(key // page_size, last_slot)]
+                    cute.copy(tma.k, tKgK[None, (key % page_size) // box, 0, page],
+                              tKsK[None, i, 0, kv_state.index],
+                              tma_bar_ptr=pipes.k.producer_get_barrier(kv_state))  # fmt: skip
+                pipes.v.producer_acquire(kv_state)
+                for i in cutlass.range(boxes, unroll=1):
+                    key = n_block * tile_n + i * box
+                    page = work.views.pages[cutlass.min(key // page_size, last_slot)]
+                    cute.copy(tma.v, tVgV[None, 0, (key % page_size) // box, page],
+                              tVsV[None, 0, i, kv_state.index],
+                              tma_bar_ptr=pipes.v.producer_get_barrier(kv_state))  # fmt: skip
                 kv_state.advance()
         return ProducerStates(q_state, kv_state)
 

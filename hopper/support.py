@@ -6,6 +6,8 @@ Dispatch and the feature matrix ask these functions; the kernel classes use them
 
 from __future__ import annotations
 
+import math
+
 from cute_fa.config import SMEM_CAPACITY, BwdConfig, FwdConfig, Sm90BwdTuning, Sm90FwdTuning
 
 # FlashAttentionForwardSm90 runs tile_m query rows a CTA: one producer warpgroup and tile_m / 64
@@ -42,6 +44,8 @@ SM90_FWD_SMEM_SLACK = 1024
 
 # Query rows of one consumer warpgroup.
 SM90_FWD_WG_M = 64
+# Paged K/V: a TMA box of keys starts on an 8-row swizzle atom of the K / V^T tiles.
+SM90_FWD_PAGE_BOX_ALIGN = 8
 # setmaxnreg budgets (producer, consumer) a thread by number of consumer warpgroups: the
 # producer warpgroup gives registers back, the consumers take them (128 * (producer +
 # consumers * consumer) <= 65536, each a multiple of 8).
@@ -195,7 +199,7 @@ def fwd_persistent_fits(config: FwdConfig) -> bool:
     tiles])."""
     return not (
         config.local or config.varlen_q or config.varlen_k or config.seqused_q
-        or config.seqused_k or config.split_kv or config.pack_gqa
+        or config.seqused_k or config.split_kv or config.pack_gqa or config.page_size
     )  # fmt: skip
 
 
@@ -206,6 +210,12 @@ def fwd_tma_store_fits(config: FwdConfig) -> bool:
         not (config.varlen_q or config.seqused_q or config.split_kv or config.pack_gqa)
         and config.head_dim_v == config.head_dim
     )
+
+
+def fwd_page_box(config: FwdConfig) -> int:
+    """Keys of one TMA box of paged K/V (hopper/flash_fwd.py, Paged K/V): gcd(page_size,
+    tile_n), so that a box never crosses a page and a key block is whole boxes."""
+    return math.gcd(config.page_size, config.tuning.tile_n)
 
 
 def fwd_pack_gqa_fits(qhead_per_kvhead: int) -> bool:
@@ -258,7 +268,7 @@ def fwd_config(
         tma_store=asked.get("tma_store", False) and fwd_tma_store_fits(base),
     )
     config = base.replace(tuning=Sm90FwdTuning(**fields))
-    if base.split_kv or base.pack_gqa:  # one CTA a tile (split-KV: O leaves in fp32)
+    if base.split_kv or base.pack_gqa or base.page_size:  # one CTA a tile (split: fp32 O)
         return config
     persistent = config.with_tuning(num_ctas=SM90_SMS)
     if "num_ctas" in asked:
@@ -390,7 +400,16 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
     if tuning.num_ctas and not fwd_persistent_fits(config):
         return False, (
             "a persistent grid (num_ctas) takes dense calls without a window, seqused, "
-            "split-KV or pack_gqa (their tiles cost different amounts; Note [persistent tiles])"
+            "split-KV, pack_gqa or paged K/V (their tiles cost different amounts; Note "
+            "[persistent tiles])"
+        )
+    if config.page_size and fwd_page_box(config) % SM90_FWD_PAGE_BOX_ALIGN:
+        return False, (
+            f"paged K/V with pages of {config.page_size} keys: the sm90 forward loads a key "
+            f"block as TMA boxes of gcd(page_size, tile_n {config.tuning.tile_n}) = "
+            f"{fwd_page_box(config)} keys, which must be a multiple of "
+            f"{SM90_FWD_PAGE_BOX_ALIGN} (the rows of a swizzle atom); page sizes that are "
+            f"multiples of {SM90_FWD_PAGE_BOX_ALIGN} work"
         )
     if config.pack_gqa and not fwd_pack_gqa_fits(config.pack_gqa):
         return False, (

@@ -278,7 +278,8 @@ def test_launch_follows_the_kernel_protocol(fake_gpu):
     assert launch["shapes"] == [(2, 16, 4, 64), (2, 24, 2, 64), (2, 24, 2, 64), (2, 16, 4, 64),
                                 (2, 4, 16)]  # fmt: skip
     assert launch["scalars"] == (pytest.approx(64**-0.5), 3.0, 0, 0, 16)
-    assert launch["metadata"] == (None, None, None, None)  # cu_seqlens q / k, seqused q / k
+    # cu_seqlens q / k, seqused q / k, page_table
+    assert launch["metadata"] == (None, None, None, None, None)
     (config,) = fake_gpu.configs
     # As many arguments as the protocol's fake arguments, less the stream (TVM-FFI's own).
     from cute_fa.dsl.fake import fwd_fake_args

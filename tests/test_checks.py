@@ -368,13 +368,12 @@ def test_unimplemented_arguments_flash_attn_func(name):
 
 
 @pytest.mark.parametrize(
-    "name", [*(n for n in _SET if n != "block_sparse_tensors"), "page_table",
-             "scheduler_metadata", "seqlen_k_per_split"],
+    "name", [*(n for n in _SET if n != "block_sparse_tensors"), "scheduler_metadata",
+             "seqlen_k_per_split"],
 )  # fmt: skip
 def test_unimplemented_arguments_varlen(name):
     q, k, v, cu_q, cu_k = packed()
-    value = _SET.get(name, {"page_table": torch.zeros(3, 2, dtype=torch.int32),
-                            "seqlen_k_per_split": 128}.get(name, object()))  # fmt: skip
+    value = _SET.get(name, {"seqlen_k_per_split": 128}.get(name, object()))
     with pytest.raises(NotImplementedError, match=f"{name} is not implemented yet"):
         flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **{name: value})
 

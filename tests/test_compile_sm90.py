@@ -748,3 +748,40 @@ def test_sm90_pack_gqa_keeps_the_unpacked_keys() -> None:
     config = _planned(128)
     assert "pack" not in config.name and not config.pack_gqa
     assert config.replace(pack_gqa=4).name == config.name + "_packgqa4"
+
+
+# --------------------------------------------------------------------------------------------
+# Paged K/V (FwdConfig.page_size): a key block as TMA boxes of gcd(page_size, tile_n) keys, each
+# from the page the page table names.
+
+PAGE_CASES = [
+    pytest.param(128, 128, 16, {**CAUSAL_SEQUSED_K}, id="d128-page16-causal-seqused"),
+    pytest.param(128, 128, 128, {}, id="d128-page128"),
+    pytest.param(
+        64,
+        64,
+        48,
+        {"varlen_q": True, "split_kv": True, "pack_gqa": 4},
+        id="d64-page48-varlen_q-split-pack",
+    ),  # fmt: skip
+    pytest.param(192, 128, 16, LOCAL_SOFTCAP, id="d192x128-page16-local-softcap", marks=EXHAUSTIVE),
+    pytest.param(256, 256, 256, {"seqused_k": True}, id="d256-page256-seqused", marks=EXHAUSTIVE),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d, dv, page_size, flags", PAGE_CASES)
+def test_sm90_fwd_paged_compiles(d: int, dv: int, page_size: int, flags: dict, capfd) -> None:
+    """The paged variant passes every SASS check of the unpaged kernel (0 spills: the producer
+    warp's 24 registers hold the box loop) and loads K and V by 4-D TMA boxes."""
+    config = _planned(d, dv=dv, page_size=page_size, **flags)
+    assert config.page_size == page_size and config.name.endswith(f"_page{page_size}")
+    assert not config.tuning.num_ctas
+    sass = _check_compiled(config, capfd)
+    assert "UTMALDG.4D" in sass
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 12, 20])
+def test_sm90_paged_needs_boxes_of_eight_keys(page_size: int) -> None:
+    ok, reason = fwd_can_implement(_config(page_size=page_size))
+    assert not ok and "multiples of 8" in reason, reason

@@ -26,7 +26,7 @@ class RefKernel:
         self.launches = 0
 
     def __call__(self, q, k, v, out, lse, scale, softcap, wl, wr, max_seqlen_q,
-                 cu_q, cu_k, used_q, used_k):  # fmt: skip
+                 cu_q, cu_k, used_q, used_k, page_table=None):  # fmt: skip
         self.launches += 1
         if self.wrong:
             out.fill_(1.0)

@@ -80,19 +80,22 @@ def test_run_check_passes_real_kernels(fresh, monkeypatch, flags, arch):
 
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-    reason="the sm90 forward packs GQA",
+    reason="the sm90 forward packs GQA and pages K/V",
 )
 @pytest.mark.parametrize(
     "flags",
     [{"pack_gqa": 2}, {"pack_gqa": 8, "causal": True}, {"pack_gqa": 4, "split_kv": True},
      {"pack_gqa": 4, "varlen_q": True, "varlen_k": True, "seqused_q": True,
-      "seqused_k": True}],
+      "seqused_k": True}, {"page_size": 16, "seqused_k": True, "causal": True},
+     {"page_size": 128}, {"page_size": 48, "pack_gqa": 2, "split_kv": True}],
     ids=lambda f: "+".join(f"{k}{v if v is not True else ''}" for k, v in f.items()),
 )  # fmt: skip
-def test_run_check_passes_packed_kernels(fresh, flags):
-    """Packed GQA variants: the check draws its problems with the compiled group size."""
+def test_run_check_passes_packed_and_paged_kernels(fresh, flags):
+    """Packed GQA and paged K/V variants: the check draws its problems with the compiled group
+    size and pages its keys (shuffled pages)."""
     device, config = device_config(FwdRequest("bf16", 128, 128, **flags))
-    assert config.pack_gqa == flags["pack_gqa"]
+    assert (config.pack_gqa, config.page_size) == (flags.get("pack_gqa", 0),
+                                                   flags.get("page_size", 0))  # fmt: skip
     ok, error = selftest.run_check(fwd_cache().get(config), config, device)
     assert ok, f"{config.name}: {error}"
 

@@ -83,6 +83,7 @@ def test_a_tile_n_off_the_mma_grid_is_declined():
         target="sm_80",
         split_kv=False,
         pack_gqa=0,
+        page_size=0,
     )
     assert support.fwd_can_implement(odd) == (False, "tile_n 72 is not a multiple of 16")
 

@@ -143,7 +143,8 @@ def test_forward_reasons_of_the_tuning_flags():
     assert support.fwd_can_implement(persistent) == (
         False,
         "a persistent grid (num_ctas) takes dense calls without a window, seqused, "
-        "split-KV or pack_gqa (their tiles cost different amounts; Note [persistent tiles])",
+        "split-KV, pack_gqa or paged K/V (their tiles cost different amounts; Note "
+        "[persistent tiles])",
     )
 
 

@@ -40,6 +40,12 @@ def fake_int32_vector():
     return make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4)
 
 
+def fake_int32_matrix():
+    """(rows, cols) int32, cols contiguous (a page table)."""
+    shape = (cute.sym_int(), cute.sym_int())
+    return make_fake_tensor(cutlass.Int32, shape, (cute.sym_int(), 1), assumed_align=4)
+
+
 def fake_semaphores():
     """(batch, heads, blocks) int32, blocks contiguous."""
     shape = (cute.sym_int(), cute.sym_int(), cute.sym_int())
@@ -65,6 +71,9 @@ def fwd_fake_args(config: FwdConfig) -> tuple:
         query blocks per (head, batch)),
       mCuSeqlensQ, mCuSeqlensK: (b + 1,) int32 or None,
       mSeqUsedQ, mSeqUsedK: (b,) int32 or None,
+      mPageTable: (b, max_pages) int32 or None: paged K/V (config.page_size > 0); mK and mV
+        are then (num_pages, page_size, h_kv, d / dv) and sequence b's key j lies in page
+        mPageTable[b, j // page_size], row j % page_size,
       stream
     """
     dtype = DTYPE[config.dtype]
@@ -83,6 +92,7 @@ def fwd_fake_args(config: FwdConfig) -> tuple:
         fake_int32_vector() if config.varlen_k else None,
         fake_int32_vector() if config.seqused_q else None,
         fake_int32_vector() if config.seqused_k else None,
+        fake_int32_matrix() if config.page_size else None,
         make_fake_stream(),
     )
 

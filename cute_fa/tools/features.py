@@ -82,6 +82,7 @@ def _try_bwd(
     flags = {f.name: getattr(request, f.name) for f in fields(request)}
     flags.pop("split_kv")  # a forward choice: the backward of a split forward is the usual one
     flags.pop("pack_gqa")  # likewise: the backward takes the heads unpacked
+    flags.pop("page_size")  # a forward-only path (decode): no backward of paged K/V
     target = target_for_capability(*capability)
     try:
         config = bwd_config(target, flags.pop("dtype"), flags.pop("head_dim"),
