@@ -98,6 +98,41 @@ def _seqused_k(torch):
                    causal=True, **gqa)  # fmt: skip
 
 
+def _paged(torch, page_size):
+    """Forward only (paged K/V has no backward): 3 sequences over a shuffled pool of pages with
+    unused pages, partial last pages (NaN past seqused_k, never read into a result), an empty
+    cache, decode and prefill rows; then packed GQA with split-KV on top."""
+    import cute_fa
+
+    lens_k = [300, 0, 203]
+    counts = [-(-n // page_size) for n in lens_k]
+    total = sum(counts) + 2
+    k = torch.full((total, page_size, 2, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    v = torch.full_like(k, float("nan"))
+    order = torch.randperm(total, device="cuda")
+    table = torch.full((3, max(counts)), -1, dtype=torch.int32, device="cuda")
+    slot = 0
+    for b, n in enumerate(lens_k):
+        for j in range(counts[b]):
+            page, rows = int(order[slot]), min(page_size, n - j * page_size)
+            slot += 1
+            table[b, j] = page
+            k[page, :rows] = torch.randn(rows, 2, D, device="cuda", dtype=torch.bfloat16)
+            v[page, :rows] = torch.randn(rows, 2, D, device="cuda", dtype=torch.bfloat16)
+    cu_q = torch.tensor([0, 1, 8, 121], device="cuda", dtype=torch.int32)
+    q = torch.randn(121, 8, D, device="cuda", dtype=torch.bfloat16)
+    used = torch.tensor(lens_k, device="cuda", dtype=torch.int32)
+    outs = []
+    with torch.no_grad():
+        for kw in ({}, {"pack_gqa": True, "num_splits": 3}):
+            out = cute_fa.flash_attn_varlen_func(
+                q, k, v, cu_seqlens_q=cu_q, max_seqlen_q=113, seqused_k=used, page_table=table,
+                causal=True, **kw,
+            )  # fmt: skip
+            outs.append(out[0] if isinstance(out, tuple) else out)
+    return outs  # every row finite (the empty cache: 0)
+
+
 def _persistent(torch):
     import cute_fa
 
@@ -138,6 +173,8 @@ PATHS: dict[str, tuple[Callable, tuple[int, ...]]] = {
         ),
         (90,),
     ),
+    "paged16": (lambda t: _paged(t, 16), (90,)),  # forward only: no backward of paged K/V
+    "paged128": (lambda t: _paged(t, 128), (90,)),
 }
 
 
