@@ -69,8 +69,8 @@ def launch_and_check(config: FwdConfig) -> float:
     with torch.cuda.stream(stream):
         # The forward protocol (cute_fa/dsl/fake.py): q, k, v, out, lse, softmax_scale,
         # softcap, window_left, window_right, max_seqlen_q, cu_seqlens_q, cu_seqlens_k,
-        # seqused_q, seqused_k.
-        kernel(q, k, v, out, lse, d**-0.5, 0.0, 0, 0, s, None, None, None, None)
+        # seqused_q, seqused_k, page_table.
+        kernel(q, k, v, out, lse, d**-0.5, 0.0, 0, 0, s, None, None, None, None, None)
     stream.synchronize()
     out_ref, _ = attention_ref(q, k, v, causal=config.causal)
     out_pt, _ = attention_ref(q, k, v, causal=config.causal, upcast=False)
