@@ -776,7 +776,9 @@ class FlashAttentionForwardSm90(AttentionKernel):
         """``load`` with paged K/V: each key block is tile_n / page_box TMA boxes of page_box
         keys, box i of block n from page ``pages[(n * tile_n + i * page_box) // page_size]``
         at row ``(n * tile_n + i * page_box) % page_size``, all on the stage's one barrier
-        (the same transaction bytes as one whole block). A box past the sequence's last page
+        (the same transaction bytes as one whole block). Lane i of the producer warp reads
+        the page of box i before the block's stage wait and the box loops take the pages by
+        shuffle (one page-table latency a block). A box past the sequence's last page
         (the tail block) reads the last page again instead of the page table past its end:
         those keys are masked and, with seqused_k, their V rows zeroed (``zero_v_tail``)."""
         d, dv, tile_n, box = self.tile_hdim, self.tile_hdimv, self.tile_n, self.page_box
@@ -799,6 +801,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
             cute.group_modes(gV, 0, 2),
         )  # fmt: skip
         last_slot = cute.ceil_div(work.seqlen_k, page_size) - 1
+        lane = cute.arch.lane_idx()
         if self.tile_has_q(n_block_min, n_block_max):
             pipes.q.producer_acquire(q_state)
             for c in cutlass.range_constexpr(self.num_consumers):
@@ -808,19 +811,24 @@ class FlashAttentionForwardSm90(AttentionKernel):
             q_state.advance()
             for j in cutlass.range(n_block_max - n_block_min, unroll=1):
                 n_block = n_block_max - 1 - j
-                # (The producer runs on 24 registers: each box's page is read from the table
-                # where it is used, twice a box (K, then V; the second read hits L1).)
+                # Lane i reads the page of box i (boxes <= 16 lanes, one load latency a block,
+                # issued before the stage wait); the box loops take it by shuffle (the producer
+                # runs on 24 registers: no per-box arrays).
+                my_page = Int32(0)
+                if lane < boxes:
+                    my_key = n_block * tile_n + lane * box
+                    my_page = work.views.pages[cutlass.min(my_key // page_size, last_slot)]
                 pipes.k.producer_acquire(kv_state)
                 for i in cutlass.range(boxes, unroll=1):
                     key = n_block * tile_n + i * box
-                    page = work.views.pages[cutlass.min(key // page_size, last_slot)]
+                    page = cute.arch.shuffle_sync(my_page, i)
                     cute.copy(tma.k, tKgK[None, (key % page_size) // box, 0, page],
                               tKsK[None, i, 0, kv_state.index],
                               tma_bar_ptr=pipes.k.producer_get_barrier(kv_state))  # fmt: skip
                 pipes.v.producer_acquire(kv_state)
                 for i in cutlass.range(boxes, unroll=1):
                     key = n_block * tile_n + i * box
-                    page = work.views.pages[cutlass.min(key // page_size, last_slot)]
+                    page = cute.arch.shuffle_sync(my_page, i)
                     cute.copy(tma.v, tVgV[None, 0, (key % page_size) // box, page],
                               tVsV[None, 0, i, kv_state.index],
                               tma_bar_ptr=pipes.v.producer_get_barrier(kv_state))  # fmt: skip
