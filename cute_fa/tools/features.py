@@ -49,6 +49,16 @@ def feature_rows() -> list[MatrixRow]:
             _base(split_kv=True),
             "partial O/LSE of key splits, then flash_attn_combine's kernel (sm80+)",
         ),
+        MatrixRow(
+            "pack_gqa (4 query heads a K/V head)",
+            _base(pack_gqa=4),
+            "elsewhere pack_gqa=True runs unpacked (same results)",
+        ),
+        MatrixRow(
+            "paged K/V (page_table, pages of 16)",
+            _base(page_size=16, seqused_k=True),
+            "page sizes that are multiples of 8; forward only",
+        ),
     ]
     names = ", ".join(UNIMPLEMENTED_ARGUMENTS)
     rows.append(
