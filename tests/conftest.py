@@ -12,7 +12,14 @@ def pytest_report_header(config):
     """Which build of the CuTe DSL compiles the kernels (its CUDA toolkit: its ptxas)."""
     from cutlass.base_dsl.version_info import CUDA_VERSION
 
-    return f"CuTe DSL build: CUDA {CUDA_VERSION.major} (cu{CUDA_VERSION.major})"
+    lines = [f"CuTe DSL build: CUDA {CUDA_VERSION.major} (cu{CUDA_VERSION.major})"]
+    if "fuzz" in str(config.getoption("markexpr", "")):
+        from fuzz_seed import fuzz_settings
+
+        seed, cases, families = fuzz_settings()
+        lines.append(f"fuzz: seed {seed}, {cases} cases over {families} families "
+                     f"(replay: CUTE_FA_FUZZ_SEED={seed})")  # fmt: skip
+    return lines
 
 
 def pytest_collection_modifyitems(config, items):
