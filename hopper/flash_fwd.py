@@ -735,9 +735,17 @@ class FlashAttentionForwardSm90(AttentionKernel):
             tma.q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
         )
         if cutlass.const_expr(self.page_size):
-            return self.load_paged(work, tma, smem_tiles, pipes, states, tQsQ, tQgQ)
-        gK = cute.local_tile(work.views.mK, (tile_n, d), (None, 0))
-        gV = cute.local_tile(work.views.mV, (dv, tile_n), (0, None))
+            # (box, d, page_size / box, 1, num_pages) and (dv, box, 1, page_size / box,
+            # num_pages) in global memory; (box, d, boxes, 1, stages) and (dv, box, 1, boxes,
+            # stages) in shared memory (load_kv_paged)
+            box = self.page_box
+            gK = cute.flat_divide(work.views.mK, (box, d))
+            gV = cute.flat_divide(work.views.mV, (dv, box))
+            sK = cute.flat_divide(sK, (box, d))
+            sV = cute.flat_divide(sV, (dv, box))
+        else:
+            gK = cute.local_tile(work.views.mK, (tile_n, d), (None, 0))
+            gV = cute.local_tile(work.views.mV, (dv, tile_n), (0, None))
         tKsK, tKgK = cpasync.tma_partition(
             tma.k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
         )
@@ -753,87 +761,63 @@ class FlashAttentionForwardSm90(AttentionKernel):
             q_state.advance()
             for i in cutlass.range(n_block_max - n_block_min, unroll=1):
                 n_block = n_block_max - 1 - i
-                pipes.k.producer_acquire(kv_state)
-                cute.copy(tma.k, tKgK[None, n_block], tKsK[None, kv_state.index],
-                          tma_bar_ptr=pipes.k.producer_get_barrier(kv_state))  # fmt: skip
-                pipes.v.producer_acquire(kv_state)
-                cute.copy(tma.v, tVgV[None, n_block], tVsV[None, kv_state.index],
-                          tma_bar_ptr=pipes.v.producer_get_barrier(kv_state))  # fmt: skip
+                if cutlass.const_expr(self.page_size):
+                    self.load_kv_paged(work, n_block, tma, pipes, kv_state, tKsK, tKgK, tVsV,
+                                       tVgV)  # fmt: skip
+                else:
+                    pipes.k.producer_acquire(kv_state)
+                    cute.copy(tma.k, tKgK[None, n_block], tKsK[None, kv_state.index],
+                              tma_bar_ptr=pipes.k.producer_get_barrier(kv_state))  # fmt: skip
+                    pipes.v.producer_acquire(kv_state)
+                    cute.copy(tma.v, tVgV[None, n_block], tVsV[None, kv_state.index],
+                              tma_bar_ptr=pipes.v.producer_get_barrier(kv_state))  # fmt: skip
                 kv_state.advance()
         return ProducerStates(q_state, kv_state)
 
     @cute.jit
-    def load_paged(
+    def load_kv_paged(
         self,
         work: TileWork,
+        n_block: Int32,
         tma: TmaLoads,
-        smem_tiles: SmemTiles,
         pipes: Pipelines,
-        states: ProducerStates,
-        tQsQ: cute.Tensor,
-        tQgQ: cute.Tensor,
-    ) -> ProducerStates:
-        """``load`` with paged K/V: each key block is tile_n / page_box TMA boxes of page_box
-        keys, box i of block n from page ``pages[(n * tile_n + i * page_box) // page_size]``
-        at row ``(n * tile_n + i * page_box) % page_size``, all on the stage's one barrier
-        (the same transaction bytes as one whole block). Lane i of the producer warp reads
-        the page of box i before the block's stage wait and the box loops take the pages by
-        shuffle (one page-table latency a block). A box past the sequence's last page
-        (the tail block) reads the last page again instead of the page table past its end:
-        those keys are masked and, with seqused_k, their V rows zeroed (``zero_v_tail``)."""
-        d, dv, tile_n, box = self.tile_hdim, self.tile_hdimv, self.tile_n, self.page_box
-        page_size = self.page_size
-        sQ, sK, sV = smem_tiles
-        q_state, kv_state = states
-        n_block_min, n_block_max = work.blocks.n_min, work.blocks.n_max
+        kv_state: pipeline.PipelineState,
+        tKsK: cute.Tensor,
+        tKgK: cute.Tensor,
+        tVsV: cute.Tensor,
+        tVgV: cute.Tensor,
+    ):
+        """Paged K/V, key block ``n_block``: tile_n / page_box TMA boxes of page_box keys each
+        for K and for V, box i from page ``pages[(n_block * tile_n + i * page_box) //
+        page_size]`` at row ``(n_block * tile_n + i * page_box) % page_size``, all on the
+        stage's one barrier (the same transaction bytes as one whole block). Lane i of the
+        producer warp reads the page of box i before the stage wait and the box loops take the
+        pages by shuffle (one page-table latency a block; the producer runs on 24 registers,
+        so no per-box arrays). A box past the sequence's last page (the tail block) reads the
+        last page again instead of the page table past its end: those keys are masked and,
+        with seqused_k, their V rows zeroed (``zero_v_tail``)."""
+        tile_n, box, page_size = self.tile_n, self.page_box, self.page_size
         boxes = tile_n // box
-        # (box, d, page_size / box, 1, num_pages) and (dv, box, 1, page_size / box, num_pages)
-        gK = cute.flat_divide(work.views.mK, (box, d))
-        gV = cute.flat_divide(work.views.mV, (dv, box))
-        sKb = cute.flat_divide(sK, (box, d))  # (box, d, boxes, 1, stages)
-        sVb = cute.flat_divide(sV, (dv, box))  # (dv, box, 1, boxes, stages)
-        tKsK, tKgK = cpasync.tma_partition(
-            tma.k, 0, cute.make_layout(1), cute.group_modes(sKb, 0, 2),
-            cute.group_modes(gK, 0, 2),
-        )  # fmt: skip
-        tVsV, tVgV = cpasync.tma_partition(
-            tma.v, 0, cute.make_layout(1), cute.group_modes(sVb, 0, 2),
-            cute.group_modes(gV, 0, 2),
-        )  # fmt: skip
         last_slot = cute.ceil_div(work.seqlen_k, page_size) - 1
         lane = cute.arch.lane_idx()
-        if self.tile_has_q(n_block_min, n_block_max):
-            pipes.q.producer_acquire(q_state)
-            for c in cutlass.range_constexpr(self.num_consumers):
-                cute.copy(tma.q, tQgQ[None, work.m_block * self.num_consumers + c],
-                          tQsQ[None, q_state.index * self.num_consumers + c],
-                          tma_bar_ptr=pipes.q.producer_get_barrier(q_state))  # fmt: skip
-            q_state.advance()
-            for j in cutlass.range(n_block_max - n_block_min, unroll=1):
-                n_block = n_block_max - 1 - j
-                # Lane i reads the page of box i (boxes <= 16 lanes, one load latency a block,
-                # issued before the stage wait); the box loops take it by shuffle (the producer
-                # runs on 24 registers: no per-box arrays).
-                my_page = Int32(0)
-                if lane < boxes:
-                    my_key = n_block * tile_n + lane * box
-                    my_page = work.views.pages[cutlass.min(my_key // page_size, last_slot)]
-                pipes.k.producer_acquire(kv_state)
-                for i in cutlass.range(boxes, unroll=1):
-                    key = n_block * tile_n + i * box
-                    page = cute.arch.shuffle_sync(my_page, i)
-                    cute.copy(tma.k, tKgK[None, (key % page_size) // box, 0, page],
-                              tKsK[None, i, 0, kv_state.index],
-                              tma_bar_ptr=pipes.k.producer_get_barrier(kv_state))  # fmt: skip
-                pipes.v.producer_acquire(kv_state)
-                for i in cutlass.range(boxes, unroll=1):
-                    key = n_block * tile_n + i * box
-                    page = cute.arch.shuffle_sync(my_page, i)
-                    cute.copy(tma.v, tVgV[None, 0, (key % page_size) // box, page],
-                              tVsV[None, 0, i, kv_state.index],
-                              tma_bar_ptr=pipes.v.producer_get_barrier(kv_state))  # fmt: skip
-                kv_state.advance()
-        return ProducerStates(q_state, kv_state)
+        my_page = Int32(0)
+        if lane < boxes:
+            my_key = n_block * tile_n + lane * box
+            my_page = work.views.pages[cutlass.min(my_key // page_size, last_slot)]
+        pipes.k.producer_acquire(kv_state)
+        for i in cutlass.range(boxes, unroll=1):
+            key = n_block * tile_n + i * box
+            page = cute.arch.shuffle_sync(my_page, i)
+            cute.copy(tma.k, tKgK[None, (key % page_size) // box, 0, page],
+                      tKsK[None, i, 0, kv_state.index],
+                      tma_bar_ptr=pipes.k.producer_get_barrier(kv_state))  # fmt: skip
+        pipes.v.producer_acquire(kv_state)
+        for i in cutlass.range(boxes, unroll=1):
+            key = n_block * tile_n + i * box
+            page = cute.arch.shuffle_sync(my_page, i)
+            cute.copy(tma.v, tVgV[None, 0, (key % page_size) // box, page],
+                      tVsV[None, 0, i, kv_state.index],
+                      tma_bar_ptr=pipes.v.producer_get_barrier(kv_state))  # fmt: skip
 
     @cute.jit
     def consume(
