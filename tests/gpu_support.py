@@ -159,3 +159,72 @@ def fwd_plan_configs() -> list:
 
     keys = {id(kernel): key for key, kernel in fwd_cache()._memory.items()}
     return [keys[id(plan.kernel)] for plan in ops._plans.values() if plan.kernel is not None]
+
+
+def sm90_forward_here() -> bool:
+    """Whether dispatch runs the sm90 forward on this machine's GPU (an sm90 GPU without
+    ``CUTE_FA_FWD_ARCH=80``): the family with split-KV, packed GQA and paged K/V."""
+    forced = os.environ.get("CUTE_FA_FWD_ARCH")
+    return (
+        torch.cuda.is_available()
+        and torch.cuda.get_device_capability() == (9, 0)
+        and forced in (None, "", "90")
+    )
+
+
+needs_sm90_forward = pytest.mark.skipif(
+    not sm90_forward_here(),
+    reason="runs on the sm90 forward (an sm90 GPU without CUTE_FA_FWD_ARCH=80)",
+)
+
+
+def randn_cuda(*shape, dtype=torch.bfloat16) -> torch.Tensor:
+    """Standard normal values of ``dtype`` on the GPU, drawn in fp32."""
+    return torch.randn(*shape, device="cuda", dtype=torch.float32).to(dtype)
+
+
+def run_planned(fn, *args, **kwargs):
+    """Call ``fn`` with a fresh table of launch plans; return its result and the one plan the
+    call made (``cute_fa.ops._Plan``: its split count, packing)."""
+    from cute_fa import ops
+
+    ops.clear_plans()
+    result = fn(*args, **kwargs)
+    plans = list(ops._plans.values())
+    assert len(plans) == 1, f"{len(plans)} launch plans"
+    return result, plans[0]
+
+
+def check_fwd(out, lse, q, k, v, window=(None, None), softcap=0.0, lse_atol=1e-4) -> None:
+    """out, lse of dense (batch, seqlen, heads, d) inputs against the fp32 reference (DESIGN.md's
+    tolerance); rows that see no key exactly 0 / -inf; nothing NaN. ``window`` (None, 0) is
+    causal."""
+    from cute_fa.reference import attention_ref, check_close
+
+    sq = q.shape[1]
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    dead = empty_rows(sq, k.shape[1], False, window).to(out.device)
+    if dead.any():
+        assert (out[:, dead] == 0).all() and torch.isneginf(lse[:, :, dead]).all()
+    kw = dict(window_size=window, softcap=softcap)
+    out_ref, lse_ref = attention_ref(q, k, v, upcast=True, **kw)
+    out_pt, lse_pt = attention_ref(q, k, v, upcast=False, reorder_ops=True, **kw)
+    check_close(out, out_ref, out_pt, name="out")
+    check_close(lse, lse_ref, lse_pt, atol=lse_atol, name="lse")
+
+
+def check_grads(grads, q, k, v, dout, causal: bool) -> None:
+    """dq, dk, dv of dense inputs against the gradients of the fp32 reference (DESIGN.md's
+    tolerance, the baseline the reference at the inputs' precision); nothing NaN."""
+    from cute_fa.reference import attention_ref, check_close
+
+    refs = []
+    for upcast in (True, False):
+        dtype = torch.float32 if upcast else q.dtype
+        ref_leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        ref_out, _ = attention_ref(*ref_leaves, causal=causal, upcast=upcast,
+                                   reorder_ops=not upcast)  # fmt: skip
+        refs.append(torch.autograd.grad(ref_out, ref_leaves, dout.to(ref_out.dtype)))
+    for g, g_ref, g_pt, name in zip(grads, *refs, ("dq", "dk", "dv"), strict=True):
+        assert not torch.isnan(g).any()
+        check_close(g, g_ref, g_pt, name=name)

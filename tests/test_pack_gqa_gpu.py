@@ -12,64 +12,38 @@ split-KV on top, the backward of a packed forward, and pack_gqa=None / True / Fa
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from gpu_support import cu_seqlens, empty_rows, poison_free_memory, seed  # noqa: F401
+from gpu_support import (  # noqa: F401
+    check_fwd,
+    check_grads,
+    cu_seqlens,
+    needs_sm90_forward,
+    poison_free_memory,
+    randn_cuda,
+    run_planned,
+    seed,
+    sm90_forward_here,
+)
 
 import cute_fa
-from cute_fa import ops, settings
-from cute_fa.reference import attention_ref, check_close
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-LSE_ATOL = 1e-4  # as tests/test_fwd_gpu.py
-
-
-def _packs_here() -> bool:
-    """Whether this GPU's dispatch has a packing kernel (the sm90 forward)."""
-    forced = os.environ.get(settings.FWD_ARCH)
-    return torch.cuda.get_device_capability() == (9, 0) and forced in (None, "", "90")
-
-
-needs_pack_kernel = pytest.mark.skipif(
-    not torch.cuda.is_available() or not _packs_here(),
-    reason="pack_gqa runs on the sm90 forward (an sm90 GPU without CUTE_FA_FWD_ARCH=80)",
-)
-
-
-def _randn(*shape, dtype=torch.bfloat16):
-    return torch.randn(*shape, device="cuda", dtype=torch.float32).to(dtype)
-
 
 def _run(fn, *args, expect_pack: int, expect_splits: int = 1, **kwargs):
     """Call ``fn`` with a fresh plan table; check the plan's packing and split count."""
-    ops.clear_plans()
-    result = fn(*args, **kwargs)
-    plans = list(ops._plans.values())
-    assert len(plans) == 1
-    assert plans[0].pack_gqa == expect_pack, f"packed {plans[0].pack_gqa}, want {expect_pack}"
-    assert plans[0].num_splits == expect_splits
+    result, plan = run_planned(fn, *args, **kwargs)
+    assert plan.pack_gqa == expect_pack, f"packed {plan.pack_gqa}, want {expect_pack}"
+    assert plan.num_splits == expect_splits
     return result
 
 
 def _check_fwd(out, lse, q, k, v, causal=False, window=(None, None), softcap=0.0) -> None:
-    b, sq, h, _ = q.shape
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    if causal:
-        window = (None, 0)
-    dead = empty_rows(sq, k.shape[1], False, window).to(out.device)
-    if dead.any():
-        assert (out[:, dead] == 0).all() and torch.isneginf(lse[:, :, dead]).all()
-    kw = dict(window_size=window, softcap=softcap)
-    out_ref, lse_ref = attention_ref(q, k, v, upcast=True, **kw)
-    out_pt, lse_pt = attention_ref(q, k, v, upcast=False, reorder_ops=True, **kw)
-    check_close(out, out_ref, out_pt, name="out")
-    check_close(lse, lse_ref, lse_pt, atol=LSE_ATOL, name="lse")
+    check_fwd(out, lse, q, k, v, (None, 0) if causal else window, softcap)
 
 
 def _reserve(b, sq, h, dv) -> int:
@@ -85,22 +59,22 @@ MASKS = [(False, (None, None)), (True, (None, None)), (False, (64, 0)), (False, 
 MASK_IDS = ["full", "causal", "win64_0", "win100_30"]
 
 
-@needs_pack_kernel
+@needs_sm90_forward
 @pytest.mark.parametrize("seqlen_q, seqlen_k", SEQLENS, ids=[f"{a}x{b}" for a, b in SEQLENS])
 @pytest.mark.parametrize("h, h_kv", GROUPS, ids=[f"g{h // hk}" for h, hk in GROUPS])
 @pytest.mark.parametrize("causal, window", MASKS, ids=MASK_IDS)
 @pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
 def test_pack_fwd(d, causal, window, h, h_kv, seqlen_q, seqlen_k):
     b = 2
-    q = _randn(b, seqlen_q, h, d)
-    k, v = _randn(b, seqlen_k, h_kv, d), _randn(b, seqlen_k, h_kv, d)
+    q = randn_cuda(b, seqlen_q, h, d)
+    k, v = randn_cuda(b, seqlen_k, h_kv, d), randn_cuda(b, seqlen_k, h_kv, d)
     poison_free_memory(_reserve(b, seqlen_q, h, d))
     out, lse = _run(cute_fa.flash_attn_func, q, k, v, causal=causal, window_size=window,
                     pack_gqa=True, return_lse=True, expect_pack=h // h_kv)  # fmt: skip
     _check_fwd(out, lse, q, k, v, causal, window)
 
 
-@needs_pack_kernel
+@needs_sm90_forward
 @pytest.mark.parametrize("d, dv", [(96, 96), (192, 128), (192, 192), (256, 256)])
 @pytest.mark.parametrize("softcap", [0.0, 15.0], ids=["nocap", "cap15"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -108,13 +82,13 @@ def test_pack_fwd_head_dims(d, dv, softcap, causal):
     """Every other tile shape (d 192: 112 keys; d 256: 64) and softcap."""
     b, h, h_kv = 2, 8, 2
     for sq, sk in ((1, 1500), (70, 333)):
-        q, k, v = _randn(b, sq, h, d), _randn(b, sk, h_kv, d), _randn(b, sk, h_kv, dv)
+        q, k, v = randn_cuda(b, sq, h, d), randn_cuda(b, sk, h_kv, d), randn_cuda(b, sk, h_kv, dv)
         out, lse = _run(cute_fa.flash_attn_func, q, k, v, causal=causal, softcap=softcap,
                         pack_gqa=True, return_lse=True, expect_pack=4)  # fmt: skip
         _check_fwd(out, lse, q, k, v, causal, softcap=softcap)
 
 
-@needs_pack_kernel
+@needs_sm90_forward
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_pack_fwd_varlen_seqused(num_splits, causal):
@@ -124,8 +98,8 @@ def test_pack_fwd_varlen_seqused(num_splits, causal):
     used_q, used_k = [1, 100, 0, 7, 1, 4], [900, 257, 50, 1000, 2, 0]
     h, h_kv, d = 8, 2, 128
     cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
-    q = _randn(sum(lens_q), h, d)
-    k, v = _randn(sum(lens_k), h_kv, d), _randn(sum(lens_k), h_kv, d)
+    q = randn_cuda(sum(lens_q), h, d)
+    k, v = randn_cuda(sum(lens_k), h_kv, d), randn_cuda(sum(lens_k), h_kv, d)
     starts_k = cu_k.tolist()
     for i, n in enumerate(used_k):  # keys past seqused_k are not inputs
         for t in (k, v):
@@ -156,25 +130,25 @@ def test_pack_fwd_varlen_seqused(num_splits, causal):
         _check_fwd(out[rows].unsqueeze(0), lse[:, rows].unsqueeze(0), qi, ki, vi, causal)
 
 
-@needs_pack_kernel
+@needs_sm90_forward
 @pytest.mark.parametrize("num_splits", [3, 16])
 def test_pack_fwd_split_decode(num_splits):
     """A decode step (batch 3, one query row, 8 heads over 2 K/V heads) split over the keys."""
     b, sk, h, h_kv, d = 3, 5000, 8, 2, 128
-    q, k, v = _randn(b, 1, h, d), _randn(b, sk, h_kv, d), _randn(b, sk, h_kv, d)
+    q, k, v = randn_cuda(b, 1, h, d), randn_cuda(b, sk, h_kv, d), randn_cuda(b, sk, h_kv, d)
     out, lse = _run(cute_fa.flash_attn_func, q, k, v, causal=True, num_splits=num_splits,
                     return_lse=True, expect_pack=4, expect_splits=num_splits)  # fmt: skip
     _check_fwd(out, lse, q, k, v, True)
 
 
-@needs_pack_kernel
+@needs_sm90_forward
 def test_pack_gqa_none_true_false_agree():
     """None packs a decode step (the heuristic) and not a long prefill; True packs both; False
     neither; the outputs agree within the tolerance (a different tile order of the same sums:
     bitwise equal here, every row sees its keys in the same blocks)."""
     h, h_kv, d = 16, 4, 128
     for sq, sk, auto in ((1, 3000, 4), (2048, 2048, 0)):
-        q, k, v = _randn(2, sq, h, d), _randn(2, sk, h_kv, d), _randn(2, sk, h_kv, d)
+        q, k, v = randn_cuda(2, sq, h, d), randn_cuda(2, sk, h_kv, d), randn_cuda(2, sk, h_kv, d)
         results = {}
         for value, want in ((None, auto), (True, 4), (False, 0)):
             results[value] = _run(cute_fa.flash_attn_func, q, k, v, causal=True,
@@ -185,47 +159,39 @@ def test_pack_gqa_none_true_false_agree():
         _check_fwd(*results[True], q, k, v, True)
 
 
-@needs_pack_kernel
+@needs_sm90_forward
 @pytest.mark.parametrize("h, h_kv", [(6, 2), (10, 2), (12, 2), (7, 1)])
 def test_pack_gqa_true_with_a_group_the_tile_does_not_take(h, h_kv):
     """Groups of 3, 5, 6 and 7 heads do not divide the 64-row TMA boxes: pack_gqa=True runs
     unpacked (Note [packed GQA plans]), with correct results."""
-    q, k, v = _randn(2, 3, h, 128), _randn(2, 700, h_kv, 128), _randn(2, 700, h_kv, 128)
+    q, k, v = randn_cuda(2, 3, h, 128), randn_cuda(2, 700, h_kv, 128), randn_cuda(2, 700, h_kv, 128)
     out, lse = _run(cute_fa.flash_attn_func, q, k, v, causal=True, pack_gqa=True,
                     return_lse=True, expect_pack=0)  # fmt: skip
     _check_fwd(out, lse, q, k, v, True)
 
 
-@needs_pack_kernel
+@needs_sm90_forward
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlen_q", [1, 150])
 def test_pack_fwd_backward(seqlen_q, causal):
     """The backward of a packed forward (the usual backward on its out and LSE)."""
     b, sk, h, h_kv, d = 2, 1500, 8, 2, 128
-    q, k, v = _randn(b, seqlen_q, h, d), _randn(b, sk, h_kv, d), _randn(b, sk, h_kv, d)
+    q, k, v = randn_cuda(b, seqlen_q, h, d), randn_cuda(b, sk, h_kv, d), randn_cuda(b, sk, h_kv, d)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = _run(cute_fa.flash_attn_func, *leaves, causal=causal, pack_gqa=True,
                     return_lse=True, expect_pack=4)  # fmt: skip
     _check_fwd(out.detach(), lse.detach(), q, k, v, causal)
-    dout = _randn(*out.shape)
-    grads = torch.autograd.grad(out, leaves, dout)
-    refs = []
-    for upcast in (True, False):
-        dtype = torch.float32 if upcast else q.dtype
-        ref_leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        ref_out, _ = attention_ref(*ref_leaves, causal=causal, upcast=upcast,
-                                   reorder_ops=not upcast)  # fmt: skip
-        refs.append(torch.autograd.grad(ref_out, ref_leaves, dout.to(ref_out.dtype)))
-    for g, g_ref, g_pt, name in zip(grads, *refs, ("dq", "dk", "dv"), strict=True):
-        assert not torch.isnan(g).any()
-        check_close(g, g_ref, g_pt, name=name)
+    dout = randn_cuda(*out.shape)
+    check_grads(torch.autograd.grad(out, leaves, dout), q, k, v, dout, causal)
 
 
-@pytest.mark.skipif(torch.cuda.is_available() and _packs_here(), reason="this GPU's forward packs")
+@pytest.mark.skipif(
+    torch.cuda.is_available() and sm90_forward_here(), reason="this GPU's forward packs"
+)
 def test_pack_gqa_true_runs_unpacked_where_no_kernel_packs():
     """The sm80 forward (CUTE_FA_FWD_ARCH=80, or a GPU other than sm90) does not pack: True
     gives the unpacked result."""
-    q, k, v = _randn(2, 1, 8, 128), _randn(2, 900, 2, 128), _randn(2, 900, 2, 128)
+    q, k, v = randn_cuda(2, 1, 8, 128), randn_cuda(2, 900, 2, 128), randn_cuda(2, 900, 2, 128)
     out, lse = _run(cute_fa.flash_attn_func, q, k, v, pack_gqa=True, return_lse=True,
                     expect_pack=0)  # fmt: skip
     _check_fwd(out, lse, q, k, v)

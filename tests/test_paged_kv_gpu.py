@@ -13,14 +13,18 @@ not take, pages out of range, a backward.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from gpu_support import cu_seqlens, seed  # noqa: F401
+from gpu_support import (  # noqa: F401
+    cu_seqlens,
+    needs_sm90_forward,
+    randn_cuda,
+    run_planned,
+    seed,
+    sm90_forward_here,
+)
 
 import cute_fa
-from cute_fa import ops, settings
 from cute_fa.reference import attention_ref, check_close
 
 pytestmark = [
@@ -29,21 +33,6 @@ pytestmark = [
 ]
 
 LSE_ATOL = 1e-4  # as tests/test_fwd_gpu.py
-
-
-def _pages_here() -> bool:
-    forced = os.environ.get(settings.FWD_ARCH)
-    return torch.cuda.get_device_capability() == (9, 0) and forced in (None, "", "90")
-
-
-needs_paged_kernel = pytest.mark.skipif(
-    not torch.cuda.is_available() or not _pages_here(),
-    reason="paged K/V runs on the sm90 forward (an sm90 GPU without CUTE_FA_FWD_ARCH=80)",
-)
-
-
-def _randn(*shape, dtype=torch.bfloat16):
-    return torch.randn(*shape, device="cuda", dtype=torch.float32).to(dtype)
 
 
 def _paged_cache(lens_k, page_size, h_kv, d, dv, spare=3):
@@ -59,7 +48,7 @@ def _paged_cache(lens_k, page_size, h_kv, d, dv, spare=3):
     table = torch.full((len(lens_k), max_pages), -1, dtype=torch.int32, device="cuda")
     ks, vs, slot = [], [], 0
     for b, n in enumerate(lens_k):
-        kb, vb = _randn(n, h_kv, d), _randn(n, h_kv, dv)
+        kb, vb = randn_cuda(n, h_kv, d), randn_cuda(n, h_kv, dv)
         ks.append(kb)
         vs.append(vb)
         for j in range(counts[b]):
@@ -74,10 +63,8 @@ def _paged_cache(lens_k, page_size, h_kv, d, dv, spare=3):
 
 def _run(fn, *args, expect_splits: int = 1, **kwargs):
     """Call ``fn`` (no grad) with a fresh plan table; check the plan's split count."""
-    ops.clear_plans()
     with torch.no_grad():
-        result = fn(*args, **kwargs)
-    (plan,) = ops._plans.values()
+        result, plan = run_planned(fn, *args, **kwargs)
     assert plan.num_splits == expect_splits
     return result
 
@@ -102,7 +89,7 @@ LENS_K = [300, 1, 0, 1000, 128, 257]
 MASKS = [(False, (None, None)), (True, (None, None)), (False, (100, 30))]
 
 
-@needs_paged_kernel
+@needs_sm90_forward
 @pytest.mark.parametrize("page_size", [8, 16, 48, 64, 128, 256])
 @pytest.mark.parametrize("causal, window", MASKS, ids=["full", "causal", "win100_30"])
 @pytest.mark.parametrize("seqlen_q", [1, 4, 77])
@@ -111,7 +98,7 @@ def test_paged_fwd(seqlen_q, causal, window, page_size):
     h, h_kv, d = 8, 2, 128
     b = len(LENS_K)
     k_pages, v_pages, table, ks, vs = _paged_cache(LENS_K, page_size, h_kv, d, d)
-    q = _randn(b, seqlen_q, h, d)
+    q = randn_cuda(b, seqlen_q, h, d)
     used = torch.tensor(LENS_K, dtype=torch.int32, device="cuda")
     out, lse = _run(cute_fa.flash_attn_varlen_func, q, k_pages, v_pages, seqused_k=used,
                     page_table=table, causal=causal, window_size=window,
@@ -120,7 +107,7 @@ def test_paged_fwd(seqlen_q, causal, window, page_size):
         _check_rows(out[i], lse[i], q[i], ks[i], vs[i], causal, window, 0.0)
 
 
-@needs_paged_kernel
+@needs_sm90_forward
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("pack_gqa", [False, True])
 @pytest.mark.parametrize("page_size", [16, 128])
@@ -130,7 +117,7 @@ def test_paged_fwd_varlen_q_softcap_split(page_size, pack_gqa, num_splits):
     h, h_kv, d = 16, 4, 128
     k_pages, v_pages, table, ks, vs = _paged_cache(lens_k, page_size, h_kv, d, d)
     cu_q = cu_seqlens(lens_q)
-    q = _randn(sum(lens_q), h, d)
+    q = randn_cuda(sum(lens_q), h, d)
     used = torch.tensor(lens_k, dtype=torch.int32, device="cuda")
     out, lse = _run(
         cute_fa.flash_attn_varlen_func, q, k_pages, v_pages, cu_seqlens_q=cu_q,
@@ -145,14 +132,14 @@ def test_paged_fwd_varlen_q_softcap_split(page_size, pack_gqa, num_splits):
             _check_rows(out[rows], lse[:, rows], q[rows], ks[i], vs[i], True, (None, None), 15.0)
 
 
-@needs_paged_kernel
+@needs_sm90_forward
 @pytest.mark.parametrize("d, dv", [(64, 64), (96, 96), (192, 128), (256, 256)])
 def test_paged_fwd_head_dims(d, dv):
     """Every tile shape (d 192: 112 keys a block, boxes of gcd(page, 112); d 256: 64)."""
     lens_k = [700, 65, 1]
     for page_size in (16, 64):
         k_pages, v_pages, table, ks, vs = _paged_cache(lens_k, page_size, 2, d, dv)
-        q = _randn(3, 5, 4, d)
+        q = randn_cuda(3, 5, 4, d)
         used = torch.tensor(lens_k, dtype=torch.int32, device="cuda")
         out, lse = _run(cute_fa.flash_attn_varlen_func, q, k_pages, v_pages, seqused_k=used,
                         page_table=table, causal=True, return_lse=True)  # fmt: skip
@@ -160,24 +147,24 @@ def test_paged_fwd_head_dims(d, dv):
             _check_rows(out[i], lse[i], q[i], ks[i], vs[i], True, (None, None), 0.0)
 
 
-@needs_paged_kernel
+@needs_sm90_forward
 def test_paged_fwd_without_seqused_k():
     """No seqused_k: every page listed in a row holds keys (all rows full)."""
     page_size, pages, h_kv, d = 64, 5, 2, 128
     lens_k = [page_size * pages] * 2
     k_pages, v_pages, table, ks, vs = _paged_cache(lens_k, page_size, h_kv, d, d)
-    q = _randn(2, 3, 8, d)
+    q = randn_cuda(2, 3, 8, d)
     out, lse = _run(cute_fa.flash_attn_varlen_func, q, k_pages, v_pages, page_table=table,
                     return_lse=True)  # fmt: skip
     for i in range(2):
         _check_rows(out[i], lse[i], q[i], ks[i], vs[i], False, (None, None), 0.0)
 
 
-@needs_paged_kernel
+@needs_sm90_forward
 def test_paged_matches_the_contiguous_cache():
     """The same keys paged (page 128 = the key block) and contiguous: the same result."""
     b, sk, h, h_kv, d = 3, 1000, 8, 2, 128
-    q, k, v = _randn(b, 2, h, d), _randn(b, sk, h_kv, d), _randn(b, sk, h_kv, d)
+    q, k, v = randn_cuda(b, 2, h, d), randn_cuda(b, sk, h_kv, d), randn_cuda(b, sk, h_kv, d)
     pages = -(-sk // 128)
     table = torch.randperm(b * pages, device="cuda").to(torch.int32).reshape(b, pages)
     pad = pages * 128 - sk
@@ -196,19 +183,19 @@ def test_paged_matches_the_contiguous_cache():
     torch.testing.assert_close(paged[1], contiguous[1], atol=0, rtol=0)
 
 
-@needs_paged_kernel
+@needs_sm90_forward
 @pytest.mark.parametrize("page_size", [1, 4, 12])
 def test_page_sizes_the_kernel_does_not_take(page_size):
     k_pages, v_pages, table, _, _ = _paged_cache([40, 9], page_size, 2, 128, 128)
-    q = _randn(2, 1, 8, 128)
+    q = randn_cuda(2, 1, 8, 128)
     with pytest.raises(NotImplementedError, match="multiples of 8"):
         cute_fa.flash_attn_varlen_func(q, k_pages, v_pages, page_table=table)
 
 
-@needs_paged_kernel
+@needs_sm90_forward
 def test_pages_out_of_range_are_an_error():
     k_pages, v_pages, table, _, _ = _paged_cache([40, 90], 16, 2, 128, 128)
-    q = _randn(2, 1, 8, 128)
+    q = randn_cuda(2, 1, 8, 128)
     used = torch.tensor([40, 90], dtype=torch.int32, device="cuda")
     bad = table.clone()
     bad[1, 2] = k_pages.shape[0]
@@ -220,9 +207,9 @@ def test_pages_out_of_range_are_an_error():
     cute_fa.flash_attn_varlen_func(q, k_pages, v_pages, seqused_k=used, page_table=bad)
 
 
-@needs_paged_kernel
+@needs_sm90_forward
 def test_paged_kv_has_no_backward():
     k_pages, v_pages, table, _, _ = _paged_cache([40, 9], 16, 2, 128, 128)
-    q = _randn(2, 1, 8, 128).requires_grad_()
+    q = randn_cuda(2, 1, 8, 128).requires_grad_()
     with pytest.raises(NotImplementedError, match="forward-only"):
         cute_fa.flash_attn_varlen_func(q, k_pages, v_pages, page_table=table)

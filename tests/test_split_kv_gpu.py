@@ -13,47 +13,32 @@ heuristic (num_splits=0) on a decode shape.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from gpu_support import cu_seqlens, empty_rows, poison_free_memory, seed  # noqa: F401
+from gpu_support import (  # noqa: F401
+    check_fwd,
+    check_grads,
+    cu_seqlens,
+    needs_sm90_forward,
+    poison_free_memory,
+    randn_cuda,
+    run_planned,
+    seed,
+    sm90_forward_here,
+)
 
 import cute_fa
-from cute_fa import ops, settings
-from cute_fa.reference import attention_ref, check_close
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-LSE_ATOL = 1e-4  # as tests/test_fwd_gpu.py
-
-
-def _splits_here() -> bool:
-    """Whether this GPU's dispatch has a split kernel (the sm90 forward)."""
-    forced = os.environ.get(settings.FWD_ARCH)
-    return torch.cuda.get_device_capability() == (9, 0) and forced in (None, "", "90")
-
-
-needs_split_kernel = pytest.mark.skipif(
-    not torch.cuda.is_available() or not _splits_here(),
-    reason="split-KV runs on the sm90 forward (an sm90 GPU without CUTE_FA_FWD_ARCH=80)",
-)
-
-
-def _randn(*shape, dtype=torch.bfloat16):
-    return torch.randn(*shape, device="cuda", dtype=torch.float32).to(dtype)
-
 
 def _run(fn, *args, expect_splits: int | None, **kwargs):
     """Call ``fn`` with a fresh plan table; check the plan's split count (None: any > 1)."""
-    ops.clear_plans()
-    result = fn(*args, **kwargs)
-    plans = list(ops._plans.values())
-    assert len(plans) == 1
-    got = plans[0].num_splits
+    result, plan = run_planned(fn, *args, **kwargs)
+    got = plan.num_splits
     if expect_splits is None:
         assert got > 1, f"the call ran {got} split(s)"
     else:
@@ -62,15 +47,7 @@ def _run(fn, *args, expect_splits: int | None, **kwargs):
 
 
 def _check_fwd(out, lse, q, k, v, causal) -> None:
-    b, sq, h, _ = q.shape
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    dead = empty_rows(sq, k.shape[1], causal, (None, None)).to(out.device)
-    if dead.any():
-        assert (out[:, dead] == 0).all() and torch.isneginf(lse[:, :, dead]).all()
-    out_ref, lse_ref = attention_ref(q, k, v, causal=causal, upcast=True)
-    out_pt, lse_pt = attention_ref(q, k, v, causal=causal, upcast=False, reorder_ops=True)
-    check_close(out, out_ref, out_pt, name="out")
-    check_close(lse, lse_ref, lse_pt, atol=LSE_ATOL, name="lse")
+    check_fwd(out, lse, q, k, v, (None, 0) if causal else (None, None))
 
 
 def _reserve(b, sq, h, dv, splits) -> int:
@@ -82,47 +59,47 @@ def _reserve(b, sq, h, dv, splits) -> int:
 SEQLENS = [(1, 4224), (1, 1000), (3, 517), (200, 1211), (129, 2049), (1, 100), (77, 77)]
 
 
-@needs_split_kernel
+@needs_sm90_forward
 @pytest.mark.parametrize("seqlen_q, seqlen_k", SEQLENS, ids=[f"{a}x{b}" for a, b in SEQLENS])
 @pytest.mark.parametrize("h_kv", [6, 2, 1], ids=["mha", "gqa3", "mqa"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("num_splits", [2, 3, 7])
 def test_split_fwd(num_splits, causal, h_kv, seqlen_q, seqlen_k):
     b, h, d = 2, 6, 128
-    q = _randn(b, seqlen_q, h, d)
-    k, v = _randn(b, seqlen_k, h_kv, d), _randn(b, seqlen_k, h_kv, d)
+    q = randn_cuda(b, seqlen_q, h, d)
+    k, v = randn_cuda(b, seqlen_k, h_kv, d), randn_cuda(b, seqlen_k, h_kv, d)
     poison_free_memory(_reserve(b, seqlen_q, h, d, num_splits))
     out, lse = _run(cute_fa.flash_attn_func, q, k, v, causal=causal, num_splits=num_splits,
                     return_lse=True, expect_splits=num_splits)  # fmt: skip
     _check_fwd(out, lse, q, k, v, causal)
 
 
-@needs_split_kernel
+@needs_sm90_forward
 @pytest.mark.parametrize("d, dv", [(64, 64), (96, 96), (192, 128), (256, 256)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_split_fwd_head_dims(d, dv, causal):
     """Every tile shape (d 64: 192 query rows, three consumers; d 192: 112 keys; d 256: 64)."""
     b, sq, sk, h = 2, 250, 1500, 4
-    q, k, v = _randn(b, sq, h, d), _randn(b, sk, 2, d), _randn(b, sk, 2, dv)
+    q, k, v = randn_cuda(b, sq, h, d), randn_cuda(b, sk, 2, d), randn_cuda(b, sk, 2, dv)
     out, lse = _run(cute_fa.flash_attn_func, q, k, v, causal=causal, num_splits=3,
                     return_lse=True, expect_splits=3)  # fmt: skip
     _check_fwd(out, lse, q, k, v, causal)
 
 
-@needs_split_kernel
+@needs_sm90_forward
 def test_split_fwd_more_splits_than_key_blocks():
     """300 keys are three blocks of 128: splits 3..15 see no key and write O = 0, LSE = -inf,
     which the combine must weigh 0; with causal and seqlen_q > seqlen_k some rows see nothing."""
     b, h, d = 2, 4, 128
     for sq, causal in ((1, False), (400, True)):
-        q, k, v = _randn(b, sq, h, d), _randn(b, 300, 2, d), _randn(b, 300, 2, d)
+        q, k, v = randn_cuda(b, sq, h, d), randn_cuda(b, 300, 2, d), randn_cuda(b, 300, 2, d)
         poison_free_memory(_reserve(b, sq, h, d, 16))
         out, lse = _run(cute_fa.flash_attn_func, q, k, v, causal=causal, num_splits=16,
                         return_lse=True, expect_splits=16)  # fmt: skip
         _check_fwd(out, lse, q, k, v, causal)
 
 
-@needs_split_kernel
+@needs_sm90_forward
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("num_splits", [2, 3, 7])
 def test_split_fwd_varlen(num_splits, causal):
@@ -132,8 +109,8 @@ def test_split_fwd_varlen(num_splits, causal):
     used_q, used_k = [1, 100, 0, 7, 1], [900, 257, 50, 1000, 2]
     h, h_kv, d = 4, 2, 128
     cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
-    q = _randn(sum(lens_q), h, d)
-    k, v = _randn(sum(lens_k), h_kv, d), _randn(sum(lens_k), h_kv, d)
+    q = randn_cuda(sum(lens_q), h, d)
+    k, v = randn_cuda(sum(lens_k), h_kv, d), randn_cuda(sum(lens_k), h_kv, d)
     sq_used = torch.tensor(used_q, dtype=torch.int32, device="cuda")
     sk_used = torch.tensor(used_k, dtype=torch.int32, device="cuda")
     poison_free_memory(_reserve(1, sum(lens_q), h, d, num_splits))
@@ -157,52 +134,42 @@ def test_split_fwd_varlen(num_splits, causal):
         _check_fwd(out[rows].unsqueeze(0), lse[:, rows].unsqueeze(0), qi, ki, vi, causal)
 
 
-@needs_split_kernel
+@needs_sm90_forward
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlen_q", [1, 150])
 def test_split_fwd_backward(seqlen_q, causal):
     """The backward of a split forward (the usual backward on the combined out and LSE)."""
     b, sk, h, h_kv, d = 2, 1500, 4, 2, 128
-    q, k, v = _randn(b, seqlen_q, h, d), _randn(b, sk, h_kv, d), _randn(b, sk, h_kv, d)
+    q, k, v = randn_cuda(b, seqlen_q, h, d), randn_cuda(b, sk, h_kv, d), randn_cuda(b, sk, h_kv, d)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = _run(cute_fa.flash_attn_func, *leaves, causal=causal, num_splits=3,
                     return_lse=True, expect_splits=3)  # fmt: skip
     _check_fwd(out.detach(), lse.detach(), q, k, v, causal)
-    dout = _randn(*out.shape)
-    grads = torch.autograd.grad(out, leaves, dout)
-    refs = []
-    for upcast in (True, False):
-        dtype = torch.float32 if upcast else q.dtype
-        ref_leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        ref_out, _ = attention_ref(*ref_leaves, causal=causal, upcast=upcast,
-                                   reorder_ops=not upcast)  # fmt: skip
-        refs.append(torch.autograd.grad(ref_out, ref_leaves, dout.to(ref_out.dtype)))
-    for g, g_ref, g_pt, name in zip(grads, *refs, ("dq", "dk", "dv"), strict=True):
-        assert not torch.isnan(g).any()
-        check_close(g, g_ref, g_pt, name=name)
+    dout = randn_cuda(*out.shape)
+    check_grads(torch.autograd.grad(out, leaves, dout), q, k, v, dout, causal)
 
 
-@needs_split_kernel
+@needs_sm90_forward
 def test_split_heuristic_on_a_decode_shape():
     """num_splits=0 (and None) splits a decode step of few heads over a long key range (the
     tiles fill a fraction of the SMs) and not a prefill of many tiles."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    q, k, v = _randn(1, 1, 4, 128), _randn(1, 8192, 1, 128), _randn(1, 8192, 1, 128)
+    q, k, v = randn_cuda(1, 1, 4, 128), randn_cuda(1, 8192, 1, 128), randn_cuda(1, 8192, 1, 128)
     want = min(sms // 4, 64 // 4, 128)
     for value in (0, None):
         out, lse = _run(cute_fa.flash_attn_func, q, k, v, num_splits=value, return_lse=True,
                         expect_splits=want)  # fmt: skip
         _check_fwd(out, lse, q, k, v, False)
-    q = _randn(4, 2048, 16, 128)
+    q = randn_cuda(4, 2048, 16, 128)
     _run(cute_fa.flash_attn_func, q, k.expand(4, -1, -1, -1), v.expand(4, -1, -1, -1),
          num_splits=0, expect_splits=1)  # fmt: skip
 
 
-@needs_split_kernel
+@needs_sm90_forward
 def test_split_matches_the_unsplit_forward_closely():
     """Same attention: out within a few bf16 ulps of the unsplit kernel's, LSE within 1e-4
     (another summation order and P rounded against another max: not bitwise)."""
-    q, k, v = _randn(2, 64, 8, 128), _randn(2, 3000, 8, 128), _randn(2, 3000, 8, 128)
+    q, k, v = randn_cuda(2, 64, 8, 128), randn_cuda(2, 3000, 8, 128), randn_cuda(2, 3000, 8, 128)
     out1, lse1 = cute_fa.flash_attn_func(q, k, v, return_lse=True)
     out7, lse7 = cute_fa.flash_attn_func(q, k, v, num_splits=7, return_lse=True)
     torch.testing.assert_close(lse7, lse1, rtol=0, atol=1e-4)
@@ -211,12 +178,12 @@ def test_split_matches_the_unsplit_forward_closely():
 
 
 @pytest.mark.skipif(
-    torch.cuda.is_available() and _splits_here(), reason="checks GPUs / settings without split"
+    torch.cuda.is_available() and sm90_forward_here(), reason="checks GPUs / settings without split"
 )
 def test_split_kv_not_on_sm80():
     """Where the forward has no split kernel (sm80 family), num_splits > 1 raises and the
     heuristic falls back to one split."""
-    q, k, v = _randn(1, 1, 4, 128), _randn(1, 8192, 1, 128), _randn(1, 8192, 1, 128)
+    q, k, v = randn_cuda(1, 1, 4, 128), randn_cuda(1, 8192, 1, 128), randn_cuda(1, 8192, 1, 128)
     with pytest.raises(NotImplementedError, match="split-KV"):
         cute_fa.flash_attn_func(q, k, v, num_splits=3)
     out, lse = _run(cute_fa.flash_attn_func, q, k, v, num_splits=0, return_lse=True,
