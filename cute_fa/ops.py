@@ -66,6 +66,10 @@ class _Plan(NamedTuple):
     combine: object = None
     # Packed GQA (Note [packed GQA plans]): query heads a tile packs per K/V head; 0: off.
     pack_gqa: int = 0
+    # Split-KV: allocation templates of the fp32 partial O (S, b, sq, h, dv) and LSE (S, b, h,
+    # sq) (packed q: b = 1), Note [allocation templates].
+    partial_out_like: torch.Tensor | None = None
+    partial_lse_like: torch.Tensor | None = None
 
 
 # Note [launch plans]
@@ -186,6 +190,13 @@ def _make_plan(
     elif kernel is not None:
         kernel, config = _self_checked(kernel, config, device, plan_args)
     wl, wr = kernel_window(local, window_left, window_right)
+    partial_out_like = partial_lse_like = None
+    if combine is not None:
+        b4, sq4 = (1, shapes.seqlen_q) if shapes.varlen_q else (shapes.batch, shapes.seqlen_q)
+        h, dv = shapes.nheads, shapes.head_dim_v
+        one = torch.empty(1, dtype=torch.float32, device=device)
+        partial_out_like = one.expand(splits, b4, sq4, h, dv)
+        partial_lse_like = one.expand(splits, b4, h, sq4)
     plan = _Plan(
         kernel=kernel,
         device=device,
@@ -207,6 +218,8 @@ def _make_plan(
         num_splits=splits if kernel is not None else 1,
         combine=combine,
         pack_gqa=config.pack_gqa if kernel is not None else 0,
+        partial_out_like=partial_out_like,
+        partial_lse_like=partial_lse_like,
     )
     return plan, max_seqlen_q
 
@@ -389,8 +402,8 @@ def _split_forward(
     """The split-KV forward into fp32 partial buffers, then the combine into out4 (b, sq, h,
     dv) and lse3 (b, h, sq) (packed q: b = 1), Note [split-KV launches]."""
     splits, (b, sq, h, dv) = plan.num_splits, out4.shape
-    out_p = torch.empty((splits, b, sq, h, dv), dtype=torch.float32, device=out4.device)
-    lse_p = torch.empty((splits, b, h, sq), dtype=torch.float32, device=out4.device)
+    out_p = torch.empty_like(plan.partial_out_like)  # (splits, b, sq, h, dv) fp32
+    lse_p = torch.empty_like(plan.partial_lse_like)  # (splits, b, h, sq)
     plan.kernel(
         q4, k4, v4, out_p.view(splits * b, sq, h, dv), lse_p.view(splits * b, h, sq),
         softmax_scale, softcap, plan.window_left, plan.window_right, max_seqlen_q,
