@@ -66,6 +66,8 @@ from .checks import (
     check_tensor,
     kernel_scale,
     reject_unimplemented,
+    resolve_num_splits,
+    resolve_pack_gqa,
     resolve_scale,
     resolve_softcap,
     window_args,
@@ -121,26 +123,6 @@ class _FlashAttnForward(torch.autograd.Function):
             with tuned.restored(ctx.tuning):
                 dq, dk, dv = bwd_impl(*args) if eager_cuda(dout) else bwd_op(*args)
         return dq, dk, dv, *([None] * 14)
-
-
-def resolve_num_splits(num_splits) -> int:
-    """flash_attn.cute's ``num_splits`` as the op takes it: 1 off, n > 1 that many, 0 the
-    heuristic (for None, 0 and negative values)."""
-    if num_splits is None:
-        return 0
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
-        raise TypeError(f"num_splits must be an int or None, got {num_splits!r}")
-    return max(num_splits, 0)
-
-
-def resolve_pack_gqa(pack_gqa) -> int:
-    """flash_attn.cute's ``pack_gqa`` as the op takes it: -1 automatic (None), 0 off (False),
-    1 on (True)."""
-    if pack_gqa is None:
-        return -1
-    if not isinstance(pack_gqa, bool):
-        raise TypeError(f"pack_gqa must be True, False or None, got {pack_gqa!r}")
-    return int(pack_gqa)
 
 
 def _requires_grad(q, k, v) -> bool:
