@@ -10,7 +10,7 @@ torch API.
 ``python -m cute_fa features`` prints what is implemented on which GPU architecture.
 """
 
-from .api import flash_attn_func, flash_attn_varlen_func
+from .api import flash_attn_func, flash_attn_varlen_func, get_scheduler_metadata
 from .cache import package_version
 from .combine import flash_attn_combine
 from .tuned import tuning
@@ -20,6 +20,7 @@ __version__ = package_version()
 __all__ = [
     "flash_attn_func",
     "flash_attn_varlen_func",
+    "get_scheduler_metadata",
     "flash_attn_combine",
     "tuning",
     "__version__",

@@ -43,6 +43,14 @@ cute_fa/planning.py; 1 where no kernel splits). Implemented by the sm90 forward;
 n > 1 on a GPU whose kernel cannot split raises NotImplementedError. The result is the same
 attention (not bitwise: a different summation order); the backward needs only out and lse.
 
+Scheduler metadata (``get_scheduler_metadata``, flash_attn.cute's signature; Note [scheduler
+metadata] in cute_fa/scheduler.py): a varlen call's host-side decisions, computed ahead of it
+without reading a tensor: ``max_seqlen_q``, the split count of ``num_splits=0`` and the
+``pack_gqa`` decision. ``flash_attn_varlen_func(..., scheduler_metadata=md)`` checks that md
+was computed for its arguments (ValueError naming each difference) and runs as the call with
+md's max_seqlen_q, split count and packing: the same kernel, bitwise the same results, and no
+host read of ``cu_seqlens_q`` (a decode step under CUDA-graph capture).
+
 Return convention (as flash_attn.cute): ``(out, lse)``; lse is fp32 (batch, nheads, seqlen_q),
 or (nheads, total_q) for packed varlen queries, when ``return_lse=True`` or when an input
 requires grad; otherwise ``lse`` is None.
@@ -66,13 +74,21 @@ from .checks import (
     check_tensor,
     kernel_scale,
     reject_unimplemented,
+    resolve_num_splits,
+    resolve_pack_gqa,
     resolve_scale,
     resolve_softcap,
     window_args,
 )
 from .ops import bwd_impl, bwd_op, eager_cuda, fwd_impl, fwd_op
+from .scheduler import SchedulerMetadata, call_arguments, get_scheduler_metadata
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func"]
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "get_scheduler_metadata",
+    "SchedulerMetadata",
+]
 
 
 class _FlashAttnForward(torch.autograd.Function):
@@ -121,26 +137,6 @@ class _FlashAttnForward(torch.autograd.Function):
             with tuned.restored(ctx.tuning):
                 dq, dk, dv = bwd_impl(*args) if eager_cuda(dout) else bwd_op(*args)
         return dq, dk, dv, *([None] * 14)
-
-
-def resolve_num_splits(num_splits) -> int:
-    """flash_attn.cute's ``num_splits`` as the op takes it: 1 off, n > 1 that many, 0 the
-    heuristic (for None, 0 and negative values)."""
-    if num_splits is None:
-        return 0
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
-        raise TypeError(f"num_splits must be an int or None, got {num_splits!r}")
-    return max(num_splits, 0)
-
-
-def resolve_pack_gqa(pack_gqa) -> int:
-    """flash_attn.cute's ``pack_gqa`` as the op takes it: -1 automatic (None), 0 off (False),
-    1 on (True)."""
-    if pack_gqa is None:
-        return -1
-    if not isinstance(pack_gqa, bool):
-        raise TypeError(f"pack_gqa must be True, False or None, got {pack_gqa!r}")
-    return int(pack_gqa)
 
 
 def _requires_grad(q, k, v) -> bool:
@@ -324,15 +320,19 @@ def flash_attn_varlen_func(
     nheads, seqlen_q), or None unless ``return_lse`` or an input requires grad.
     ``max_seqlen_q`` sizes the grid (computed from cu_seqlens_q when None); ``max_seqlen_k``
     sizes the backward's grid (computed from cu_seqlens_k when None: a host sync);
-    ``min_seqlen_k`` and ``disable_scheduler_metadata`` are accepted and not needed;
-    ``num_splits``: split-KV. ``page_table`` (int32 (batch, max_pages)): paged K/V, k and v
-    then (num_pages, page_size, nheads_kv, d), sequence b's key j in page
-    ``page_table[b, j // page_size]`` at row ``j % page_size``; ``seqused_k`` the cache
-    lengths (without it every page of a row counts); not with ``cu_seqlens_k``; forward only.
+    ``min_seqlen_k`` is accepted and not needed; ``num_splits``: split-KV. ``page_table``
+    (int32 (batch, max_pages)): paged K/V, k and v then (num_pages, page_size, nheads_kv, d),
+    sequence b's key j in page ``page_table[b, j // page_size]`` at row ``j % page_size``;
+    ``seqused_k`` the cache lengths (without it every page of a row counts); not with
+    ``cu_seqlens_k``; forward only.
     Only the pages a sequence uses are read; their indices must be in [0, num_pages) (checked
     with the other metadata unless ``CUTE_FA_SKIP_CHECKS=1``: an index out of range there is
-    an out-of-bounds read). Sequence metadata rules, split-KV and checks: see the module
-    docstring.
+    an out-of-bounds read). ``scheduler_metadata``: what ``get_scheduler_metadata`` computed
+    for this call (its max_seqlen_q, split count and packing decided ahead: no host read of
+    cu_seqlens_q; ValueError when it was computed for other arguments); the results are
+    bitwise those of the call without it given md's max_seqlen_q, num_splits and pack_gqa
+    (Note [scheduler metadata] in cute_fa/scheduler.py); ``disable_scheduler_metadata=True``
+    ignores it. Sequence metadata rules, split-KV and checks: see the module docstring.
     """
     if not (
         qv is None
@@ -343,7 +343,6 @@ def flash_attn_varlen_func(
         and block_sparse_tensors is None
         and aux_tensors is None
         and aux_scalars is None
-        and scheduler_metadata is None
         and seqlen_k_per_split is None
     ):
         reject_unimplemented(
@@ -355,7 +354,6 @@ def flash_attn_varlen_func(
             block_sparse_tensors=block_sparse_tensors,
             aux_tensors=aux_tensors,
             aux_scalars=aux_scalars,
-            scheduler_metadata=scheduler_metadata,
             seqlen_k_per_split=seqlen_k_per_split,
         )
     check_tensor(q, "q")
@@ -370,6 +368,14 @@ def flash_attn_varlen_func(
         if max_seqlen_k < 0:
             raise ValueError(f"max_seqlen_k must be >= 0, got {max_seqlen_k}")
     causal, window_left, window_right = window_args(causal, window_size)
+    softcap = resolve_softcap(softcap)
+    num_splits, pack_gqa = resolve_num_splits(num_splits), resolve_pack_gqa(pack_gqa)
+    if scheduler_metadata is not None and not disable_scheduler_metadata:
+        max_seqlen_q, max_seqlen_k, num_splits, pack_gqa = call_arguments(
+            scheduler_metadata, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+            page_table, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, softcap,
+            num_splits, pack_gqa,
+        )  # fmt: skip
     scale = resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
     requires_grad = _requires_grad(q, k, v)
     q, scale = kernel_scale(q, scale)
@@ -377,9 +383,8 @@ def flash_attn_varlen_func(
         check_learnable_sink(learnable_sink, q.shape[-2] if q.dim() else 0, q)
     out, lse = _forward(
         requires_grad, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-        scale, causal, window_left, window_right, resolve_softcap(softcap),
-        resolve_num_splits(num_splits), resolve_pack_gqa(pack_gqa), max_seqlen_k=max_seqlen_k,
-        deterministic=bool(deterministic), page_table=page_table,
+        scale, causal, window_left, window_right, softcap, num_splits, pack_gqa,
+        max_seqlen_k=max_seqlen_k, deterministic=bool(deterministic), page_table=page_table,
     )  # fmt: skip
     if learnable_sink is not None:
         out, lse = _apply_learnable_sink(out, lse, learnable_sink)

@@ -90,6 +90,26 @@ def window_args(causal, window_size) -> tuple[bool, int | None, int | None]:
     return causal, left, right
 
 
+def resolve_num_splits(num_splits) -> int:
+    """flash_attn.cute's ``num_splits`` as the op takes it: 1 off, n > 1 that many, 0 the
+    heuristic (for None, 0 and negative values)."""
+    if num_splits is None:
+        return 0
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise TypeError(f"num_splits must be an int or None, got {num_splits!r}")
+    return max(num_splits, 0)
+
+
+def resolve_pack_gqa(pack_gqa) -> int:
+    """flash_attn.cute's ``pack_gqa`` as the op takes it: -1 automatic (None), 0 off (False),
+    1 on (True)."""
+    if pack_gqa is None:
+        return -1
+    if not isinstance(pack_gqa, bool):
+        raise TypeError(f"pack_gqa must be True, False or None, got {pack_gqa!r}")
+    return int(pack_gqa)
+
+
 def check_cu_seqlens_batch(cu_seqlens: torch.Tensor, name: str) -> int:
     """The batch size of a ``cu_seqlens`` that sets it (a tensor, int32, 1-D with batch + 1 >= 1
     entries, as ``check_int32_vector`` wants them); TypeError / ValueError naming ``name``."""

@@ -148,26 +148,9 @@ def _make_plan(
     # max_seqlen_q, which the plan then keeps for every call of its signature).
     seqlen_hint = max_seqlen_q if shapes.varlen_q else shapes.seqlen_q
     plan_args = (capability(device), shapes.request, seqlen_hint, tuned_table(device))
-    _, config = planning.fwd_plan(*plan_args)
-    if not no_work:
-        plan_args, config = _packed(plan_args, config, shapes, pack_gqa)
-    unsplit = config
-    splits = 1
-    if num_splits > 1:
-        splits = planning.clamp_num_splits(num_splits, shapes.batch)
-    elif num_splits == 0 and not no_work:
-        splits = _heuristic_splits(config, shapes, max_seqlen_q, device)
-    if splits > 1:
-        split_args = (plan_args[0], dataclasses.replace(plan_args[1], split_kv=True),
-                      *plan_args[2:])  # fmt: skip
-        if num_splits > 1:  # asked for: NotImplementedError where no kernel splits
-            _, config = planning.fwd_plan(*split_args)
-        else:  # the heuristic's choice: only where a kernel splits
-            _, split_config, _ = planning.try_plan(*split_args)
-            if split_config is None:
-                splits = 1
-            else:
-                config = split_config
+    plan_args, config, unsplit, splits = _choose(
+        plan_args, shapes, max_seqlen_q, device, num_splits, pack_gqa, no_work
+    )
     config = _for_device(config, device, no_work)
     kernel = None if no_work else _compiled_kernel(config)
     if kernel is not None and splits > 1 and selftest.needs_check(config):
@@ -224,6 +207,54 @@ def _make_plan(
     return plan, max_seqlen_q
 
 
+def _choose(
+    plan_args: tuple, shapes: Shapes, max_seqlen_q: int, device, num_splits: int, pack_gqa: int,
+    no_work: bool = False, max_seqlen_k: int | None = None,
+):  # fmt: skip
+    """The host-side decisions of a plan: (plan_args, config, unsplit config, split count).
+    Packing (Note [packed GQA plans]), then the split count (``num_splits`` 1: none, > 1: that
+    many, NotImplementedError where no kernel splits; 0: ``_heuristic_splits``, 1 where no
+    kernel splits). Reads no tensor: ``get_scheduler_metadata`` makes the same decisions ahead
+    of a call (Note [scheduler metadata] in cute_fa/scheduler.py)."""
+    _, config = planning.fwd_plan(*plan_args)
+    if not no_work:
+        plan_args, config = _packed(plan_args, config, shapes, pack_gqa)
+    unsplit = config
+    splits = 1
+    if num_splits > 1:
+        splits = planning.clamp_num_splits(num_splits, shapes.batch)
+    elif num_splits == 0 and not no_work:
+        splits = _heuristic_splits(config, shapes, max_seqlen_q, device, max_seqlen_k)
+    if splits > 1:
+        split_args = (plan_args[0], dataclasses.replace(plan_args[1], split_kv=True),
+                      *plan_args[2:])  # fmt: skip
+        if num_splits > 1:  # asked for: NotImplementedError where no kernel splits
+            _, config = planning.fwd_plan(*split_args)
+        else:  # the heuristic's choice: only where a kernel splits
+            _, split_config, _ = planning.try_plan(*split_args)
+            if split_config is None:
+                splits = 1
+            else:
+                config = split_config
+    return plan_args, config, unsplit, splits
+
+
+def scheduler_choice(
+    device, request: planning.FwdRequest, batch: int, nheads: int, nheads_kv: int,
+    max_seqlen_q: int, max_seqlen_k: int, num_splits: int, pack_gqa: int,
+) -> tuple[int, bool]:  # fmt: skip
+    """(split count, packs) that a call of ``request`` on ``device`` plans (``_choose``), from
+    numbers alone: ``max_seqlen_q`` picks the tile as a varlen call's does, ``max_seqlen_k`` is
+    the key length of the split heuristic (Note [scheduler metadata] in cute_fa/scheduler.py)."""
+    shapes = Shapes(batch, max_seqlen_q, max_seqlen_k, nheads, nheads_kv, request.head_dim,
+                    request.head_dim_v, request.varlen_q, request.varlen_k, request)  # fmt: skip
+    plan_args = (capability(device), request, max_seqlen_q, tuned_table(device))
+    _, config, _, splits = _choose(
+        plan_args, shapes, max_seqlen_q, device, num_splits, pack_gqa, max_seqlen_k=max_seqlen_k
+    )
+    return splits, bool(config.pack_gqa)
+
+
 # Note [packed GQA plans]
 # ~~~~~~~~~~~~~~~~~~~~~~~
 # ``pack_gqa`` (flash_attn.cute's argument): True packs the query heads of each K/V head into
@@ -253,13 +284,19 @@ def _packed(plan_args: tuple, config, shapes: Shapes, pack_gqa: int):
     return packed_args, packed_config
 
 
-def _heuristic_splits(config, shapes: Shapes, max_seqlen_q: int, device) -> int:
+def _heuristic_splits(
+    config, shapes: Shapes, max_seqlen_q: int, device, max_seqlen_k: int | None = None
+) -> int:
     """``num_splits`` 0: the count of Note [split-KV heuristic] for the tile of ``config``
-    (the unsplit plan), clamped to the grid (planning.clamp_num_splits)."""
+    (the unsplit plan), clamped to the grid (planning.clamp_num_splits). The key length:
+    ``max_seqlen_k`` when given (scheduler metadata), else the keys' extent (dense: k's
+    seqlen; paged: max_pages * page_size; packed: the average)."""
     group = config.pack_gqa or 1  # packed GQA: a tile holds the rows of `group` heads
     tiles = shapes.batch * (shapes.nheads // group) * -(-max_seqlen_q * group // config.tile_m)
     seqlen_k = shapes.seqlen_k
-    if shapes.varlen_k:  # packed keys: the average length (the longest is not known here)
+    if max_seqlen_k is not None:
+        seqlen_k = max_seqlen_k
+    elif shapes.varlen_k:  # packed keys: the average length (the longest is not known here)
         seqlen_k = -(-seqlen_k // max(shapes.batch, 1))
     splits = planning.num_splits_heuristic(tiles, -(-seqlen_k // config.tile_n), sm_count(device))
     return planning.clamp_num_splits(splits, shapes.batch)

@@ -60,7 +60,6 @@ UNIMPLEMENTED_ARGUMENTS = {
     "aux_scalars": "None",
     "block_sparse_tensors": "None",
     "block_sparse_tensors_bwd": "None",
-    "scheduler_metadata": "None",
     "seqlen_k_per_split": "None",
 }
 

@@ -368,8 +368,7 @@ def test_unimplemented_arguments_flash_attn_func(name):
 
 
 @pytest.mark.parametrize(
-    "name", [*(n for n in _SET if n != "block_sparse_tensors"), "scheduler_metadata",
-             "seqlen_k_per_split"],
+    "name", [*(n for n in _SET if n != "block_sparse_tensors"), "seqlen_k_per_split"],
 )  # fmt: skip
 def test_unimplemented_arguments_varlen(name):
     q, k, v, cu_q, cu_k = packed()
