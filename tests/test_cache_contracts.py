@@ -66,7 +66,7 @@ def linker_env(monkeypatch, tmp_path, fresh_warnings):
 
 
 def test_linker_setting(monkeypatch):
-    monkeypatch.setattr(cache.shutil, "which", lambda name: f"/bin/{name}" if name else None)
+    monkeypatch.setattr(cache.shutil, "which", lambda name: f"/bin/{name}")
     monkeypatch.delenv(settings.LINKER, raising=False)
     assert (cache._linker_off(), cache._linker()) == (False, "/bin/ld")
     monkeypatch.setenv(settings.LINKER, "ld.gold")
@@ -394,6 +394,19 @@ def test_disk_hits_count_each_load(tmp_path):
     assert (c.disk_hits, c.compiles, c.rejected) == (2, 0, 0)
 
 
+@pytest.mark.parametrize("given", ["serialize", "load"])
+def test_a_cache_with_only_one_of_serialize_and_load_hands_out_the_compiled_object(given):
+    def unused(*args):
+        raise AssertionError("called")
+
+    fns = {"serialize": None, "load": None, given: unused}
+    c = CompileCache(lambda key: f"compiled {key}", fns["serialize"], fns["load"], disk=True)
+    assert c.get("a") == "compiled a"
+    assert (c.disk_enabled, c.compiles, c.seconds["serialize"], c.seconds["load"]) == (
+        False, 1, 0.0, 0.0
+    )  # fmt: skip
+
+
 def test_a_disabled_disk_is_off_and_says_why(tmp_path):
     c = _fake_cache(tmp_path, disk=True)
     with pytest.warns(UserWarning) as record:
@@ -413,11 +426,16 @@ def test_payload_header_edges():
     empty = cache.pack_tvm_ffi_payload(b"", b"")
     assert len(empty) == header and cache.unpack_tvm_ffi_payload(empty) == (b"", b"")
     assert cache.unpack_tvm_ffi_payload(cache.pack_tvm_ffi_payload(b"lib", b"")) == (b"lib", b"")
+    with pytest.raises(ValueError) as info:  # a header whose library runs past the end
+        cache.unpack_tvm_ffi_payload(cache.pack_tvm_ffi_payload(b"lib", b"")[:-1])
+    assert str(info.value) == "truncated shared library in a cache payload"
 
 
 def test_version_probes(monkeypatch):
     monkeypatch.setattr(cache, "driver_cuda_version", lambda: 13000)
     assert cache.driver_cuda_major() == 13
+    monkeypatch.setattr(cache, "driver_cuda_version", lambda: 12080)  # CUDA 12.8: an int 12
+    assert repr(cache.driver_cuda_major()) == "12"
     monkeypatch.setattr(cache, "driver_cuda_version", lambda: None)
     assert cache.driver_cuda_major() is None
     from importlib import metadata
