@@ -467,13 +467,14 @@ class CompileCache:
             raise RuntimeError("the disk cache is off (CUTE_FA_CACHE=0)")
         from filelock import FileLock
 
-        path = self._prepare_dir_and_path(key)
+        path = self._prepare_dir_and_path(key, stacklevel=2)
         if path is None:
             raise RuntimeError(f"cache directory {self.directory} is not writable")
         with FileLock(str(path) + ".lock"):
             if self._read_payload(path) is not None:
                 return "hit"
-            self._store(path, self._serialize_timed(self._compile(key), symbol_for(key)))
+            payload = self._serialize_timed(self._compile(key), symbol_for(key))
+            self._store(path, payload, stacklevel=2)
         return "compiled"
 
     # ----------------------------------------------------------------------------------------
@@ -491,17 +492,23 @@ class CompileCache:
             print(f"cute_fa: compiling {name} (first call) ... {elapsed:.1f} s", file=sys.stderr)
         return compiled
 
-    def _prepare_dir_and_path(self, key: Hashable) -> Path | None:
+    # The methods that may turn the disk off take the ``stacklevel`` of its warning, counted as
+    # ``warnings.warn`` counts it: 1 is the method's caller. Each caller adds its own frame, so
+    # the warning names the frame that called ``get`` or ``ensure_on_disk``.
+
+    def _prepare_dir_and_path(self, key: Hashable, stacklevel: int) -> Path | None:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            self._disable_disk(f"cannot create {self.directory}: {e}")
+            self._disable_disk(f"cannot create {self.directory}: {e}", stacklevel + 1)
             return None
         return self.path_for(key)
 
-    def _disable_disk(self, why: str) -> None:
+    def _disable_disk(self, why: str, stacklevel: int) -> None:
         self._disk = False
-        warnings.warn(f"cute_fa: compile cache on disk turned off: {why}", stacklevel=3)
+        warnings.warn(
+            f"cute_fa: compile cache on disk turned off: {why}", stacklevel=stacklevel + 1
+        )
 
     def _read_payload(self, path: Path) -> bytes | None:
         try:
@@ -530,11 +537,11 @@ class CompileCache:
         self.disk_hits += 1
         return fn
 
-    def _store(self, path: Path, payload: bytes) -> None:
+    def _store(self, path: Path, payload: bytes, stacklevel: int) -> None:
         try:
             atomic_write(path, pack_entry(payload))
         except OSError as e:
-            self._disable_disk(f"cannot write {path}: {e}")
+            self._disable_disk(f"cannot write {path}: {e}", stacklevel + 1)
 
     def _serialize_timed(self, compiled: Any, symbol: str) -> bytes:
         t0 = time.perf_counter()
@@ -550,20 +557,21 @@ class CompileCache:
         self.seconds["load"] += time.perf_counter() - t0
         return fn
 
-    def _compile_to_callable(self, key: Hashable, path: Path | None) -> Callable:
+    def _compile_to_callable(self, key: Hashable, path: Path | None, stacklevel: int) -> Callable:
         compiled = self._compile(key)
         if self._serialize is None or self._load is None:
             return compiled
         symbol = symbol_for(key)
         payload = self._serialize_timed(compiled, symbol)
         if path is not None:
-            self._store(path, payload)
+            self._store(path, payload, stacklevel + 1)
         return self._load_timed(payload, symbol)
 
     def _get_uncached(self, key: Hashable) -> Callable:
-        path = self._prepare_dir_and_path(key) if self._disk else None
+        # stacklevel 3: this method (1), get (2), the frame that called get (3)
+        path = self._prepare_dir_and_path(key, stacklevel=3) if self._disk else None
         if path is None:
-            return self._compile_to_callable(key, None)
+            return self._compile_to_callable(key, None, stacklevel=3)
         fn = self._try_load(path, key)
         if fn is not None:
             return fn
@@ -573,13 +581,13 @@ class CompileCache:
             lock = FileLock(str(path) + ".lock")
             lock.acquire()
         except OSError as e:
-            self._disable_disk(f"cannot lock {path}: {e}")
-            return self._compile_to_callable(key, None)
+            self._disable_disk(f"cannot lock {path}: {e}", stacklevel=3)
+            return self._compile_to_callable(key, None, stacklevel=3)
         try:
             fn = self._try_load(path, key)  # written by another process while we waited?
             if fn is not None:
                 return fn
-            return self._compile_to_callable(key, path)
+            return self._compile_to_callable(key, path, stacklevel=3)
         finally:
             lock.release()
 

@@ -5,6 +5,7 @@ export / load dispatch with fakes for the linker, the exported module and the tw
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -66,7 +67,7 @@ def linker_env(monkeypatch, tmp_path, fresh_warnings):
 
 
 def test_linker_setting(monkeypatch):
-    monkeypatch.setattr(cache.shutil, "which", lambda name: f"/bin/{name}" if name else None)
+    monkeypatch.setattr(cache.shutil, "which", lambda name: f"/bin/{name}")
     monkeypatch.delenv(settings.LINKER, raising=False)
     assert (cache._linker_off(), cache._linker()) == (False, "/bin/ld")
     monkeypatch.setenv(settings.LINKER, "ld.gold")
@@ -317,7 +318,7 @@ def test_an_entry_that_does_not_load_warns_at_the_caller_of_get(tmp_path):
 
 
 def test_cache_warnings_stacklevels(tmp_path, monkeypatch):
-    # checked on the calls (mutmut's trampolines add frames; the tests around check the lines)
+    # checked on the calls (mutmut's trampolines add frames; the test below checks the lines)
     calls = _record_warn_calls(monkeypatch)
 
     def load(payload, symbol):
@@ -326,22 +327,88 @@ def test_cache_warnings_stacklevels(tmp_path, monkeypatch):
     _fake_cache(tmp_path, disk=True).get(Key("a"))
     with pytest.raises(ValueError):
         _fake_cache(tmp_path, load=load, disk=True).get(Key("a"))
-    _fake_cache(tmp_path, disk=True)._disable_disk("a reason")
-    # _try_load, _get_uncached, get, its caller; _disable_disk, the helper, the method
+    _fake_cache(tmp_path, disk=True)._disable_disk("a reason", 2)
+    # _try_load, _get_uncached, get, its caller; _disable_disk, then 2 above it
     assert [kw for _, kw in calls] == [{"stacklevel": 4}, {"stacklevel": 4}, {"stacklevel": 3}]
 
 
-def test_a_cache_folder_that_cannot_be_made_warns_at_the_lookup(tmp_path):
-    import linecache
+def _disk_off_cases(tmp_path, monkeypatch):
+    """(name, cache, call) for each way a lookup turns the disk off: a folder that cannot be
+    made, a lock that cannot be taken, an entry that cannot be written; through get and
+    ensure_on_disk."""
+    import filelock
 
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")
+
+    class NoLock:
+        def __init__(self, path):
+            pass
+
+        def acquire(self):
+            raise OSError("read-only")
+
+    def no_lock(path):
+        return NoLock(path) if "nolock" in path else file_lock(path)
+
+    def cannot_write(path, data):
+        if "nowrite" in str(path):
+            raise OSError("disk full")
+        return atomic_write(path, data)
+
+    file_lock, atomic_write = filelock.FileLock, cache.atomic_write
+    monkeypatch.setattr(filelock, "FileLock", no_lock)
+    monkeypatch.setattr(cache, "atomic_write", cannot_write)
+    return [
+        ("create get", _fake_cache(blocker / "a", disk=True), "get"),
+        ("create ensure", _fake_cache(blocker / "b", disk=True), "ensure_on_disk"),
+        ("lock get", _fake_cache(tmp_path / "nolock", disk=True), "get"),
+        ("write get", _fake_cache(tmp_path / "nowrite", disk=True), "get"),
+        ("write ensure", _fake_cache(tmp_path / "nowrite2", disk=True), "ensure_on_disk"),
+    ]
+
+
+def test_a_disk_turned_off_warns_at_the_caller_of_get_or_ensure_on_disk(tmp_path, monkeypatch):
+    # the stacklevel of each path (on the call: mutmut's trampolines add frames): get's caller
+    # is 4 frames above _disable_disk through the lock, 5 through _prepare_dir_and_path, 6
+    # through _compile_to_callable and _store; ensure_on_disk's caller 4 through either helper
+    cases = _disk_off_cases(tmp_path, monkeypatch)
+    calls = _record_warn_calls(monkeypatch)
+    levels = {}
+    for name, c, method in cases:
+        del calls[:]
+        with contextlib.suppress(RuntimeError):  # ensure_on_disk: the folder is not writable
+            getattr(c, method)(Key("a"))
+        assert not c.disk_enabled, name
+        levels[name] = [kw for _, kw in calls]
+    assert levels == {
+        "create get": [{"stacklevel": 5}],
+        "create ensure": [{"stacklevel": 4}],
+        "lock get": [{"stacklevel": 4}],
+        "write get": [{"stacklevel": 6}],
+        "write ensure": [{"stacklevel": 4}],
+    }
+
+
+@pytest.mark.skipif("MUTANT_UNDER_TEST" in os.environ, reason="mutmut's trampolines add frames")
+def test_a_disk_turned_off_names_the_line_that_asked(tmp_path, monkeypatch):
+    import inspect
+
+    for name, c, method in _disk_off_cases(tmp_path, monkeypatch):
+        with pytest.warns(UserWarning, match="compile cache on disk turned off") as record:
+            line = inspect.currentframe().f_lineno + 2
+            with contextlib.suppress(RuntimeError):
+                getattr(c, method)(Key("a"))
+        assert (record[0].filename, record[0].lineno) == (__file__, line), name
+
+
+def test_a_cache_folder_that_cannot_be_made_warns_at_the_lookup(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_bytes(b"")
     with pytest.warns(UserWarning, match="cannot create") as record:
         _fake_cache(blocker / "sub", disk=True).get(Key("a"))
     if "MUTANT_UNDER_TEST" not in os.environ:  # mutmut's trampolines add frames
-        line = linecache.getline(record[0].filename, record[0].lineno).strip()
-        assert record[0].filename == cache.__file__
-        assert line == "path = self._prepare_dir_and_path(key) if self._disk else None"
+        assert record[0].filename == __file__
 
 
 def test_ensure_on_disk_messages(tmp_path):
@@ -394,10 +461,23 @@ def test_disk_hits_count_each_load(tmp_path):
     assert (c.disk_hits, c.compiles, c.rejected) == (2, 0, 0)
 
 
+@pytest.mark.parametrize("given", ["serialize", "load"])
+def test_a_cache_with_only_one_of_serialize_and_load_hands_out_the_compiled_object(given):
+    def unused(*args):
+        raise AssertionError("called")
+
+    fns = {"serialize": None, "load": None, given: unused}
+    c = CompileCache(lambda key: f"compiled {key}", fns["serialize"], fns["load"], disk=True)
+    assert c.get("a") == "compiled a"
+    assert (c.disk_enabled, c.compiles, c.seconds["serialize"], c.seconds["load"]) == (
+        False, 1, 0.0, 0.0
+    )  # fmt: skip
+
+
 def test_a_disabled_disk_is_off_and_says_why(tmp_path):
     c = _fake_cache(tmp_path, disk=True)
     with pytest.warns(UserWarning) as record:
-        c._disable_disk("a reason")
+        c._disable_disk("a reason", 1)
     assert c.disk_enabled is False
     assert str(record[0].message) == "cute_fa: compile cache on disk turned off: a reason"
 
@@ -413,11 +493,16 @@ def test_payload_header_edges():
     empty = cache.pack_tvm_ffi_payload(b"", b"")
     assert len(empty) == header and cache.unpack_tvm_ffi_payload(empty) == (b"", b"")
     assert cache.unpack_tvm_ffi_payload(cache.pack_tvm_ffi_payload(b"lib", b"")) == (b"lib", b"")
+    with pytest.raises(ValueError) as info:  # a header whose library runs past the end
+        cache.unpack_tvm_ffi_payload(cache.pack_tvm_ffi_payload(b"lib", b"")[:-1])
+    assert str(info.value) == "truncated shared library in a cache payload"
 
 
 def test_version_probes(monkeypatch):
     monkeypatch.setattr(cache, "driver_cuda_version", lambda: 13000)
     assert cache.driver_cuda_major() == 13
+    monkeypatch.setattr(cache, "driver_cuda_version", lambda: 12080)  # CUDA 12.8: an int 12
+    assert repr(cache.driver_cuda_major()) == "12"
     monkeypatch.setattr(cache, "driver_cuda_version", lambda: None)
     assert cache.driver_cuda_major() is None
     from importlib import metadata

@@ -9,7 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cute_fa.reference import attention_ref, attention_varlen_ref, check_close, visible_mask
+from cute_fa.reference import (
+    attention_ref,
+    attention_varlen_ref,
+    check_close,
+    merge_splits,
+    visible_mask,
+)
 
 
 def naive_attention(q, k, v, scale=None, causal=False, window=(None, None), softcap=0.0, sink=None):
@@ -89,12 +95,13 @@ def test_matches_naive_loop(sq, sk, causal, window):
     torch.testing.assert_close(lse.double()[finite], lse_n[finite], atol=1e-5, rtol=1e-5)
 
 
-def test_softcap_scale_and_sink():
+@pytest.mark.parametrize("softcap", [2.0, 0.5])
+def test_softcap_scale_and_sink(softcap):
     q, k, v = rand(1, 4, 2, 8, seed=4) * 3, rand(1, 6, 2, 8, seed=5), rand(1, 6, 2, 8, seed=6)
     sink = torch.tensor([0.5, -1.0])
-    kw = dict(softmax_scale=0.7, causal=True, softcap=2.0)
+    kw = dict(softmax_scale=0.7, causal=True, softcap=softcap)
     out, lse = attention_ref(q, k, v, learnable_sink=sink, **kw)
-    out_n, lse_n = naive_attention(q, k, v, scale=0.7, causal=True, softcap=2.0, sink=sink)
+    out_n, lse_n = naive_attention(q, k, v, scale=0.7, causal=True, softcap=softcap, sink=sink)
     torch.testing.assert_close(out.double(), out_n, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double(), lse_n, atol=1e-5, rtol=1e-5)
 
@@ -125,11 +132,56 @@ def test_same_dtype_baseline_is_close_but_not_exact():
     out_ref, lse_ref = attention_ref(q, k, v)
     out_pt, lse_pt = attention_ref(q, k, v, upcast=False)
     out_pt2, _ = attention_ref(q, k, v, upcast=False, reorder_ops=True)
+    assert not torch.equal(out_pt, out_pt2)  # reorder_ops is off unless asked for
     assert out_pt.dtype == torch.bfloat16 and lse_pt.dtype == torch.float32
     err = (out_pt.float() - out_ref).abs().max()
     assert 0 < err < 0.05
     assert (out_pt2.float() - out_ref).abs().max() < 0.05
     check_close(out_pt, out_ref, out_pt2)
+
+
+def test_defaults_are_no_mask_and_the_inverse_square_root_scale():
+    q, k, v = rand(1, 5, 2, 8, seed=1), rand(1, 3, 2, 8, seed=2), rand(1, 3, 2, 8, seed=3)
+    out, lse = attention_ref(q, k, v)
+    out_n, lse_n = naive_attention(q, k, v)
+    torch.testing.assert_close(out.double(), out_n, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), lse_n, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_ref_messages():
+    q = rand(1, 2, 4, 8)
+    for i in range(3):  # each of q, k, v with three dims
+        args = [q, q, q]
+        args[i] = q[0]
+        with pytest.raises(ValueError) as info:
+            attention_ref(*args)
+        assert str(info.value) == "attention_ref takes (batch, seqlen, heads, head_dim) tensors"
+    with pytest.raises(ValueError) as info:
+        attention_ref(q, q[:, :, :3], q[:, :, :3])
+    assert str(info.value) == "nheads 4 is not a multiple of nheads_kv 3"
+
+
+def test_gqa_gradients_are_rounded_per_query_head_in_the_baseline_only():
+    q, k, v = (rand(1, 8, n, 16, seed=s).bfloat16() for s, n in ((1, 4), (2, 2), (3, 2)))
+    dout = rand(1, 8, 4, 16, seed=4)
+
+    def grads(q, k, v, upcast):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out, _ = attention_ref(*leaves, upcast=upcast)
+        out.backward(dout.to(out.dtype))
+        return [t.grad for t in leaves[1:]]
+
+    def group_sum(grad):  # (b, s, 4, d) -> (b, s, 2, d): the two query heads of a kv head
+        return grad.float().unflatten(2, (2, 2)).sum(3).bfloat16()
+
+    # the baseline: each query head's dK and dV in bf16 (as the kernels write them), then summed
+    dk, dv = grads(q, k, v, upcast=False)
+    dk_heads, dv_heads = grads(q, k.repeat_interleave(2, 2), v.repeat_interleave(2, 2), False)
+    assert torch.equal(dk, group_sum(dk_heads)) and torch.equal(dv, group_sum(dv_heads))
+    # the ground truth: fp32 throughout, rounded once where the bf16 leaf takes its gradient
+    dk, dv = grads(q, k, v, upcast=True)
+    dk32, dv32 = grads(q.float(), k.float(), v.float(), upcast=True)
+    assert torch.equal(dk, dk32.bfloat16()) and torch.equal(dv, dv32.bfloat16())
 
 
 def test_visible_mask_bottom_right_aligned():
@@ -162,6 +214,87 @@ def test_gpu_support_mask_bookkeeping_matches_visible_mask(sq, sk, causal, windo
     visible = visible_mask(sq, sk, window[0], 0 if causal else window[1])
     assert torch.equal(empty_rows(sq, sk, causal, window), ~visible.any(dim=1))
     assert torch.equal(unseen_keys(sq, sk, causal, window), ~visible.any(dim=0))
+
+
+def test_the_baseline_rounds_a_value_or_a_gradient_to_the_kernel_dtype():
+    from cute_fa.reference import _RoundGrad, _RoundValue
+
+    fine = 1.0 + 2.0**-12  # not a bf16 value: rounds to 1.0
+    x = torch.tensor([fine, 3.0], requires_grad=True)
+    grad = torch.tensor([fine, -5.0])
+    y = _RoundGrad.apply(x, torch.bfloat16)  # the value as is, its gradient rounded
+    assert y.dtype == torch.float32 and torch.equal(y, x)
+    y.backward(grad)
+    assert torch.equal(x.grad, torch.tensor([1.0, -5.0]))
+    x.grad = None
+    y = _RoundValue.apply(x, torch.bfloat16)  # the value rounded, its gradient as is
+    assert y.dtype == torch.float32 and torch.equal(y, torch.tensor([1.0, 3.0]))
+    y.backward(grad)
+    assert torch.equal(x.grad, grad)
+
+
+@pytest.mark.parametrize("upcast,reorder_ops", [(True, False), (False, False), (False, True)])
+def test_the_baseline_rounds_what_the_kernels_hold_in_16_bits(monkeypatch, upcast, reorder_ops):
+    # Note [the kernel-precision baseline]: the baseline (upcast=False) rounds the gradients of
+    # each query head's K and V (GQA) and of the scores to the input dtype, softcap's tanh to
+    # fp16's 11 bits and P to the input dtype; the ground truth (upcast=True) rounds nothing
+    from cute_fa import reference
+
+    rounded = []
+    for name in ("_RoundGrad", "_RoundValue"):
+        fn = getattr(reference, name)
+
+        def record(x, dtype, name=name, apply=fn.apply):
+            rounded.append((name, tuple(x.shape), dtype))
+            return apply(x, dtype)
+
+        monkeypatch.setattr(fn, "apply", record)
+    q, k, v = (rand(1, 3, n, 8, seed=s).bfloat16() for s, n in ((1, 4), (2, 2), (3, 2)))
+    attention_ref(q, k, v, softcap=1.5, upcast=upcast, reorder_ops=reorder_ops)
+    bf16 = torch.bfloat16
+    expected = [
+        ("_RoundGrad", (1, 3, 4, 8), bf16),  # K and V repeated to the 4 query heads
+        ("_RoundGrad", (1, 3, 4, 8), bf16),
+        ("_RoundGrad", (1, 4, 3, 3), bf16),  # the scores (dS)
+        ("_RoundValue", (1, 4, 3, 3), torch.float16),  # tanh
+        ("_RoundValue", (1, 4, 3, 3), bf16),  # P
+    ]
+    assert rounded == ([] if upcast else expected)
+
+
+def test_merge_splits_of_key_ranges_is_attention_over_all_keys():
+    # split-KV: attention over keys 0-2, 3-6 and 7-9, merged, is attention over the ten keys
+    # (causal: the first row sees keys 0-6, none of the last split)
+    q, k, v = rand(2, 4, 3, 8, seed=1), rand(2, 10, 3, 8, seed=2), rand(2, 10, 3, 16, seed=3)
+    out, lse = attention_ref(q, k, v, causal=True)
+    mask = visible_mask(4, 10, None, 0)
+    parts = []
+    for lo, hi in ((0, 3), (3, 7), (7, 10)):
+        scores = torch.einsum("bthd,bshd->bhts", q, k[:, lo:hi]) / math.sqrt(8)
+        scores = scores.masked_fill(~mask[:, lo:hi], float("-inf"))
+        part_lse = torch.logsumexp(scores, dim=-1)  # -inf where a row sees none of them
+        probs = torch.exp(scores - part_lse[..., None]).nan_to_num(nan=0.0)
+        parts.append((torch.einsum("bhts,bshd->bthd", probs, v[:, lo:hi]), part_lse))
+    out_partial = torch.stack([o.transpose(1, 2) for o, _ in parts])  # (split, b, h, t, d)
+    lse_partial = torch.stack([lse_ for _, lse_ in parts])
+    assert torch.isneginf(lse_partial[2, :, :, 0]).all()
+    assert lse_partial[:, :, :, 1:].isfinite().all()
+    merged, merged_lse = merge_splits(out_partial, lse_partial)
+    assert merged.dtype == torch.float32 and merged.shape == (2, 3, 4, 16)
+    torch.testing.assert_close(merged.transpose(1, 2), out, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(merged_lse, lse, atol=1e-6, rtol=1e-5)
+
+
+def test_merge_splits_weighs_by_lse_and_skips_empty_splits():
+    # two rows, three splits of out 1, 2, 4 (bf16 in, fp32 out); row 0: LSEs log 1, log 3 and
+    # -inf (a split that saw no key; its out is not read), row 1: every split -inf
+    out_partial = torch.tensor([1.0, 2.0, 4.0]).view(3, 1, 1).expand(3, 2, 1).bfloat16()
+    inf = float("inf")
+    lse_partial = torch.tensor([[0.0, -inf], [math.log(3.0), -inf], [-inf, -inf]])
+    out, lse = merge_splits(out_partial, lse_partial)
+    assert out.dtype == torch.float32 and out.shape == (2, 1)
+    torch.testing.assert_close(out, torch.tensor([[(1.0 + 3.0 * 2.0) / 4.0], [0.0]]))
+    torch.testing.assert_close(lse, torch.tensor([math.log(4.0), -inf]))
 
 
 def test_varlen_ref_matches_per_sequence():
