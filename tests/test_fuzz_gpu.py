@@ -290,6 +290,15 @@ def _run_case(case: Case) -> None:
             mine = (dqs[i][:nq], dks[i][:nk], dvs[i][:nk])
             for got, want, base, name in zip(mine, g_ref, g_pt, ("dq", "dk", "dv"), strict=True):
                 assert torch.isfinite(got).all(), f"non-finite {name}"
+                if name == "dk" and nk == 1:
+                    # One key: dS = P (dP - delta) with P = 1 is exactly 0 (so is the
+                    # reference's dK), and the kernel's is the fp32 rounding of dP - delta,
+                    # whose terms are about sqrt(dv) |dO| |V|: bound it by that, not by the
+                    # zero reference's own magnitude (seen: 4.5e-5 at d 256).
+                    terms = f.dv**0.5 * douts[i].abs().max() * vs[i].abs().max()
+                    bound = 64 * torch.finfo(torch.float32).eps * float(terms)
+                    assert float(got.abs().max()) <= bound, f"dk of one key {got.abs().max()}"
+                    continue
                 want = torch.zeros_like(got, dtype=torch.float32) if want is None else want[0]
                 base = torch.zeros_like(got) if base is None else base[0]
                 check_close(got, want, base, name=name)
