@@ -19,6 +19,7 @@ from cute_fa.dsl.copy import row_store_copy, store_rows, tma_views
 from cute_fa.dsl.fastmath import exp2_row
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask, block_range
+from cute_fa.dsl.pack_gqa import pack_lse_rows, pack_rows
 from cute_fa.dsl.ring import ring_state, slot_state
 from cute_fa.dsl.row_softmax import row_view
 from cute_fa.dsl.seqlen import seqlen_info
@@ -31,6 +32,7 @@ from cute_fa.dsl.softmax import (
 )
 
 from .support import (
+    SM100_FWD_EPI_ROWS,
     SM100_FWD_EXP2_POLY_EVERY,
     SM100_FWD_KV_STAGES,
     SM100_FWD_Q_TILES,
@@ -46,8 +48,8 @@ WARP = 32
 WARPGROUP = 128
 # Columns of O one correction thread moves per tcgen05.ld / st (32 fp32 registers).
 O_CHUNK = 32
-# Rows of the O tile the epilogue warp stores per pass (16 registers a lane at dv 128).
-EPI_ROWS = 8
+# Rows of the O tile the epilogue warp stores per pass (support.py).
+EPI_ROWS = SM100_FWD_EPI_ROWS
 
 
 class Role(enum.IntEnum):
@@ -151,6 +153,11 @@ class FlashAttentionForwardSm100(AttentionKernel):
       tensors are shifted to each sequence's first row (as in the sm90 kernel). A CTA that sees
       no key (causal with seqlen_q > seqlen_k, or a varlen tile past its sequence) loads and
       multiplies nothing; its correction warps store O = 0, LSE = -inf for its rows.
+    Packed GQA (config.pack_gqa = G, a power of two; Note [packed GQA] in
+      cute_fa/dsl/pack_gqa.py): Q, O and LSE are viewed with (G, seqlen) rows over the K/V heads
+      (Q by 5-D TMA boxes); the grid has ceil(max_seqlen_q * G / 256) query blocks of nheads_kv
+      heads; masks take positions, row // G; stores and LSE compare packed rows with
+      seqlen_q * G.
     Sliding window: ``block_range`` for the CTA's 256 rows (both Q tiles' edges inside it);
       the blocks that may cut the left edge come last in the visiting order, so one loop picks
       the masked or the unmasked step per block (three loops spilled the row max at d 128).
@@ -180,6 +187,9 @@ class FlashAttentionForwardSm100(AttentionKernel):
         self.regs_softmax, self.regs_correction, self.regs_other = fwd_regs(config)
         self.rescale_threshold = SM100_FWD_RESCALE_THRESHOLD
         self.exp2_poly_every = SM100_FWD_EXP2_POLY_EVERY
+        # Packed GQA (Note [packed GQA] in cute_fa/dsl/pack_gqa.py): query heads whose rows
+        # share a tile; 1: one head a tile.
+        self.packed_heads = config.pack_gqa or 1
         # TMEM plan (columns of 32 bits).
         self.tmem_s = [i * self.tile_n for i in range(self.q_tiles)]
         self.tmem_o = [self.q_tiles * self.tile_n + i * self.tile_hdimv
@@ -215,7 +225,14 @@ class FlashAttentionForwardSm100(AttentionKernel):
         stream: cuda.CUstream,
     ):
         d, dv, tile_n, tile_q = self.tile_hdim, self.tile_hdimv, self.tile_n, self.tile_q
-        mQ_t, mK_t, mVt = tma_views(mQ, mK, mV)
+        # Packed GQA: Q, O and LSE with (G, seqlen) rows over the K/V heads (mQ keeps the
+        # call's shapes for the sequence lengths).
+        mQ_rows, mO_rows, mLSE_rows = mQ, mO, mLSE
+        if cutlass.const_expr(self.packed_heads > 1):
+            mQ_rows = pack_rows(mQ, self.packed_heads)
+            mO_rows = pack_rows(mO, self.packed_heads)
+            mLSE_rows = pack_lse_rows(mLSE, self.packed_heads)
+        mQ_t, mK_t, mVt = tma_views(mQ_rows, mK, mV)
 
         tiled_mma_qk, tiled_mma_pv = self.make_tiled_mmas()
         mma_tiler_qk = (tile_q, tile_n, d)
@@ -277,9 +294,10 @@ class FlashAttentionForwardSm100(AttentionKernel):
         batch = cute.size(mQ.shape[0])
         if cutlass.const_expr(mCuSeqlensQ is not None):
             batch = cute.size(mCuSeqlensQ.shape[0]) - 1
-        grid = (cute.ceil_div(max_seqlen_q, self.tile_m), cute.size(mQ.shape[2]), batch)
+        grid = (cute.ceil_div(max_seqlen_q * self.packed_heads, self.tile_m),
+                cute.size(mQ_rows.shape[2]), batch)  # fmt: skip
         self.kernel(
-            mQ_tma, mK_tma, mV_tma, mQ, mK, mO, mLSE, tma_q, tma_k, tma_v, scale_log2,
+            mQ_tma, mK_tma, mV_tma, mQ, mK, mO_rows, mLSE_rows, tma_q, tma_k, tma_v, scale_log2,
             score_scale, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
             sQ_layout, sK_layout, sV_layout, tP_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
             SharedStorage,
@@ -478,12 +496,14 @@ class FlashAttentionForwardSm100(AttentionKernel):
         )
         n_block_min, n_block_max, n_block_no_right, n_block_no_left = block_range(
             m_block, seqlen_q, seqlen_k, window_left, window_right, self.tile_m, self.tile_n,
-            self.causal, self.local,
+            self.causal, self.local, self.packed_heads,
         )  # fmt: skip
         if cutlass.const_expr(mCuSeqlensQ is not None or mSeqUsedQ is not None):
-            if m_block * self.tile_m >= seqlen_q:
+            if m_block * self.tile_m >= seqlen_q * self.packed_heads:
                 n_block_max = n_block_min  # no row of this CTA exists: load and store nothing
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        head_kv = head  # packed GQA: the grid's heads are the K/V heads
+        if cutlass.const_expr(self.packed_heads == 1):
+            head_kv = head // (mQ.shape[2] // mK.shape[2])
         qb = 0 if cutlass.const_expr(mCuSeqlensQ is not None) else batch
         kb = 0 if cutlass.const_expr(mCuSeqlensK is not None) else batch
         mQ_cur = mQ_tma[None, None, head, qb]
@@ -492,9 +512,10 @@ class FlashAttentionForwardSm100(AttentionKernel):
         mK_cur = mK_tma[None, None, head_kv, kb]
         mV_cur = mV_tma[None, None, head_kv, kb]
         if cutlass.const_expr(mCuSeqlensQ is not None):
-            mQ_cur = cute.domain_offset((offset_q, 0), mQ_cur)
-            mO_cur = cute.domain_offset((offset_q, 0), mO_cur)
-            mLSE_cur = cute.domain_offset((offset_q,), mLSE_cur)
+            row_offset = offset_q * self.packed_heads  # packed: (head 0, position offset_q)
+            mQ_cur = cute.domain_offset((row_offset, 0), mQ_cur)
+            mO_cur = cute.domain_offset((row_offset, 0), mO_cur)
+            mLSE_cur = cute.domain_offset((row_offset,), mLSE_cur)
         if cutlass.const_expr(mCuSeqlensK is not None):
             mK_cur = cute.domain_offset((offset_k, 0), mK_cur)
             mV_cur = cute.domain_offset((0, offset_k), mV_cur)
@@ -874,7 +895,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
         if cutlass.const_expr(masked):
             apply_mask(row_view(tSrS), row_view(tScS_t), row_start, n_block * self.tile_n,
                        seqlen_q, seqlen_k, window_left, window_right, self.causal,
-                       self.local)  # fmt: skip
+                       self.local, self.packed_heads)  # fmt: skip
         m_cur = tSrS.load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
         m_new, m_scaled, factor = update_max(
             row_max, m_cur, scale_log2, False, masked, self.rescale_threshold
@@ -975,7 +996,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
             if n_blocks > 0:
                 cute.arch.fence_view_async_tmem_load()
                 pipeline_o.consumer_release(state)
-            if row < seqlen_q:
+            if row < seqlen_q * self.packed_heads:  # packed GQA: rows of G heads
                 mLSE_cur[row] = lse
             pipeline_epi.producer_commit(ring_state(self.q_tiles, i, producer=True))
 
@@ -1000,7 +1021,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
             row0 = m_block * self.tile_m + i * self.tile_q
             sO_i = cute.flat_divide(sO[None, None, i], (EPI_ROWS, self.tile_hdimv))
             for r in cutlass.range(self.tile_q // EPI_ROWS, unroll=1):
-                rows_left = seqlen_q - row0 - r * EPI_ROWS
+                rows_left = seqlen_q * self.packed_heads - row0 - r * EPI_ROWS
                 if rows_left > 0:
                     store_rows(sO_i[None, None, r, 0], gO[None, None, row0 // EPI_ROWS + r],
                                rows_left, copy_r2g, lane)  # fmt: skip

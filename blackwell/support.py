@@ -18,6 +18,12 @@ SM100_FWD_TARGETS = ("sm_100a", "sm_103a")
 # One CTA runs two Q tiles of SM100_FWD_TILE_Q query rows (the M of one tcgen05 MMA and the 128
 # TMEM lanes); config.tile_m is the CTA's rows, 2 * SM100_FWD_TILE_Q. Key blocks of tile_n keys.
 SM100_FWD_TILE_Q = 128
+# Rows of the O tile the epilogue warp stores per pass (16 registers a lane at dv 128).
+SM100_FWD_EPI_ROWS = 8
+# Packed GQA (Note [packed GQA] in cute_fa/dsl/pack_gqa.py): the packed rows are cut into Q
+# boxes of a Q tile and epilogue stores of SM100_FWD_EPI_ROWS rows, so the group size divides
+# both (or is a multiple of them).
+SM100_FWD_PACK_GQA_TILES = (SM100_FWD_TILE_Q, SM100_FWD_EPI_ROWS)
 SM100_FWD_Q_TILES = 2
 SM100_FWD_TILE_M = SM100_FWD_Q_TILES * SM100_FWD_TILE_Q
 SM100_FWD_TILE_N = 128
@@ -116,6 +122,13 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
         return False, "the TMEM plan needs more than 512 columns"
     if fwd_smem_bytes(config) > SMEM_CAPACITY[config.target]:
         return False, f"shared memory {fwd_smem_bytes(config)} bytes exceeds the target's"
+    g = config.pack_gqa
+    if g and not all(n % g == 0 or g % n == 0 for n in SM100_FWD_PACK_GQA_TILES):
+        return False, (
+            f"pack_gqa with {g} query heads per K/V head: the packed rows take {SM100_FWD_TILE_Q}"
+            f"-row Q boxes and {SM100_FWD_EPI_ROWS}-row stores, which needs the heads per K/V "
+            f"head to divide them or be a multiple of them (powers of two)"
+        )
     return True, ""
 
 

@@ -200,14 +200,11 @@ def _sm100_config(
 ) -> FwdConfig:
     if request.split_kv:
         raise NotImplementedError("split-KV (num_splits > 1) is not implemented on sm100 yet")
-    if request.pack_gqa:
-        raise NotImplementedError("pack_gqa is not implemented on sm100 yet")
     if request.page_size:
         raise NotImplementedError("paged K/V (page_table) is not implemented on sm100 yet")
     problem = tuned.problem_class(request.head_dim, request.head_dim_v, request.causal)
     flags = _problem_fields(request)
     flags.pop("split_kv")
-    flags.pop("pack_gqa")
     flags.pop("page_size")
     base = sm100_support.fwd_config(
         flags.pop("head_dim"), flags.pop("head_dim_v"), target, flags.pop("dtype"), **flags

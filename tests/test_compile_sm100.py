@@ -66,6 +66,8 @@ def test_sm100_can_implement_accepts(d: int, dv: int, target: str) -> None:
         ({"head_dim": 192, "head_dim_v": 192}, "head_dim 192"),
         ({"tuning": Sm100FwdTuning(tile_n=64)}, "tile"),
         ({"tuning": Sm90FwdTuning()}, "Sm100FwdTuning"),
+        ({"pack_gqa": 3}, "pack_gqa with 3"),
+        ({"pack_gqa": 12}, "pack_gqa with 12"),
     ],
 )
 def test_sm100_can_implement_rejects_with_reason(changes: dict, needle: str) -> None:
@@ -111,6 +113,15 @@ COMPILE_CASES = [
     pytest.param(128, 128, "sm_100a", VARLEN_SEQUSED_Q, id="d128-varlen-seqused_q"),
     pytest.param(64, 64, "sm_100a", {"causal": True, **VARLEN}, id="d64-causal-varlen"),
     pytest.param(128, 128, "sm_103a", {}, id="d128-sm103a"),
+    # Packed GQA: Q by 5-D TMA boxes (d, G, seqlen, K/V heads, batch).
+    pytest.param(128, 128, "sm_100a", {"causal": True, "pack_gqa": 4}, id="d128-causal-pack4"),
+    pytest.param(
+        64,
+        64,
+        "sm_100a",
+        {**VARLEN_SEQUSED_Q, "seqused_k": True, "pack_gqa": 8},
+        id="d64-varlen-seqused-pack8",
+    ),  # fmt: skip
 ]
 
 _SETMAXNREG = re.compile(r"USETMAXREG\.(DEALLOC|TRY_ALLOC)\.CTAPOOL\s+(?:U?P\w+,\s*)?(0x[0-9a-f]+)")
@@ -153,6 +164,8 @@ def test_sm100_fwd_compiles(d: int, dv: int, target: str, flags: dict) -> None:
     # or as the only one); no 16-bit stores otherwise.
     sts16 = len(re.findall(r"\bSTS\.U16", sass))
     assert sts16 == (2 * dv if config.seqused_k else 0), sts16
+    # Packed GQA: Q comes by 5-D TMA boxes (d, G, seqlen, heads, batch), K and V by 4-D ones.
+    assert ("UTMALDG.5D" in sass) == bool(config.pack_gqa)
     # The traced pipelines are the docstring's protocol: (stages, producer arrivals, consumer
     # arrivals).
     assert kernel.protocol == {

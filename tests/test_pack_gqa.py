@@ -85,7 +85,16 @@ def test_the_sm90_forward_does_not_pack_other_groups(group) -> None:
     assert cls is None and "pack_gqa" in why and "divide 64" in why, why
 
 
-@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (10, 0), (12, 0)])
+def test_the_sm100_forward_packs_powers_of_two() -> None:
+    for group in (2, 4, 8, 16, 128):
+        request = FwdRequest(dtype="bf16", head_dim=128, head_dim_v=128, pack_gqa=group)
+        cls, config, why = try_plan((10, 0), request)
+        assert cls is planning.SM100_FWD and config.pack_gqa == group, why
+    request = FwdRequest(dtype="bf16", head_dim=128, head_dim_v=128, pack_gqa=6)
+    assert try_plan((10, 0), request)[0] is None
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (12, 0)])
 def test_pack_gqa_elsewhere_is_not_implemented(capability) -> None:
     request = FwdRequest(dtype="bf16", head_dim=128, head_dim_v=128, pack_gqa=4)
     cls, _, why = try_plan(capability, request)
