@@ -8,9 +8,11 @@ import pytest
 from cute_fa.config import (
     BwdConfig,
     FwdConfig,
+    Sm90BwdTuning,
     Tiles,
     TuningError,
     capability_for_target,
+    check_field_types,
     sm80_bwd_tile,
     sm80_fwd_tile,
 )
@@ -80,3 +82,35 @@ def test_key_and_tile_messages_name_the_field_and_the_class():
     with pytest.raises(ValueError) as info:
         BwdConfig(80, "sm_80", "bf16", 64, 64, Tiles(64, 64, 4), causal=True, local=True)
     assert str(info.value) == "BwdConfig: causal and local are exclusive"
+
+
+def test_tiles_run_from_16_to_256():
+    assert Tiles(16, 256, 4).label == "16x256w4"
+    assert Sm90BwdTuning(tile_m=256, tile_n=16).label == "256x16w12"
+    for bad in (0, 272):  # multiples of 16 outside the range
+        with pytest.raises(TuningError) as info:
+            Tiles(bad, 64, 4)
+        assert str(info.value) == f"tile_m must be a multiple of 16 from 16 to 256, got {bad}"
+
+
+def test_field_type_messages():
+    with pytest.raises(TuningError) as info:
+        check_field_types(Sm90BwdTuning, {"q_stages": 1.0})
+    assert str(info.value) == "q_stages must be an int, got 1.0"
+    with pytest.raises(TuningError) as info:
+        check_field_types(Sm90BwdTuning, {"tile_m": True})
+    assert str(info.value) == "tile_m must be an int, got True"
+    check_field_types(Sm90BwdTuning, {"tile_m": 64, "unknown": "anything"})  # not a field: no type
+
+
+def test_field_types_given_as_classes_are_read_by_name():
+    # a dataclass whose annotations are types, not strings (no ``from __future__ import
+    # annotations``): its int and bool fields are checked as those of cute_fa's tunings
+    import dataclasses
+
+    cls = dataclasses.make_dataclass("Made", [("n", int), ("flag", bool)])
+    check_field_types(cls, {"n": 3, "flag": False})
+    with pytest.raises(TuningError, match="n must be an int, got '3'"):
+        check_field_types(cls, {"n": "3"})
+    with pytest.raises(TuningError, match="flag must be True or False, got 1"):
+        check_field_types(cls, {"flag": 1})
