@@ -557,21 +557,23 @@ class CompileCache:
         self.seconds["load"] += time.perf_counter() - t0
         return fn
 
-    def _compile_to_callable(self, key: Hashable, path: Path | None, stacklevel: int) -> Callable:
+    def _compile_to_callable(self, key: Hashable, path: Path | None) -> Callable:
         compiled = self._compile(key)
         if self._serialize is None or self._load is None:
             return compiled
         symbol = symbol_for(key)
         payload = self._serialize_timed(compiled, symbol)
         if path is not None:
-            self._store(path, payload, stacklevel + 1)
+            # stacklevel 4: this method (1), _get_uncached, its one caller (2), get (3), the
+            # frame that called get (4)
+            self._store(path, payload, stacklevel=4)
         return self._load_timed(payload, symbol)
 
     def _get_uncached(self, key: Hashable) -> Callable:
         # stacklevel 3: this method (1), get (2), the frame that called get (3)
         path = self._prepare_dir_and_path(key, stacklevel=3) if self._disk else None
         if path is None:
-            return self._compile_to_callable(key, None, stacklevel=3)
+            return self._compile_to_callable(key, None)
         fn = self._try_load(path, key)
         if fn is not None:
             return fn
@@ -582,12 +584,12 @@ class CompileCache:
             lock.acquire()
         except OSError as e:
             self._disable_disk(f"cannot lock {path}: {e}", stacklevel=3)
-            return self._compile_to_callable(key, None, stacklevel=3)
+            return self._compile_to_callable(key, None)
         try:
             fn = self._try_load(path, key)  # written by another process while we waited?
             if fn is not None:
                 return fn
-            return self._compile_to_callable(key, path, stacklevel=3)
+            return self._compile_to_callable(key, path)
         finally:
             lock.release()
 
