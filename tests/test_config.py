@@ -9,6 +9,7 @@ from cute_fa.config import (
     BwdConfig,
     FwdConfig,
     Sm90BwdTuning,
+    Sm90FwdTuning,
     Tiles,
     TuningError,
     capability_for_target,
@@ -114,3 +115,28 @@ def test_field_types_given_as_classes_are_read_by_name():
         check_field_types(cls, {"n": "3"})
     with pytest.raises(TuningError, match="flag must be True or False, got 1"):
         check_field_types(cls, {"flag": 1})
+
+
+def test_forward_key_pack_gqa_and_page_size():
+    base = FwdConfig(90, "sm_90a", "bf16", 128, 128, Sm90FwdTuning(), split_kv=True)
+    assert (base.pack_gqa, base.page_size) == (0, 0)
+    key = base.replace(pack_gqa=2, page_size=1)
+    assert key.name == "fwd_sm90_sm_90a_bf16_d128_128x128w12_splitkv_packgqa2_page1"
+    for bad in (-1, True, 16.0):
+        with pytest.raises(ValueError) as info:
+            base.replace(page_size=bad)
+        assert str(info.value) == f"FwdConfig.page_size must be an int >= 0, got {bad!r}"
+    with pytest.raises(ValueError) as info:
+        base.replace(page_size=16, varlen_k=True)
+    assert str(info.value) == "FwdConfig: paged K/V (page_size) takes no cu_seqlens_k (varlen_k)"
+    base.replace(page_size=16, varlen_q=True)
+    for bad in (True, 2.0):
+        with pytest.raises(ValueError) as info:
+            base.replace(pack_gqa=bad)
+        assert str(info.value) == f"FwdConfig.pack_gqa must be an int, got {bad!r}"
+    for bad in (1, -1):
+        with pytest.raises(ValueError) as info:
+            base.replace(pack_gqa=bad)
+        assert str(info.value) == (
+            f"FwdConfig.pack_gqa must be 0 (off) or the query heads per K/V head (>= 2), got {bad}"
+        )
