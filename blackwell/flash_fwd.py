@@ -19,7 +19,7 @@ from cute_fa.dsl.copy import row_store_copy, store_rows, tma_views
 from cute_fa.dsl.fastmath import exp2_row
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import apply_mask, block_range
-from cute_fa.dsl.pack_gqa import pack_lse_rows, pack_rows
+from cute_fa.dsl.pack_gqa import packed_row_views
 from cute_fa.dsl.ring import ring_state, slot_state
 from cute_fa.dsl.row_softmax import row_view
 from cute_fa.dsl.seqlen import seqlen_info
@@ -227,11 +227,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
         d, dv, tile_n, tile_q = self.tile_hdim, self.tile_hdimv, self.tile_n, self.tile_q
         # Packed GQA: Q, O and LSE with (G, seqlen) rows over the K/V heads (mQ keeps the
         # call's shapes for the sequence lengths).
-        mQ_rows, mO_rows, mLSE_rows = mQ, mO, mLSE
-        if cutlass.const_expr(self.packed_heads > 1):
-            mQ_rows = pack_rows(mQ, self.packed_heads)
-            mO_rows = pack_rows(mO, self.packed_heads)
-            mLSE_rows = pack_lse_rows(mLSE, self.packed_heads)
+        mQ_rows, mO_rows, mLSE_rows = packed_row_views(mQ, mO, mLSE, self.packed_heads)
         mQ_t, mK_t, mVt = tma_views(mQ_rows, mK, mV)
 
         tiled_mma_qk, tiled_mma_pv = self.make_tiled_mmas()

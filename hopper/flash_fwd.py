@@ -18,7 +18,7 @@ from cute_fa.config import FwdConfig
 from cute_fa.dsl.copy import acc_to_smem, row_store_copy, store_rows, tma_views, transposed
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import BlockRange, Window, apply_mask, block_range
-from cute_fa.dsl.pack_gqa import pack_lse_rows, pack_rows
+from cute_fa.dsl.pack_gqa import packed_row_views
 from cute_fa.dsl.scheduler import TileScheduler, for_each_tile, unit_count
 from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import (
@@ -429,11 +429,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
         d, dv, tile_n, wg_m = self.tile_hdim, self.tile_hdimv, self.tile_n, self.wg_m
         # Packed GQA: Q, O and LSE with (G, seqlen) rows and the K/V heads (mQ itself keeps the
         # call's shapes for the sequence lengths).
-        mQ_rows, mO_rows, mLSE_rows = mQ, mO, mLSE
-        if cutlass.const_expr(self.packed_heads > 1):
-            mQ_rows = pack_rows(mQ, self.packed_heads)
-            mO_rows = pack_rows(mO, self.packed_heads)
-            mLSE_rows = pack_lse_rows(mLSE, self.packed_heads)
+        mQ_rows, mO_rows, mLSE_rows = packed_row_views(mQ, mO, mLSE, self.packed_heads)
         mQ_t, mK_t, mVt = tma_views(mQ_rows, mK, mV)
 
         tiled_mma_qk, tiled_mma_pv = self.make_tiled_mmas()

@@ -42,3 +42,14 @@ def pack_lse_rows(t: cute.Tensor, qhead_per_kvhead: int) -> cute.Tensor:
     sb, sh, ss = t.stride
     layout = cute.make_layout((b, h // g, (g, s)), stride=(sb, sh * g, (sh, ss)))
     return cute.make_tensor(t.iterator, layout)
+
+
+def packed_row_views(
+    mQ: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, qhead_per_kvhead: int
+) -> tuple[cute.Tensor, cute.Tensor, cute.Tensor]:
+    """(Q, O, LSE) with packed rows (``pack_rows`` / ``pack_lse_rows``) when
+    ``qhead_per_kvhead`` > 1, else the tensors themselves."""
+    if qhead_per_kvhead == 1:
+        return mQ, mO, mLSE
+    g = qhead_per_kvhead
+    return pack_rows(mQ, g), pack_rows(mO, g), pack_lse_rows(mLSE, g)
