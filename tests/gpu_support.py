@@ -228,3 +228,18 @@ def check_grads(grads, q, k, v, dout, causal: bool) -> None:
     for g, g_ref, g_pt, name in zip(grads, *refs, ("dq", "dk", "dv"), strict=True):
         assert not torch.isnan(g).any()
         check_close(g, g_ref, g_pt, name=name)
+
+
+def graph_capture(step):
+    """Warm ``step`` up on a side stream (compiles, plans, allocator), capture it in a CUDA
+    graph, return (graph, captured outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs

@@ -41,7 +41,7 @@ import random
 
 import pytest
 import torch
-from gpu_support import cu_seqlens, empty_rows, poison_free_memory, seed, unseen_keys  # noqa: F401
+from gpu_support import cu_seqlens, empty_rows, graph_capture, poison_free_memory, seed, unseen_keys  # noqa: F401
 
 import cute_fa
 from cute_fa import settings
@@ -689,21 +689,6 @@ def test_torch_compile_fullgraph_fwd_bwd(backend):
     torch._dynamo.reset()
 
 
-def _graph_capture(step):
-    """Warm up ``step`` on a side stream (compiles, allocator), capture it, return (graph,
-    captured outputs)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = step()
-    return graph, outputs
-
-
 def test_cuda_graph_fwd_bwd_replay_matches_eager():
     b, s, h, h_kv, d = 2, 257, NHEADS, 2, 128
     q = _randn(b, s, h, d).requires_grad_()
@@ -715,7 +700,7 @@ def test_cuda_graph_fwd_bwd_replay_matches_eager():
         out, lse = cute_fa.flash_attn_func(q, k, v, causal=True, return_lse=True)
         return (out, *torch.autograd.grad((out, lse), (q, k, v), (dout, dlse)))
 
-    graph, captured = _graph_capture(step)
+    graph, captured = graph_capture(step)
     for _ in range(2):
         with torch.no_grad():
             for t in (q, k, v, dout):
@@ -746,7 +731,7 @@ def test_cuda_graph_varlen_fwd_bwd():
         )  # fmt: skip
         return torch.autograd.grad(out, (q, k, v), dout)
 
-    graph, captured = _graph_capture(step)
+    graph, captured = graph_capture(step)
     with torch.no_grad():
         for t in (q, k, v, dout):
             t.copy_(torch.randn_like(t))

@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from gpu_support import cu_seqlens, seed  # noqa: F401
+from gpu_support import cu_seqlens, graph_capture, seed  # noqa: F401
 
 import cute_fa
 from cute_fa import ops, settings
@@ -128,21 +128,6 @@ def test_a_shorter_max_seqlen_k_matches_its_explicit_split_count():
     _check_against_reference(out_md, lse_md, q, k, v, used_k, None)
 
 
-def _capture(step):
-    """Warm ``step`` up on a side stream (compile, plan, allocator), capture it, return (graph,
-    captured outputs)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = step()
-    return graph, outputs
-
-
 @pytest.mark.parametrize("paged", [False, pytest.param(True, marks=needs_sm90)],
                          ids=["dense", "paged"])  # fmt: skip
 def test_cuda_graph_capture_with_metadata(paged):
@@ -155,7 +140,7 @@ def test_cuda_graph_capture_with_metadata(paged):
     def step():
         return _call(q, k, v, cu_q, used_k, table, max_seqlen_q=1, scheduler_metadata=md)
 
-    graph, (out_g, lse_g) = _capture(step)
+    graph, (out_g, lse_g) = graph_capture(step)
     for _ in range(3):
         with torch.no_grad():
             for t in (q, k, v):
