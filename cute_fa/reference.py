@@ -87,23 +87,25 @@ class _DeltaHolder:
 
 class _DeltaOfRoundedOut(torch.autograd.Function):
     """Identity forward on the baseline's fp32 ``out``; its backward records how far the
-    kernels' ``delta = rowsum(dO * out)``, taken from the output rounded to ``dtype``, is from
-    the one autograd forms implicitly (from the fp32 output): Note [the kernel-precision
-    baseline]."""
+    kernels' ``delta = rowsum(dO * out)``, taken from the output rounded to ``dtype`` (or from
+    ``delta_out``, the output the kernel's backward was given), is from the one autograd forms
+    implicitly (from the fp32 output): Note [the kernel-precision baseline]."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, dtype: torch.dtype, holder: _DeltaHolder):
-        ctx.save_for_backward(out)
-        ctx.dtype, ctx.holder = dtype, holder
+    def forward(ctx, out, dtype, holder: _DeltaHolder, delta_out=None):
+        stored = out.to(dtype) if delta_out is None else delta_out.detach()
+        if stored.shape != out.shape:
+            raise ValueError(f"delta_out {tuple(stored.shape)} is not the output's shape")
+        ctx.save_for_backward(out, stored)
+        ctx.holder = holder
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (out,) = ctx.saved_tensors
-        rounded = out.to(ctx.dtype).to(out.dtype)
-        shift = (grad * (rounded - out)).sum(-1)  # (b, sq, h)
+        out, stored = ctx.saved_tensors
+        shift = (grad * (stored.to(out.dtype) - out)).sum(-1)  # (b, sq, h)
         ctx.holder.shift = shift.transpose(1, 2).unsqueeze(-1)
-        return grad, None, None
+        return grad, None, None, None
 
 
 class _ShiftDelta(torch.autograd.Function):
@@ -136,6 +138,7 @@ def attention_ref(
     learnable_sink: torch.Tensor | None = None,
     upcast: bool = True,
     reorder_ops: bool = False,
+    delta_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of (b, sq, h, d) queries over (b, sk, h_kv, d) keys and (b, sk, h_kv, dv) values.
 
@@ -153,6 +156,9 @@ def attention_ref(
 
     GQA/MQA: k and v heads are repeated (``repeat_interleave``) to the query head count.
     softcap > 0: ``scores = softcap * tanh(scores * scale / softcap)`` before the softmax.
+    delta_out (``upcast=False`` only): the output, (b, sq, h, dv) in the input dtype, whose
+    delta = rowsum(dO * out) the baseline's backward uses, e.g. the kernel's own forward output
+    that its backward was given (default: the baseline's output rounded to the input dtype).
     learnable_sink (h,): one extra logit per head in the softmax denominator that attends to
     nothing (it lowers the weights of the real keys and adds to the LSE).
     """
@@ -215,7 +221,7 @@ def attention_ref(
         out = torch.einsum("bhts,bshd->bthd", p, v) / safe.transpose(1, 2)
     if not upcast and torch.is_grad_enabled() and out.requires_grad:
         holder.p = (probs / safe).detach()
-        out = _DeltaOfRoundedOut.apply(out, low, holder)
+        out = _DeltaOfRoundedOut.apply(out, low, holder, delta_out)
     return out.to(out_dtype), lse.to(torch.float32)
 
 
@@ -237,7 +243,10 @@ def attention_ref(
 # cancels (few keys, or the last rows of a causal mask: dS = P (dP - delta) with dP close to
 # delta) that rounding of O is most of a correct kernel's dQ error (seen in the sweep: 2-13x the
 # allowance of a baseline without it, 0.1x with it), so the baseline's backward uses the
-# rounded output's delta (``_DeltaOfRoundedOut`` and ``_ShiftDelta``).
+# rounded output's delta (``_DeltaOfRoundedOut`` and ``_ShiftDelta``). Which way a value rounds
+# is itself random at one element: with one or two rows whose dQ cancels, the baseline's own
+# rounded output and the kernel's can round apart, so a test of a backward may pass the output
+# it gave the kernel (``delta_out``) and the baseline forms delta from exactly that input.
 
 
 def merge_splits(out_partial: torch.Tensor, lse_partial: torch.Tensor):

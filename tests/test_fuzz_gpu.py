@@ -276,7 +276,11 @@ def _run_case(case: Case) -> None:
             for upcast in (True, False):
                 ld = [t.detach().to(torch.float32 if upcast else dtype).requires_grad_()
                       for t in (qi, ki, vi)]  # fmt: skip
-                ro, rl = attention_ref(*ld, upcast=upcast, reorder_ops=not upcast, **ref_kw)
+                # The baseline's delta from the output the kernel's backward was given
+                # (Note [the kernel-precision baseline]).
+                given = {} if upcast else {"delta_out": outs[i][:nq][None].detach()}
+                ro, rl = attention_ref(*ld, upcast=upcast, reorder_ops=not upcast, **ref_kw,
+                                       **given)  # fmt: skip
                 g = torch.autograd.grad(ro, ld, douts[i][:nq][None].to(ro.dtype),
                                         allow_unused=True)  # fmt: skip
                 refs.append((ro.detach(), rl.detach(), g))
