@@ -13,7 +13,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from cute_fa.dsl.copy import acc_to_smem, store_rows
 from cute_fa.dsl.kernel import AttentionKernel
-from cute_fa.dsl.mask import Window, apply_mask, block_range
+from cute_fa.dsl.mask import Window, apply_mask, block_range, split_block_range
 from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import OnlineSoftmax, mn_view, score_scales, softcap_scores
 
@@ -94,11 +94,25 @@ class FlashAttentionForwardSm80(AttentionKernel):
       epilogue: O / l once, O -> sO -> 128-bit stores; LSE from the quad leaders.
     Out-of-range rows: Q rows past seqlen_q are computed but never stored; K rows past seqlen_k
       are masked to -inf; V rows past seqlen_k are zero-filled (0 * garbage could be NaN).
+    Split-KV (config.split_kv; cute_fa/ops.py Note [split-KV launches]): mO is fp32
+      (num_splits * batch, seqlen, heads, d) and mLSE (num_splits * batch, heads, seqlen), split
+      slowest (packed q: batch 1), so num_splits = mO.shape[0] // mQ.shape[0]; the grid's z is
+      batch * num_splits (z = batch index * num_splits + split). A CTA visits its split's piece
+      of the query block's key blocks (``split_block_range``, shared with the sm90 forward): the
+      walk above runs unchanged on the piece (its first block is always masked, the mask
+      boundaries are those of the whole range). O, divided by the split's own row sums, goes
+      from the accumulator straight to global memory (fp32, no staging in sQ), LSE as usual; a
+      split without key blocks writes O = 0 and LSE = -inf. The combine
+      (ampere/flash_combine.py) merges the splits.
     """
 
     arch = 80
 
     can_implement = staticmethod(fwd_can_implement)
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.split_kv = config.split_kv  # fp32 O and LSE of one key split (class docstring)
 
     # ------------------------------------------------------------------------------------------
     # Host side
@@ -172,6 +186,8 @@ class FlashAttentionForwardSm80(AttentionKernel):
         batch = mQ.shape[0]
         if cutlass.const_expr(mCuSeqlensQ is not None):
             batch = mCuSeqlensQ.shape[0] - 1
+        if cutlass.const_expr(self.split_kv):  # the split index goes with the batch index
+            batch = batch * (cute.size(mO.shape[0]) // cute.size(mQ.shape[0]))
         grid = (cute.ceil_div(max_seqlen_q, self.tile_m), cute.size(mQ.shape[2]), batch)
         self.kernel(
             mQ, mK, mV, mO, mLSE,
@@ -208,6 +224,12 @@ class FlashAttentionForwardSm80(AttentionKernel):
     ):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
+        split = Int32(0)
+        num_splits = Int32(1)
+        if cutlass.const_expr(self.split_kv):
+            num_splits = mO.shape[0] // mQ.shape[0]
+            split = batch % num_splits
+            batch = batch // num_splits
         if cutlass.const_expr(self.causal):
             m_block = cute.arch.grid_dim()[0] - 1 - m_block
         offset_q, seqlen_q, offset_k, seqlen_k = seqlen_info(
@@ -219,14 +241,20 @@ class FlashAttentionForwardSm80(AttentionKernel):
             qb = 0 if cutlass.const_expr(mCuSeqlensQ is not None) else batch
             kb = 0 if cutlass.const_expr(mCuSeqlensK is not None) else batch
             mQ_cur = cute.domain_offset((offset_q, 0), mQ[qb, None, head, None])
-            mO_cur = cute.domain_offset((offset_q, 0), mO[qb, None, head, None])
-            mLSE_cur = cute.domain_offset((offset_q,), mLSE[qb, head, None])
+            ob = qb  # split-KV: O and LSE are (num_splits * batch, ...), split slowest
+            if cutlass.const_expr(self.split_kv):
+                ob = split * mQ.shape[0] + qb
+            mO_cur = cute.domain_offset((offset_q, 0), mO[ob, None, head, None])
+            mLSE_cur = cute.domain_offset((offset_q,), mLSE[ob, head, None])
             mK_cur = cute.domain_offset((offset_k, 0), mK[kb, None, head_kv, None])
             mV_cur = cute.domain_offset((offset_k, 0), mV[kb, None, head_kv, None])
             n_block_min, n_block_max, n_block_no_right, n_block_no_left = block_range(
                 m_block, seqlen_q, seqlen_k, window_left, window_right,
                 self.tile_m, self.tile_n, self.causal, self.local,
             )  # fmt: skip
+            if cutlass.const_expr(self.split_kv):
+                n_block_min, n_block_max = split_block_range(n_block_min, n_block_max, split,
+                                                             num_splits)  # fmt: skip
             rows_left = seqlen_q - m_block * self.tile_m
             if n_block_max <= n_block_min:
                 self.store_empty(mO_cur, mLSE_cur, m_block, rows_left, copy_r2g, tidx)
@@ -351,15 +379,27 @@ class FlashAttentionForwardSm80(AttentionKernel):
         # last block's V barrier), store 16 bytes a thread.
         lse = cute.make_rmem_tensor(cute.size(tScS.shape[0]), Float32)
         softmax.finalize(acc_O, lse)
-        sO = sQ
-        acc_to_smem(acc_O, tiled_mma, sO, tidx)
+        if cutlass.const_expr(not self.split_kv):
+            sO = sQ
+            acc_to_smem(acc_O, tiled_mma, sO, tidx)
         if tidx % 4 == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = tScS[r, 0][0]
                 if row < rows_left:
                     mLSE[m_block * tile_m + row] = lse[r]
-        barrier.arrive_and_wait()
-        store_rows(sO, cute.local_tile(mO, (tile_m, d), (m_block, 0)), rows_left, copy_r2g, tidx)
+        gO = cute.local_tile(mO, (tile_m, d), (m_block, 0))
+        if cutlass.const_expr(self.split_kv):
+            # fp32 partial O straight from the accumulator (no 16-bit staging in sQ).
+            # One row predicate a thread's row (tScS's rows are O's rows).
+            tOgO = mn_view(thr_mma.partition_C(gO))
+            acc_mn = mn_view(acc_O)
+            for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
+                if tScS[r, 0][0] < rows_left:
+                    for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
+                        tOgO[r, c] = acc_mn[r, c]
+        else:
+            barrier.arrive_and_wait()
+            store_rows(sO, gO, rows_left, copy_r2g, tidx)
 
     @cute.jit
     def step(
@@ -447,8 +487,26 @@ class FlashAttentionForwardSm80(AttentionKernel):
         copy_r2g: cute.TiledCopy,
         tidx: Int32,
     ):
-        """A query block that sees no key: O = 0 and LSE = -inf for its rows."""
+        """A query block that sees no key: O = 0 and LSE = -inf for its rows (split-KV: fp32 O
+        of a split with no key block, a thread an element at a time)."""
         gO = cute.local_tile(mO, (self.tile_m, self.tile_hdim), (m_block, 0))
+        if cutlass.const_expr(self.split_kv):
+            d = self.tile_hdim
+            for i in cutlass.range(cute.ceil_div(self.tile_m * d, self.num_threads), unroll=1):
+                idx = tidx + i * self.num_threads
+                if idx // d < cutlass.min(rows_left, self.tile_m):
+                    gO[idx // d, idx % d] = Float32(0.0)
+        else:
+            self.store_empty_rows(gO, rows_left, copy_r2g, tidx)
+        for i in cutlass.range_constexpr(cute.ceil_div(self.tile_m, self.num_threads)):
+            row = tidx + i * self.num_threads
+            if row < cutlass.min(rows_left, self.tile_m):
+                mLSE[m_block * self.tile_m + row] = -Float32.inf
+
+    @cute.jit
+    def store_empty_rows(self, gO: cute.Tensor, rows_left: Int32, copy_r2g: cute.TiledCopy,
+                         tidx: Int32):  # fmt: skip
+        """16-bit zeros in the rows of ``gO`` below ``rows_left``, 16 bytes a thread."""
         thr_r2g = copy_r2g.get_slice(tidx)
         tOgO = thr_r2g.partition_D(gO)
         tOcO = thr_r2g.partition_D(cute.make_identity_tensor((self.tile_m, self.tile_hdim)))
@@ -457,7 +515,3 @@ class FlashAttentionForwardSm80(AttentionKernel):
         for m in cutlass.range_constexpr(cute.size(tOgO.shape[1])):
             if tOcO[0, m, 0][0] < rows_left:
                 cute.copy(copy_r2g, tOrO[None, m, None], tOgO[None, m, None])
-        for i in cutlass.range_constexpr(cute.ceil_div(self.tile_m, self.num_threads)):
-            row = tidx + i * self.num_threads
-            if row < cutlass.min(rows_left, self.tile_m):
-                mLSE[m_block * self.tile_m + row] = -Float32.inf

@@ -23,8 +23,6 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
         return False, f"head_dim {config.head_dim} not in {SUPPORTED_HEAD_DIMS}"
     if config.head_dim_v != config.head_dim:
         return False, "head_dim_v != head_dim is not supported on sm80"
-    if config.split_kv:
-        return False, "split-KV (num_splits > 1) is not implemented by the sm80 forward yet"
     if config.pack_gqa:
         return False, "pack_gqa is not implemented by the sm80 forward yet"
     if config.page_size:

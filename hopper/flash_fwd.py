@@ -17,7 +17,7 @@ from cutlass.tensor_utils.layout import LayoutEnum
 from cute_fa.config import FwdConfig
 from cute_fa.dsl.copy import acc_to_smem, row_store_copy, store_rows, tma_views, transposed
 from cute_fa.dsl.kernel import AttentionKernel
-from cute_fa.dsl.mask import BlockRange, Window, apply_mask, block_range
+from cute_fa.dsl.mask import BlockRange, Window, apply_mask, block_range, split_block_range
 from cute_fa.dsl.pack_gqa import packed_row_views
 from cute_fa.dsl.scheduler import TileScheduler, for_each_tile, unit_count
 from cute_fa.dsl.seqlen import seqlen_info
@@ -625,10 +625,8 @@ class FlashAttentionForwardSm90(AttentionKernel):
         if cutlass.const_expr(self.split_kv):
             # This split's share of the key blocks: ceil(n / num_splits) of them, the last split
             # fewer; a split past the end visits none (it writes O = 0, LSE = -inf).
-            per_split = cute.ceil_div(cutlass.max(n_block_max - n_block_min, 0), num_splits)
-            n_block_min = n_block_min + split * per_split
-            n_block_max = cutlass.max(cutlass.min(n_block_min + per_split, n_block_max),
-                                      n_block_min)  # fmt: skip
+            n_block_min, n_block_max = split_block_range(n_block_min, n_block_max, split,
+                                                         num_splits)  # fmt: skip
         # This (batch, head)'s slices. Varlen tensors have a batch extent of 1 and each sequence
         # starts at its cu_seqlens offset: the TMA coordinate tensors are shifted there, so the
         # TMA boxes of one sequence start at its first row (rows past its end read the next

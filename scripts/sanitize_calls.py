@@ -158,7 +158,7 @@ PATHS: dict[str, tuple[Callable, tuple[int, ...]]] = {
     # sm90 forward only: packed GQA (4 query heads a K/V head in one tile's rows), split-KV
     # with the combine kernel, and both over packed sequences with seqused_k.
     "pack_gqa": (lambda t: _dense(t, h=8, h_kv=2, causal=True, pack_gqa=True), (90,)),
-    "split": (lambda t: _dense(t, h=8, h_kv=2, pack_gqa=False, num_splits=3), (90,)),
+    "split": (lambda t: _dense(t, h=8, h_kv=2, pack_gqa=False, num_splits=3), (90, 80)),
     "pack_split_varlen": (
         lambda t: _varlen(
             t,

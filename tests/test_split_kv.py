@@ -104,11 +104,11 @@ def test_split_kv_plans_the_sm90_kernel(flags) -> None:
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (8, 9), (10, 0), (12, 0)])
-def test_split_kv_elsewhere_is_not_implemented(capability) -> None:
+def test_split_kv_elsewhere_plans_the_sm80_kernel(capability) -> None:
+    """Off sm90 the sm80 forward splits (sm100 has no split kernel yet: its GPUs run the sm80
+    one for split calls, and the sm100 one for the rest)."""
     request = FwdRequest(dtype="bf16", head_dim=128, head_dim_v=128, split_kv=True)
     cls, config, why = try_plan(capability, request)
-    assert cls is None and "split-KV" in why, why
-    with pytest.raises(NotImplementedError, match="split-KV"):
-        fwd_plan(capability, request)
-    # The unsplit request is planned there as before.
-    assert try_plan(capability, FwdRequest(dtype="bf16", head_dim=128, head_dim_v=128))[0]
+    assert cls is not None and cls.arch == 80 and config.split_kv, why
+    unsplit, _, _ = try_plan(capability, FwdRequest(dtype="bf16", head_dim=128, head_dim_v=128))
+    assert unsplit.arch == (100 if capability[0] == 10 else 80)

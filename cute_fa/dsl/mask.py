@@ -69,6 +69,17 @@ def causal_block_unmasked(
     return n_block < key_blocks_without_right_mask(row_start, seqlen_q, seqlen_k, Int32(0), tile_n)
 
 
+def split_block_range(n_block_min: Int32, n_block_max: Int32, split: Int32, num_splits: Int32):
+    """The key blocks [lo, hi) of key split ``split`` of ``num_splits`` (split-KV): the
+    block range [n_block_min, n_block_max) cut into ``ceil(n / num_splits)``-block pieces, the
+    last one shorter; a split past the end gets an empty range (lo == hi: it writes O = 0 and
+    LSE = -inf). The mask boundaries of ``block_range`` stay valid for every piece."""
+    per_split = cute.ceil_div(cutlass.max(n_block_max - n_block_min, 0), num_splits)
+    lo = n_block_min + split * per_split
+    hi = cutlass.max(cutlass.min(lo + per_split, n_block_max), lo)
+    return lo, hi
+
+
 @cute.jit
 def block_range(
     m_block: Int32,
