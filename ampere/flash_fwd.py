@@ -57,6 +57,8 @@ class KVLoads(NamedTuple):
     tVgV: cute.Tensor
     tVsV: cute.Tensor
     tKVcKV: cute.Tensor
+    thr_g2s: cute.ThrCopy  # paged K/V: partitions each gathered row
+    pages: cute.Tensor | None  # paged K/V: the sequence's row of the page table
 
 
 class BlockRows(NamedTuple):
@@ -104,6 +106,15 @@ class FlashAttentionForwardSm80(AttentionKernel):
       from the accumulator straight to global memory (fp32, no staging in sQ), LSE as usual; a
       split without key blocks writes O = 0 and LSE = -inf. The combine
       (ampere/flash_combine.py) merges the splits.
+    Paged K/V (config.page_size > 0; any page size from 1): mK / mV are (num_pages,
+      page_size, h_kv, d) and sequence b's key j is row j % page_size of page
+      mPageTable[b, j // page_size]; without mSeqUsedK every page of the row is full. The
+      cp.async of a K / V tile is the dense tile's, row by row: each of a thread's rows reads
+      its page index from the table (one 4-byte load a row) and copies its 16-byte chunks of
+      that global row (a (tile_n, d) view of the one row, row stride 0, partitioned like the
+      dense tile), so pages of any size, in any order, land in the same swizzled sK / sV. Rows
+      past seqlen_k (only in the first visited block) are skipped as before: the table entries
+      past a sequence's pages are never read.
     """
 
     arch = 80
@@ -113,6 +124,7 @@ class FlashAttentionForwardSm80(AttentionKernel):
     def __init__(self, config) -> None:
         super().__init__(config)
         self.split_kv = config.split_kv  # fp32 O and LSE of one key split (class docstring)
+        self.page_size = config.page_size  # paged K/V: keys a page (class docstring)
 
     # ------------------------------------------------------------------------------------------
     # Host side
@@ -192,7 +204,7 @@ class FlashAttentionForwardSm80(AttentionKernel):
         self.kernel(
             mQ, mK, mV, mO, mLSE,
             score_scale, scale_log2, window_left, window_right,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable,
             sQ_layout, sKV_layout, copy_g2s, copy_r2g, tiled_mma, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)  # fmt: skip
 
@@ -215,6 +227,7 @@ class FlashAttentionForwardSm80(AttentionKernel):
         mCuSeqlensK: cute.Tensor | None,
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
+        mPageTable: cute.Tensor | None,
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
         copy_g2s: cute.TiledCopy,
@@ -235,6 +248,8 @@ class FlashAttentionForwardSm80(AttentionKernel):
         offset_q, seqlen_q, offset_k, seqlen_k = seqlen_info(
             batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK
         )
+        if cutlass.const_expr(self.page_size and mSeqUsedK is None):
+            seqlen_k = mPageTable.shape[1] * self.page_size  # every page of the row is full
         if m_block * self.tile_m < seqlen_q:
             # This (batch, head)'s slices, moved to the sequence start for varlen.
             head_kv = head // (mQ.shape[2] // mK.shape[2])
@@ -246,8 +261,14 @@ class FlashAttentionForwardSm80(AttentionKernel):
                 ob = split * mQ.shape[0] + qb
             mO_cur = cute.domain_offset((offset_q, 0), mO[ob, None, head, None])
             mLSE_cur = cute.domain_offset((offset_q,), mLSE[ob, head, None])
-            mK_cur = cute.domain_offset((offset_k, 0), mK[kb, None, head_kv, None])
-            mV_cur = cute.domain_offset((offset_k, 0), mV[kb, None, head_kv, None])
+            pages = None
+            if cutlass.const_expr(self.page_size):  # (num_pages, page_size, d) and the table row
+                mK_cur = mK[None, None, head_kv, None]
+                mV_cur = mV[None, None, head_kv, None]
+                pages = mPageTable[batch, None]
+            else:
+                mK_cur = cute.domain_offset((offset_k, 0), mK[kb, None, head_kv, None])
+                mV_cur = cute.domain_offset((offset_k, 0), mV[kb, None, head_kv, None])
             n_block_min, n_block_max, n_block_no_right, n_block_no_left = block_range(
                 m_block, seqlen_q, seqlen_k, window_left, window_right,
                 self.tile_m, self.tile_n, self.causal, self.local,
@@ -269,7 +290,7 @@ class FlashAttentionForwardSm80(AttentionKernel):
                     m_block, rows_left, seqlen_q, seqlen_k,
                     n_block_min, n_block_max, n_block_no_right, n_block_no_left,
                     score_scale, scale_log2, window_left, window_right,
-                    copy_g2s, copy_r2g, tiled_mma, tidx,
+                    copy_g2s, copy_r2g, tiled_mma, tidx, pages,
                 )  # fmt: skip
 
     @cute.jit
@@ -299,13 +320,18 @@ class FlashAttentionForwardSm80(AttentionKernel):
         copy_r2g: cute.TiledCopy,
         tiled_mma: cute.TiledMma,
         tidx: Int32,
+        pages: cute.Tensor | None,
     ):
-        """Main loop of one query block over its key blocks, then the epilogue."""
+        """Main loop of one query block over its key blocks, then the epilogue. Paged K/V:
+        mK / mV are the (num_pages, page_size, d) pages of this K/V head, ``pages`` the
+        sequence's page-table row."""
         tile_m, tile_n, d = self.tile_m, self.tile_n, self.tile_hdim
         barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_threads)
         gQ = cute.local_tile(mQ, (tile_m, d), (m_block, 0))
-        gK = cute.local_tile(mK, (tile_n, d), (None, 0))  # (tile_n, d, n_blocks)
-        gV = cute.local_tile(mV, (tile_n, d), (None, 0))
+        gK, gV = mK, mV  # paged: rows are gathered one at a time (``load_kv``)
+        if cutlass.const_expr(not self.page_size):
+            gK = cute.local_tile(mK, (tile_n, d), (None, 0))  # (tile_n, d, n_blocks)
+            gV = cute.local_tile(mV, (tile_n, d), (None, 0))
         # V^T view of sV for the B operand of P @ V (read with ldmatrix.trans).
         sVt = cute.composition(sV, cute.make_layout((d, tile_n), stride=(tile_n, 1)))
 
@@ -313,9 +339,11 @@ class FlashAttentionForwardSm80(AttentionKernel):
         tQgQ = thr_g2s.partition_S(gQ)
         tQsQ = thr_g2s.partition_D(sQ)
         tQcQ = thr_g2s.partition_S(cute.make_identity_tensor((tile_m, d)))
-        tKgK = thr_g2s.partition_S(gK)
+        tKgK, tVgV = gK, gV
+        if cutlass.const_expr(not self.page_size):
+            tKgK = thr_g2s.partition_S(gK)
+            tVgV = thr_g2s.partition_S(gV)
         tKsK = thr_g2s.partition_D(sK)
-        tVgV = thr_g2s.partition_S(gV)
         tVsV = thr_g2s.partition_D(sV)
         tKVcKV = thr_g2s.partition_S(cute.make_identity_tensor((tile_n, d)))
 
@@ -347,14 +375,14 @@ class FlashAttentionForwardSm80(AttentionKernel):
         for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
             if tQcQ[0, m, 0][0] < rows_left:
                 cute.copy(copy_g2s, tQgQ[None, m, None], tQsQ[None, m, None])
-        self.load_kv(copy_g2s, tKgK, tKsK, tKVcKV, n_block_max - 1, seqlen_k, True, False)
+        g2s = KVLoads(copy_g2s, tKgK, tKsK, tVgV, tVsV, tKVcKV, thr_g2s, pages)
+        self.load_kv(g2s, False, n_block_max - 1, seqlen_k, True, False)
         cute.arch.cp_async_commit_group()
 
         softmax = OnlineSoftmax(scale_log2, cute.size(tScS.shape[0]))
         softmax.reset()
         mma = MmaFragments(tiled_mma, thr_mma, tSrQ, tSrK, tOrVt, acc_O, tScS)
         s2r = SmemToReg(s2r_Q, s2r_K, s2r_V, tSsQ, tSrQ_view, tSsK, tSrK_view, tOsVt, tOrVt_view)
-        g2s = KVLoads(copy_g2s, tKgK, tKsK, tVgV, tVsV, tKVcKV)
         mask_args = BlockRows(m_block, seqlen_q, seqlen_k, Window(window_left, window_right))
 
         # Key blocks from n_block_max - 1 down: [start_unmasked, n_block_max) cut the seqlen tail
@@ -421,8 +449,7 @@ class FlashAttentionForwardSm80(AttentionKernel):
 
         cute.arch.cp_async_wait_group(0)
         barrier.arrive_and_wait()
-        self.load_kv(g2s.copy_g2s, g2s.tVgV, g2s.tVsV, g2s.tKVcKV, n_block, seqlen_k, is_first,
-                     True)  # fmt: skip
+        self.load_kv(g2s, True, n_block, seqlen_k, is_first, True)
         cute.arch.cp_async_commit_group()
 
         acc_shape_S = mma.thr_mma.partition_shape_C((self.tile_m, self.tile_n))
@@ -436,8 +463,7 @@ class FlashAttentionForwardSm80(AttentionKernel):
         cute.arch.cp_async_wait_group(0)
         barrier.arrive_and_wait()
         if n_block > n_block_min:
-            self.load_kv(g2s.copy_g2s, g2s.tKgK, g2s.tKsK, g2s.tKVcKV, n_block - 1, seqlen_k,
-                         False, False)  # fmt: skip
+            self.load_kv(g2s, False, n_block - 1, seqlen_k, False, False)
             cute.arch.cp_async_commit_group()
 
         if cutlass.const_expr(masked):
@@ -456,26 +482,46 @@ class FlashAttentionForwardSm80(AttentionKernel):
     @cute.jit
     def load_kv(
         self,
-        copy_g2s: cute.TiledCopy,
-        tXgX: cute.Tensor,
-        tXsX: cute.Tensor,
-        tXcX: cute.Tensor,
+        g2s: KVLoads,
+        is_v: cutlass.Constexpr[bool],
         n_block: Int32,
         seqlen_k: Int32,
         predicate: cutlass.Constexpr[bool],
         zero_fill: cutlass.Constexpr[bool],
     ):
-        """cp.async one K or V tile; with ``predicate`` rows past seqlen_k are skipped (and
-        zero-filled with ``zero_fill``). Only the first visited block can hold such rows."""
-        if cutlass.const_expr(predicate):
-            rows_left = seqlen_k - n_block * self.tile_n
-            for n in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
-                if tXcX[0, n, 0][0] < rows_left:
-                    cute.copy(copy_g2s, tXgX[None, n, None, n_block], tXsX[None, n, None])
+        """cp.async one K (or, ``is_v``, V) tile; with ``predicate`` rows past seqlen_k are
+        skipped (and zero-filled with ``zero_fill``). Only the first visited block can hold such
+        rows. Paged K/V: each of this thread's rows is gathered from its page (key j: page
+        ``pages[j // page_size]``, row ``j % page_size``), 16 bytes a copy as the dense tile."""
+        tXcX = g2s.tKVcKV
+        tXgX, tXsX = (g2s.tVgV, g2s.tVsV) if cutlass.const_expr(is_v) else (g2s.tKgK, g2s.tKsK)
+        rows_left = seqlen_k - n_block * self.tile_n
+        for n in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
+            row = tXcX[0, n, 0][0]
+            if cutlass.const_expr(predicate):
+                if row < rows_left:
+                    self.copy_kv_row(g2s, tXgX, tXsX, n, n_block, row)
                 elif cutlass.const_expr(zero_fill):
                     tXsX[None, n, None].fill(0)
+            else:
+                self.copy_kv_row(g2s, tXgX, tXsX, n, n_block, row)
+
+    @cute.jit
+    def copy_kv_row(self, g2s: KVLoads, tXgX: cute.Tensor, tXsX: cute.Tensor, n, n_block: Int32,
+                    row):  # fmt: skip
+        """This thread's part of tile row ``row`` (its row index ``n``) of key block
+        ``n_block``: from the dense tile, or paged, from the key's page (a (tile_n, d) view of
+        that one global row, row stride 0, partitioned as the dense tile is)."""
+        if cutlass.const_expr(self.page_size):
+            key = n_block * self.tile_n + row
+            src = tXgX[g2s.pages[key // self.page_size], key % self.page_size, None]
+            rows = cute.make_tensor(
+                src.iterator, cute.make_layout((self.tile_n, self.tile_hdim), stride=(0, 1))
+            )
+            cute.copy(g2s.copy_g2s, g2s.thr_g2s.partition_S(rows)[None, n, None],
+                      tXsX[None, n, None])  # fmt: skip
         else:
-            cute.copy(copy_g2s, tXgX[None, None, None, n_block], tXsX)
+            cute.copy(g2s.copy_g2s, tXgX[None, n, None, n_block], tXsX[None, n, None])
 
     @cute.jit
     def store_empty(

@@ -25,8 +25,6 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
         return False, "head_dim_v != head_dim is not supported on sm80"
     if config.pack_gqa:
         return False, "pack_gqa is not implemented by the sm80 forward yet"
-    if config.page_size:
-        return False, "paged K/V (page_table) is not implemented by the sm80 forward yet"
     if config.tile_m % (16 * config.num_warps) != 0:
         return False, f"tile_m {config.tile_m} is not a multiple of 16 * num_warps"
     if config.tile_n % 16 != 0:

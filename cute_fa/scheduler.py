@@ -61,10 +61,14 @@ __all__ = ["SchedulerMetadata", "get_scheduler_metadata"]
 # when given), causal / window, softcap on or off, which of cu_seqlens_q / cu_seqlens_k /
 # seqused_q / seqused_k are given, num_splits and pack_gqa as asked, the device, and the tuning
 # state (``cute_fa.tuning`` blocks, tuned-table writes; not in a call traced by torch.compile,
-# whose graph runs under the overrides of its run). The dtype and paging change none of the
-# three decisions on any kernel today (tests/test_scheduler_metadata.py checks that), so
-# ``qkv_dtype`` and ``page_size`` are optional and checked only when given; ``has_softcap``
-# changes the tile on some head dims and is part of the signature.
+# whose graph runs under the overrides of its run). The dtype changes none of the three
+# decisions on any kernel today, nor does paging where it keeps the kernel (pages of 16, 64, 256
+# on sm90 and sm80; tests/test_scheduler_metadata.py checks that), so ``qkv_dtype`` and
+# ``page_size`` are optional and checked only when given. Paging that moves a call to another
+# kernel changes them: on sm100 (no paged kernel) and on sm90 for page sizes its TMA boxes do
+# not take (not a multiple of 8, or of 16 at d 96) a paged call runs the sm80 forward's
+# row gather, which neither packs nor tiles as the others do; pass ``page_size`` there.
+# ``has_softcap`` changes the tile on some head dims and is part of the signature.
 #
 # Under CUDA-graph capture: compute the metadata before the capture (no sync either way), call
 # once outside the capture (the compile), then capture the call with scheduler_metadata=md:

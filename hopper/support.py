@@ -49,7 +49,8 @@ SM90_FWD_PAGE_BOX_ALIGN = 8
 # ... and of 16 keys where a head dim is 96 (its tiles take the 64-byte swizzle): in the
 # randomized sweep of 2026-12-02 (docs/testing.md) every d96 call with pages of 8 keys crashed
 # its process on the H200, while pages of 16 and 64 pass the d96 GPU tests; the cause is not
-# established, so d96 takes boxes of 16 keys or more.
+# established, so d96 takes boxes of 16 keys or more. Page sizes the sm90 forward declines run
+# the sm80 forward's row gather (planning falls through to it).
 SM90_FWD_PAGE_BOX_ALIGN_D96 = 16
 
 

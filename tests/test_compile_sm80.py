@@ -32,7 +32,8 @@ FLAG_SETS = {
     "causal_varlen": {"causal": True, "varlen_q": True, "varlen_k": True},
     "local_seqused_k": {"local": True, "seqused_k": True},
     "softcap_seqused_q_varlen_k": {"has_softcap": True, "seqused_q": True, "varlen_k": True},
-    "causal_seqused_k_split": {"causal": True, "seqused_k": True, "split_kv": True},
+    "causal_split_paged16": {"causal": True, "seqused_k": True, "split_kv": True, "page_size": 16},
+    "paged1_varlen_q": {"page_size": 1, "seqused_k": True, "varlen_q": True},
 }
 
 # Largest LDL+STL instruction count allowed per head dim (see the module docstring).
@@ -62,7 +63,7 @@ def _check(info: dict, d: int) -> None:
 # (d, flag set) compiled for sm_90a by default: d 64 plain, d 128 causal with varlen, d 256 with
 # a window and softcap; every other pair is exhaustive.
 DEFAULT_CASES = {(64, "plain"), (128, "causal_varlen"), (256, "local_softcap"),
-                 (128, "causal_seqused_k_split")}  # fmt: skip
+                 (128, "causal_split_paged16"), (64, "paged1_varlen_q")}  # fmt: skip
 SM90A_CASES = [
     pytest.param(d, f, id=f"{d}-{f}", marks=() if (d, f) in DEFAULT_CASES else EXHAUSTIVE)
     for d in (64, 96, 128, 192, 256)

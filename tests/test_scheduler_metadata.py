@@ -177,8 +177,10 @@ def test_decisions_on_a_gpu_without_packed_kernels(gpu) -> None:
 @pytest.mark.parametrize("max_seqlen_q", [1, 4, 300])
 @pytest.mark.parametrize("h, hk", [(16, 2), (8, 8), (32, 4)])
 def test_dtype_and_paging_change_no_decision(capability, max_seqlen_q, h, hk) -> None:
-    """Why qkv_dtype and page_size may be left out (Note [scheduler metadata]): the same
-    decisions for fp16 and bf16, paged (pages of 16, 64, 256) or not."""
+    """Why qkv_dtype may be left out and page_size where paging keeps the kernel (Note
+    [scheduler metadata]): the same decisions for fp16 and bf16, paged (pages of 16, 64, 256)
+    or not, on sm90 and sm80. On sm100 a paged call runs the sm80 forward (its gather), so
+    there page_size changes the decisions: the metadata then needs it (checked below)."""
     cpu = torch.device("cpu")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ops, "capability", lambda _: capability)
@@ -187,15 +189,15 @@ def test_dtype_and_paging_change_no_decision(capability, max_seqlen_q, h, hk) ->
         for num_splits, pack in ((0, -1), (0, 1), (1, -1)):
             seen = set()
             for dtype in ("bf16", "fp16"):
-                for page_size in (0, 16, 64, 256):
+                for page_size in (0, 16, 64, 256) if capability != (10, 0) else (0,):
                     request = FwdRequest(dtype, 128, 128, seqused_k=True, varlen_q=True,
                                          page_size=page_size)  # fmt: skip
-                    try:
-                        seen.add(ops.scheduler_choice(cpu, request, 4, h, hk, max_seqlen_q, SK,
-                                                      num_splits, pack))  # fmt: skip
-                    except NotImplementedError:  # paged K/V off sm90: the call raises too
-                        assert page_size and capability != (9, 0)
+                    seen.add(ops.scheduler_choice(cpu, request, 4, h, hk, max_seqlen_q, SK,
+                                                  num_splits, pack))  # fmt: skip
             assert len(seen) == 1, seen
+        paged = FwdRequest("bf16", 128, 128, seqused_k=True, varlen_q=True, page_size=16)
+        if capability == (10, 0):  # the sm80 forward: no packing
+            assert not ops.scheduler_choice(cpu, paged, 4, h, hk, max_seqlen_q, SK, 0, 1)[1]
 
 
 # --------------------------------------------------------------------------------------------

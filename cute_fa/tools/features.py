@@ -57,7 +57,7 @@ def feature_rows() -> list[MatrixRow]:
         MatrixRow(
             "paged K/V (page_table, pages of 16)",
             _base(page_size=16, seqused_k=True),
-            "page sizes that are multiples of 8; forward only",
+            "sm90: page sizes multiples of 8 (TMA boxes); sm80: any (row gather); forward only",
         ),
     ]
     names = ", ".join(UNIMPLEMENTED_ARGUMENTS)
