@@ -66,7 +66,7 @@ __all__ = ["SchedulerMetadata", "get_scheduler_metadata"]
 # on sm90 and sm80; tests/test_scheduler_metadata.py checks that), so ``qkv_dtype`` and
 # ``page_size`` are optional and checked only when given. Paging that moves a call to another
 # kernel changes them: on sm100 (no paged kernel) and on sm90 for page sizes its TMA boxes do
-# not take (not a multiple of 8, or of 16 at d 96) a paged call runs the sm80 forward's
+# not take (not a multiple of 8, or of 16 at d 96 and 192) a paged call runs the sm80 forward's
 # row gather, which neither packs nor tiles as the others do; pass ``page_size`` there.
 # ``has_softcap`` changes the tile on some head dims and is part of the signature.
 #

@@ -46,18 +46,19 @@ SM90_FWD_SMEM_SLACK = 1024
 SM90_FWD_WG_M = 64
 # Paged K/V: a TMA box of keys starts on an 8-row swizzle atom of the K / V^T tiles.
 SM90_FWD_PAGE_BOX_ALIGN = 8
-# ... and of 16 keys where a head dim is 96 (its tiles take the 64-byte swizzle): in the
-# randomized sweep of 2026-12-02 (docs/testing.md) every d96 call with pages of 8 keys crashed
-# its process on the H200, while pages of 16 and 64 pass the d96 GPU tests; the cause is not
-# established, so d96 takes boxes of 16 keys or more. Page sizes the sm90 forward declines run
+# ... and of 16 keys where a head dim is 96 or 192 (tiles of narrower swizzle atoms than
+# 128 bytes): in the randomized sweep of 2026-12-02 (docs/testing.md) every d96 call with
+# pages of 8 keys crashed its process on the H200, and so did (192, 128) with pages of 8 in the
+# paged GPU tests, while pages of 16 and 64 pass at both; the cause is not established, so
+# these head dims take boxes of 16 keys or more. Page sizes the sm90 forward declines run
 # the sm80 forward's row gather (planning falls through to it).
-SM90_FWD_PAGE_BOX_ALIGN_D96 = 16
+SM90_FWD_PAGE_BOX_ALIGN_NARROW = 16
 
 
 def fwd_page_box_align(config: FwdConfig) -> int:
     """The multiple a paged K/V box's key count must be (``fwd_page_box``)."""
-    if 96 in (config.head_dim, config.head_dim_v):
-        return SM90_FWD_PAGE_BOX_ALIGN_D96
+    if {96, 192} & {config.head_dim, config.head_dim_v}:
+        return SM90_FWD_PAGE_BOX_ALIGN_NARROW
     return SM90_FWD_PAGE_BOX_ALIGN
 
 
@@ -424,7 +425,8 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
             f"paged K/V with pages of {config.page_size} keys: the sm90 forward loads a key "
             f"block as TMA boxes of gcd(page_size, tile_n {config.tuning.tile_n}) = "
             f"{fwd_page_box(config)} keys, which must be a multiple of {align} (the rows of a "
-            f"swizzle atom; 16 at head dim 96); page sizes that are multiples of {align} work"
+            f"swizzle atom; 16 at head dims 96 and 192); page sizes that are multiples of "
+            f"{align} work"
         )
     if config.pack_gqa and not fwd_pack_gqa_fits(config.pack_gqa):
         return False, (

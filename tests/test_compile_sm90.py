@@ -787,11 +787,13 @@ def test_sm90_paged_needs_boxes_of_eight_keys(page_size: int) -> None:
     assert not ok and "multiples of 8" in reason, reason
 
 
-def test_sm90_paged_d96_needs_boxes_of_sixteen_keys() -> None:
-    """d96 tiles (64-byte swizzle) take boxes of 16 keys or more (hopper/support.py:
-    SM90_FWD_PAGE_BOX_ALIGN_D96, from the randomized sweep); other head dims boxes of 8."""
-    d96 = _tiled_config(96, 96)
-    ok, reason = fwd_can_implement(d96.replace(page_size=8))
+@pytest.mark.parametrize("d, dv", [(96, 96), (192, 192), (192, 128)])
+def test_sm90_paged_narrow_swizzles_need_boxes_of_sixteen_keys(d: int, dv: int) -> None:
+    """d96 / d192 tiles (narrower swizzle atoms) take boxes of 16 keys or more
+    (hopper/support.py: SM90_FWD_PAGE_BOX_ALIGN_NARROW, from the GPU runs); other head dims
+    boxes of 8."""
+    narrow = _tiled_config(d, dv)
+    ok, reason = fwd_can_implement(narrow.replace(page_size=8))
     assert not ok and "multiples of 16" in reason, reason
-    assert fwd_can_implement(d96.replace(page_size=16)) == (True, "")
+    assert fwd_can_implement(narrow.replace(page_size=16)) == (True, "")
     assert fwd_can_implement(_tiled_config(128, 128).replace(page_size=8)) == (True, "")

@@ -61,6 +61,7 @@ from gpu_support import (  # noqa: F401
     cu_seqlens,
     empty_rows,
     fwd_plan_configs,
+    needs_sm90_forward,
     poison_free_memory,
     seed,
 )
@@ -227,6 +228,7 @@ def test_fwd_query_tile_edges(d, causal, seqlen_q, seqlen_k):
 )
 @pytest.mark.parametrize("softcap", [0.0, 15.0], ids=["nocap", "cap15"])
 @pytest.mark.parametrize("causal,window", [MASKS[0], MASKS[1], MASKS[3]])
+@needs_sm90_forward
 def test_fwd_d192_dv128(causal, window, softcap, seqlen_q, seqlen_k):
     """head_dim 192 with head_dim_v 128 (q/k 192, v 128)."""
     b, h, h_kv = 2, NHEADS, 2
