@@ -251,9 +251,9 @@ def _check_sass(config: BwdConfig, info: dict) -> None:
     assert counts["HMMA"] == 0 and counts["LDGSTS"] == 0
     # One exp2 per score (64 keys x tile_m query rows over 128 threads) in each body. dQ leaves
     # through smem: one TMA reduce-add per 32-column (128-byte swizzle) box of each consumer's
-    # (tile_m, d / 2) half, issued by producer warp 1 (once, not per body); no atomics. The box
-    # is the swizzle atom's width: 32 fp32 columns (128 bytes) when d / 2 is a multiple of 32,
-    # else 16 (64 bytes: d 96).
+    # (tile_m, d / 2) half (dq_by_rows: (tile_m / 2, d)), issued by producer warp 1 (once, not
+    # per body); no atomics. The box is the swizzle atom's width: 32 fp32 columns (128 bytes)
+    # when the part's columns are a multiple of 32, else 16 (64 bytes: d 96).
     exps = WG_KEYS * config.tile_m // 128  # a thread's scores of its consumer's tile
     assert len(re.findall(r"MUFU\.EX2", sass)) == bodies * exps
     # softcap: one tanh per score before the exponential.
