@@ -150,6 +150,12 @@ class Sm90BwdTuning:
     tile_m: int = 64  # query rows a step
     tile_n: int = 128  # keys a CTA
     q_stages: int = 0  # Q / dO (and LSE / delta) stages; 0: two (one above d 192)
+    # tile_m 128 (d 64): each consumer computes dQ of its 64 query rows over all d columns
+    # (one M = 64 atom, N = d), not d / 2 columns of all 128 rows (two M = 64 atoms).
+    dq_by_rows: bool = False
+    # d <= 128: the step issues dV, then dQ, then dK (dQ written to smem while dK runs), not
+    # dV and dK, then dQ (dQ written with no WGMMA in flight).
+    dq_before_dk: bool = False
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -163,8 +169,11 @@ class Sm90BwdTuning:
 
     @property
     def label(self) -> str:
-        q = f"_q{self.q_stages}" if self.q_stages else ""
-        return f"{self.tile_m}x{self.tile_n}w{self.num_warps}{q}"
+        flags = [f"{self.tile_m}x{self.tile_n}w{self.num_warps}"]
+        flags += [f"q{self.q_stages}"] if self.q_stages else []
+        flags += ["dqrows"] if self.dq_by_rows else []
+        flags += ["dqfirst"] if self.dq_before_dk else []
+        return "_".join(flags)
 
 
 @dataclass(frozen=True)

@@ -186,7 +186,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         warp 0 issues the TMA loads (K and V once; Q[m] and dO[m] of each query block) and
           writes LSE (log2 units) and delta rows of each block to smem with its 32 lanes.
         warp 1 (dQ writer): per query block and consumer c, waits for DQ_FULL_WG1 + c, issues
-          the TMA reduce-add of that consumer's half of sdQ into dQaccum, waits until the TMA
+          the TMA reduce-add of that consumer's half of sdQ into dQaccum (its column half of
+          the block, or with dq_by_rows its 64 rows), waits until the TMA
           has read sdQ (cp.async.bulk.wait_group.read 0) and arrives on DQ_EMPTY_WG1 + c
           (not after the last block: nobody waits for it). At the end it waits for its
           reduce-adds to complete. Deterministic mode: it also waits for the block's turn
@@ -207,6 +208,15 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       dQ is split over the consumers along d: consumer c computes columns [c d/2, c d/2 + d/2)
       of the block's dQ over all tile_n keys, so each dQaccum element gets one reduce-add per
       CTA and block. This needs both consumers' dS columns in sdS (barrier DS_READY).
+      tuning.dq_by_rows (tile_m = 128 without split d, i.e. d 64): dQ is split along the rows
+      instead:
+      dQ_c = dS[rows c] K   SS   (64 x d, k = tile_n)       A: rows [64 c, 64 c + 64) of sdS
+                                                            (K-major); B: all of sK, viewed
+                                                            transposed (MN-major)
+      one M = 64 atom of N = d (d 64: 8 m64n64k16 WGMMAs, 32 KiB of smem operands a consumer)
+      instead of two atoms of N = d / 2 (16 m64n32k16, 48 KiB); the same 32 fp32 registers a
+      thread. Still one reduce-add per dQaccum element, CTA and block; rows [64 c, 64 c + 64)
+      of each dS row hold both consumers' keys, so DS_READY stays.
     Per query block m (the i-th visited), consumer c (pipeline states advance in lockstep over
     the q stages; split d: the score GEMMs and the dS exchange as above, and dQ is issued only
     after wait_group 0)
@@ -225,6 +235,18 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         Q[m], dO[m]; wait_group 0 (dQ_c complete)
       i > 0: wait DQ_EMPTY_WG1 + c (warp 1 has read this consumer's sdQ half of block i - 1)
       dQ_c -> sdQ[:, :, c] (fp32, 8-byte stores); fence.proxy.async; arrive DQ_FULL_WG1 + c
+    tuning.dq_before_dk (not split d; FA4's order): dK is taken out of the dV commit group and
+    issued behind dQ, so that dQ is written to smem while dK's WGMMA is in flight:
+      P^T, dS^T -> 16-bit registers; fence; issue dV += P^T dO (commit)
+      dS^T -> sdS (as above); fence.proxy.async; DS_READY
+      fence; issue dQ_c (commit); wait_group 1 (dV complete); issue dK += dS^T Q (commit; no
+        fence: neither dS^T nor acc_dK was touched since dQ's); release dO[m]; wait_group 1
+        (dQ_c complete)
+      i > 0: wait DQ_EMPTY_WG1 + c; dQ_c -> sdQ[:, :, c]; fence.proxy.async; arrive
+        DQ_FULL_WG1 + c (dK in flight throughout)
+      wait_group 0 (dK complete); release Q[m]
+      dQ's accumulator never crosses the back edge (carrying it into the next step spilled:
+      docs/log/sm90-backward.md); registers a thread peak at R231 (d 128; R217 by default).
       The two dS buffers: block i + 2 overwrites the buffer of block i only after the DS_READY
       barrier of block i + 1, which each consumer reaches after its dQ GEMM of block i (the
       only reader of that buffer) completed.
@@ -264,7 +286,10 @@ class FlashAttentionBackwardSm90(AttentionKernel):
                                          (8 bytes otherwise).
       sdQ (tile_m, d / 2, 2)             fp32 dQ, the last mode the consumer (each half one TMA
                                          reduce source: 128-byte swizzle, 32-column boxes;
-                                         d 96: 64-byte, 16-column boxes).
+                                         d 96: 64-byte, 16-column boxes). dq_by_rows:
+                                         (tile_m / 2, d, 2), a consumer's rows; its TMA
+                                         reduce-add goes to rows [64 (2 m + c), + 64) of
+                                         dQaccum in two 32-column boxes (same bytes).
       d 64: 195 KiB (tile_m 128; 114 at 64), d 96: 154, d 128: 194, d 192: 218, d 256: 217.5
       (one Q / dO stage)
       (``support.bwd_smem_bytes``).
@@ -318,7 +343,10 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       key block starts at the same last query blocks, so key block n waits for n - 1's
       reduce-adds (a wavefront), not for n - 1 to reach m.
     SASS (what tests/test_compile_sm90_bwd.py asserts): one warpgroup.arrive per GEMM group
-      (S^T, dP^T, dV + dK, dQ; no ptxas serialization), no spills and no stack (the exceptions
+      (S^T, dP^T, dV + dK, dQ; no ptxas serialization; dq_before_dk: S^T, dP^T, dV, dQ and dK
+      behind dQ with no arrive of its own, the dQ stores between dK's WGMMAs and the wait for
+      them: releasing dO before issuing dK gave every dK WGMMA its own arrive), the dQ
+      WGMMAs' shape (dq_by_rows: m64nd), no spills and no stack (the exceptions
       are listed there); dQ leaves by UTMAREDG (no REDG atomics). With dQ split along d its
       accumulator is 64 x d/2 fp32 (d/4 registers a thread), so dQ is issued while dV and dK
       (and their 16-bit P^T / dS^T registers) are in flight without ptxas serializing the
@@ -354,6 +382,13 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         self.regs_producer = 24
         self.regs_consumer = 240
         self.deterministic = config.deterministic
+        # The part of a block's dQ a consumer computes (docstring: GEMMs): by default its d / 2
+        # columns of all tile_m rows; dq_by_rows (tile_m 128): its 64 rows of all d columns.
+        self.dq_by_rows = config.tuning.dq_by_rows
+        self.dq_rows = self.tile_m // self.num_consumers if self.dq_by_rows else self.tile_m
+        self.dq_cols = self.tile_hdim if self.dq_by_rows else self.tile_hdim // self.num_consumers
+        # dq_before_dk: dV, dQ, dK issued in that order (docstring: per query block).
+        self.dq_before_dk = config.tuning.dq_before_dk
         # Unmasked, non-deterministic: rotated walks (docstring: grid and work split). Measured
         # on the H200 (docs/performance.md, "rotated query-block walks"): d128 non-causal +3-6 %;
         # the sm80 kernel lost 1-3 % with the same change and keeps the plain walk.
@@ -378,7 +413,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         mma_dkv = self.make_mma_dkv(self.dk_cols)
         mma_dq = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, k_major, mn_major, Float32, (1, 1, 1),
-            (64, self.tile_hdim // self.num_consumers),  # tile_m = 128: two M atoms a step
+            (64, self.dq_cols),  # tile_m = 128 by columns: two M atoms a step
         )  # fmt: skip
         return mma_sdp, mma_dkv, mma_dq
 
@@ -426,7 +461,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         stream: cuda.CUstream,
     ):
         tm, tn, d, dv = self.tile_m, self.tile_n, self.tile_hdim, self.tile_hdimv
-        dq_cols = d // self.num_consumers
+        dq_rows, dq_cols = self.dq_rows, self.dq_cols
         # TMA views: (seqlen, d, heads, batch).
         mQ_t, mK_t, mV_t, mdO_t = (
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
@@ -454,9 +489,10 @@ class FlashAttentionBackwardSm90(AttentionKernel):
                 LayoutEnum.ROW_MAJOR, (tm, d, tn), self.dtype, 1
             )
             sp_elems, sp_align = cute.cosize(sP_layout), 1024
-        # sdQ: fp32 (tm, d / 2) per consumer (the last mode), the source of the TMA reduce-add.
+        # sdQ: fp32 (tm, d / 2) per consumer (the last mode), the source of the TMA reduce-add;
+        # dq_by_rows: (tm / 2, d).
         sdQ_layout = sm90_utils.make_smem_layout_epi(
-            Float32, LayoutEnum.ROW_MAJOR, (tm, dq_cols), self.num_consumers
+            Float32, LayoutEnum.ROW_MAJOR, (dq_rows, dq_cols), self.num_consumers
         )
         sK_tile = cute.slice_(sK_layout, (None, None, 0))
         sV_tile = cute.slice_(sV_layout, (None, None, 0))
@@ -469,7 +505,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         tma_do, mdO_tma = cpasync.make_tiled_tma_atom(load, mdO_t, sdO_tile, (tm, dv))
         tma_dq, mdQ_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ_t,
-            cute.slice_(sdQ_layout, (None, None, 0)), (tm, dq_cols),
+            cute.slice_(sdQ_layout, (None, None, 0)), (dq_rows, dq_cols),
         )  # fmt: skip
         self.tx_kv = cute.size_in_bytes(self.dtype, sK_tile) + cute.size_in_bytes(
             self.dtype, sV_tile
@@ -734,9 +770,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         coordinate tensor of this (head, batch); the TMA clips rows past seqlen_q.
         mdQsemaphore: (query blocks,) int32 of this (batch, head), deterministic mode only: the
         block's two reduce-adds wait for its turn and pass it on (docstring: deterministic)."""
-        tm, d = self.tile_m, self.tile_hdim
-        dq_cols = d // self.num_consumers
-        gdQ = cute.local_tile(mdQ, (tm, dq_cols), (None, None))
+        gdQ = cute.local_tile(mdQ, (self.dq_rows, self.dq_cols), (None, None))
         tdQsdQ, tdQgdQ = cpasync.tma_partition(
             tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
             cute.group_modes(gdQ, 0, 2),
@@ -750,7 +784,12 @@ class FlashAttentionBackwardSm90(AttentionKernel):
                 self.wait_dq_turn(mdQsemaphore, m_block, n_block, mask_args)
             for c in cutlass.range_constexpr(self.num_consumers):
                 dq_barrier(Barrier.DQ_FULL_WG1, c).arrive_and_wait()
-                cute.copy(tma_dq, tdQsdQ[None, c], tdQgdQ[None, m_block, c])
+                # Consumer c's part: its column half of the block, or (dq_by_rows) its rows.
+                if cutlass.const_expr(self.dq_by_rows):
+                    gdQ_c = tdQgdQ[None, m_block * self.num_consumers + c, 0]
+                else:
+                    gdQ_c = tdQgdQ[None, m_block, c]
+                cute.copy(tma_dq, tdQsdQ[None, c], gdQ_c)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.sync_warp()
@@ -857,9 +896,11 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             valid = cutlass.min(cutlass.max(keys_left, 0), WG_KEYS)
             self.zero_kv_tail(sK_c, sV_c, valid, consumer, tidx)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
-        # dQ: this consumer's d / 2 columns of K (all tile_n keys), its half of sdQ.
-        sK_dq = cute.local_tile(sK[None, None, 0], (self.tile_n, d // self.num_consumers),
-                                (0, consumer))  # fmt: skip
+        # dQ: this consumer's d / 2 columns of K (dq_by_rows: all d; all tile_n keys), its half
+        # of sdQ.
+        dq_col_slot = 0 if cutlass.const_expr(self.dq_by_rows) else consumer
+        sK_dq = cute.local_tile(sK[None, None, 0], (self.tile_n, self.dq_cols),
+                                (0, dq_col_slot))  # fmt: skip
         smem = ConsumerSmem(sQ, sdO, sK_c, sV_c, sdS, sK_dq, sdQ[None, None, consumer], sLSE,
                             sdPsum, sP)  # fmt: skip
         pipes = ConsumerPipelines(pipeline_q, pipeline_do, pipeline_lse)
@@ -1178,15 +1219,20 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             convert_in_chunks(rdS, acc_dP)
             warpgroup.fence()
             gemm_over_k(mma_dv, acc_dV, tdVrP, tdVrdO, zero_init=False, b_stage=stage)
-            gemm_over_k(mma_dkv, acc_dK, tdKrdS, tdKrQ, zero_init=False, b_stage=stage)
+            if cutlass.const_expr(not self.dq_before_dk):  # else dK goes out behind dQ
+                gemm_over_k(mma_dkv, acc_dK, tdKrdS, tdKrQ, zero_init=False, b_stage=stage)
             warpgroup.commit_group()
             cute.copy(r2s, thr_r2s.retile(rdS), thr_r2s.partition_D(transposed(sdS_c)))
             cute.arch.fence_view_async_shared()
             ds_ready.arrive_and_wait()
 
-        # dQ[:, half c] = dS K[:, half c] (all tile_n keys), issued behind dV and dK.
+        # dQ[:, half c] = dS K[:, half c] (all tile_n keys), issued behind dV and dK (or, with
+        # dq_before_dk, behind dV alone); dq_by_rows: dQ[rows c] = dS[rows c] K.
         thr_dq = mma_dq.get_slice(tidx)
-        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS_m))
+        sdS_dq = sdS_m
+        if cutlass.const_expr(self.dq_by_rows):
+            sdS_dq = cute.local_tile(sdS_m, (self.dq_rows, self.tile_n), (consumer, 0))
+        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS_dq))
         tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(transposed(sK_dq)))
         acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C(sdQ_c.shape))
         if cutlass.const_expr(self.split_d):
@@ -1198,11 +1244,23 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         warpgroup.fence()
         gemm_over_k(mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True)
         warpgroup.commit_group()
-        if cutlass.const_expr(not self.split_d):
+        if cutlass.const_expr(self.dq_before_dk):
+            # dV complete: dO released; dK behind dQ; once dQ is complete it goes to sdQ (below)
+            # while dK runs.
+            # No fence: dK's registers (dS^T, acc_dK) are untouched since dQ's. dO is released
+            # after dK's issue: released before it (a predicated arrive), dK's WGMMAs each took
+            # their own warpgroup.arrive.
             warpgroup.wait_group(1)
-            pipeline_q.consumer_release(state)
+            gemm_over_k(mma_dkv, acc_dK, tdKrdS, tdKrQ, zero_init=False, b_stage=stage)
+            warpgroup.commit_group()
             pipeline_do.consumer_release(state)
-        warpgroup.wait_group(0)
+            warpgroup.wait_group(1)
+        else:
+            if cutlass.const_expr(not self.split_d):
+                warpgroup.wait_group(1)
+                pipeline_q.consumer_release(state)
+                pipeline_do.consumer_release(state)
+            warpgroup.wait_group(0)
 
         # dQ half -> sdQ once producer warp 1's reduce of the previous block has read it.
         if i > 0:
@@ -1215,3 +1273,6 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), thr_r2s_dq.partition_D(sdQ_c))
         cute.arch.fence_view_async_shared()
         dq_barrier(Barrier.DQ_FULL_WG1, consumer).arrive()
+        if cutlass.const_expr(self.dq_before_dk):
+            warpgroup.wait_group(0)  # dK complete
+            pipeline_q.consumer_release(state)

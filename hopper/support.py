@@ -6,6 +6,7 @@ Dispatch and the feature matrix ask these functions; the kernel classes use them
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from cute_fa.config import SMEM_CAPACITY, BwdConfig, FwdConfig, Sm90BwdTuning, Sm90FwdTuning
@@ -509,7 +510,7 @@ def bwd_config(base: BwdConfig, asked: dict | None = None) -> BwdConfig:
     """The sm90 backward's compile key for the problem of ``base`` (its tuning ignored): the
     default tuning with the fields ``asked`` over it (``cute_fa/tuned.py``)."""
     default = bwd_default_tuning(base.head_dim, base.has_softcap)
-    fields = {f: getattr(default, f) for f in ("tile_m", "tile_n", "q_stages")}
+    fields = dataclasses.asdict(default)
     fields.update(asked or {})
     return base.replace(tuning=Sm90BwdTuning(**fields))
 
@@ -549,6 +550,16 @@ def bwd_can_implement(config: BwdConfig) -> tuple[bool, str]:
         )
     if config.tile_m not in (64, 128):
         return False, f"tile_m {config.tile_m}: the sm90 backward steps 64 or 128 query rows"
+    if config.tuning.dq_by_rows and (config.tile_m != 128 or bwd_split_d(config.head_dim)):
+        return False, (
+            f"dq_by_rows with tile_m {config.tile_m} at head_dim {config.head_dim}: dQ by rows "
+            "needs 128 query rows a step (64 a consumer) and no split d (d 64 without softcap)"
+        )
+    if config.tuning.dq_before_dk and bwd_split_d(config.head_dim):
+        return False, (
+            f"dq_before_dk at head_dim {config.head_dim}: with split d dQ's accumulator fits "
+            "only after dV and dK completed (d <= 128 only)"
+        )
     smem = bwd_smem_bytes(config)
     if smem > SMEM_CAPACITY.get(config.target, 0):
         return False, f"tiles need {smem} B of shared memory, more than {config.target} has"

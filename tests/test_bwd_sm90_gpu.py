@@ -50,17 +50,23 @@ def _main_kernel(config):
     return _MAIN[config]
 
 
-def sm90_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False):
+def sm90_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False, tuning=None):
     """(dq, dk, dv) through preprocess (sm80), the sm90 main kernel and postprocess (sm80);
-    ``deterministic``: dQ added in key-block order through zeroed semaphores."""
+    ``deterministic``: dQ added in key-block order through zeroed semaphores; ``tuning``: fields
+    of ``Sm90BwdTuning`` over the built-in ones (the kernel of exactly those fields runs)."""
     from cute_fa.compile import bwd_post_cache, bwd_pre_cache
     from cute_fa.planning import bwd_config, post_config, pre_config
 
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
     b, sq, h, d = q.shape
     sk, h_kv = k.shape[1], k.shape[2]
-    # The sm90 kernel's compile key with its built-in tuning (no tuned table).
-    config = bwd_config("sm_90a", dtype, d, d, causal=causal, deterministic=deterministic, arch=90)
+    # The sm90 kernel's compile key with its built-in tuning (no tuned table) and ``tuning``.
+    with cute_fa.tuning(sm90_bwd=tuning or {}):
+        config = bwd_config(
+            "sm_90a", dtype, d, d, causal=causal, deterministic=deterministic, arch=90
+        )
+    for field, value in (tuning or {}).items():
+        assert getattr(config.tuning, field) == value, config.name
     tile_m = config.tile_m
     pre = bwd_pre_cache().get(pre_config(config, False))  # the sm80 pre/postprocess kernels
     post = bwd_post_cache().get(post_config(config))  # (row-major dQaccum for sm90)
@@ -175,3 +181,107 @@ def test_sm90_bwd_three_q_stages(monkeypatch, causal, deterministic, seqlen_q, s
     (config,) = ran()
     assert config.arch == 90 and config.tuning.q_stages == 3, config.name
     assert config.causal == causal and config.deterministic == deterministic, config.name
+
+
+# The step-order tuning fields (hopper/flash_bwd.py docstring): dQ split over the consumers by
+# rows (d 64, 128 query rows a step) and dQ issued before dK (d <= 128), alone and together.
+STEP_ORDER = [
+    pytest.param(64, {"dq_by_rows": True}, id="d64-rows"),
+    pytest.param(64, {"dq_before_dk": True}, id="d64-first"),
+    pytest.param(64, {"dq_by_rows": True, "dq_before_dk": True}, id="d64-rows-first"),
+    pytest.param(96, {"dq_before_dk": True}, id="d96-first"),
+    pytest.param(128, {"dq_before_dk": True}, id="d128-first"),
+]
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLENS, ids=[f"{a}x{b}" for a, b in SEQLENS])
+@pytest.mark.parametrize("h_kv", [4, 2], ids=["mha", "gqa2"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d,fields", STEP_ORDER)
+def test_sm90_bwd_step_order(d, fields, dtype, causal, h_kv, seqlen_q, seqlen_k):
+    q, k, v, out, lse, dout = forward_inputs(d, dtype, causal, 4, h_kv, seqlen_q, seqlen_k)
+    grads = sm90_backward(dout, q, k, v, out, lse, d**-0.5, causal, tuning=fields)
+    torch.cuda.synchronize()
+    check_grads(grads, q, k, v, dout, causal=causal)
+
+
+@pytest.mark.parametrize(
+    "seqlen_q,seqlen_k", DETERMINISTIC_SEQLENS, ids=[f"{a}x{b}" for a, b in DETERMINISTIC_SEQLENS]
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,fields", STEP_ORDER)
+def test_sm90_bwd_step_order_deterministic(d, fields, causal, seqlen_q, seqlen_k):
+    """deterministic=True with a step-order field: correct, the same bytes on every run, and
+    the same math as the default kernel: dK and dV are the same WGMMAs (bitwise equal), and so
+    is dQ where only the order changed (dq_before_dk); dQ by rows runs other WGMMA shapes."""
+    q, k, v, out, lse, dout = forward_inputs(d, torch.bfloat16, causal, 4, 2, seqlen_q, seqlen_k)
+    scale = d**-0.5
+    grads = sm90_backward(dout, q, k, v, out, lse, scale, causal, True, tuning=fields)
+    check_grads(grads, q, k, v, dout, causal=causal)
+    again = sm90_backward(dout, q, k, v, out, lse, scale, causal, True, tuning=fields)
+    default = sm90_backward(dout, q, k, v, out, lse, scale, causal, True)
+    same_as_default = ("dq", "dk", "dv") if "dq_by_rows" not in fields else ("dk", "dv")
+    for g, g2, g0, name in zip(grads, again, default, ("dq", "dk", "dv"), strict=True):
+        assert torch.equal(g.view(torch.int16), g2.view(torch.int16)), f"{name} differs"
+        if name in same_as_default:
+            assert torch.equal(g.view(torch.int16), g0.view(torch.int16)), f"{name} != default"
+
+
+# Through the public API (planning, autograd) with the fields as a ``cute_fa.tuning`` override:
+# windows, softcap (d 64 with softcap steps 64 rows: no dq_by_rows), varlen with NaN past
+# seqused, deterministic varlen.
+STEP_ORDER_FEATURES = [
+    pytest.param(64, {"dq_by_rows": True}, "window", id="d64-rows-window"),
+    pytest.param(64, {"dq_by_rows": True, "dq_before_dk": True}, "window",
+                 id="d64-rows-first-window"),
+    pytest.param(128, {"dq_before_dk": True}, "window", id="d128-first-window"),
+    pytest.param(64, {"dq_before_dk": True}, "softcap", id="d64-first-softcap"),
+    pytest.param(128, {"dq_before_dk": True}, "softcap", id="d128-first-softcap"),
+    pytest.param(64, {"dq_by_rows": True}, "seqused", id="d64-rows-seqused"),
+    pytest.param(64, {"dq_by_rows": True, "dq_before_dk": True}, "seqused",
+                 id="d64-rows-first-seqused"),
+    pytest.param(96, {"dq_before_dk": True}, "seqused", id="d96-first-seqused"),
+    pytest.param(128, {"dq_before_dk": True}, "seqused", id="d128-first-seqused"),
+    pytest.param(64, {"dq_by_rows": True}, "varlen-det", id="d64-rows-varlen-det"),
+    pytest.param(128, {"dq_before_dk": True}, "varlen-det", id="d128-first-varlen-det"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,fields,feature", STEP_ORDER_FEATURES)
+def test_sm90_bwd_step_order_features(monkeypatch, d, fields, feature, causal):
+    from test_bwd_gpu import (
+        LENS_K,
+        LENS_Q,
+        NHEADS,
+        on_this_thread,
+        run_bwd_and_check,
+        run_varlen_bwd_and_check,
+        track_bwd_kernels,
+    )
+
+    if cute_fa.settings.forced_bwd_arch() == 80:
+        pytest.skip("CUTE_FA_BWD_ARCH=80 runs the sm80 backward")
+    ran = track_bwd_kernels(monkeypatch)
+    with cute_fa.tuning(sm90_bwd=fields), on_this_thread():
+        if feature == "window":
+            window = (64, 0) if causal else (32, 32)
+            run_bwd_and_check(2, 1000, 700, NHEADS, 2, d, window=window)
+        elif feature == "softcap":
+            run_bwd_and_check(2, 203, 1000, NHEADS, 2, d, causal=causal, softcap=15.0)
+        elif feature == "seqused":
+            used_q = [min(a, u) for a, u in zip(LENS_Q, [10, 0, 250, 1, 100, 150, 0, 63],
+                                                strict=True)]  # fmt: skip
+            used_k = [min(a, u) for a, u in zip(LENS_K, [290, 5, 64, 1, 0, 17, 0, 100],
+                                                strict=True)]  # fmt: skip
+            run_varlen_bwd_and_check(LENS_Q, LENS_K, d, causal=causal, used_q=used_q,
+                                     used_k=used_k, nan_unused=True)  # fmt: skip
+        else:
+            run_varlen_bwd_and_check(LENS_Q, LENS_K, d, causal=causal, deterministic=True)
+    configs = ran()
+    assert configs, "no backward ran"
+    for config in configs:
+        assert config.arch == 90, config.name
+        for field, value in fields.items():
+            assert getattr(config.tuning, field) == value, config.name

@@ -16,6 +16,7 @@ are printed (``pytest -rP``).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import tempfile
 
@@ -40,12 +41,13 @@ WG_KEYS = 64  # keys of one consumer warpgroup's score tile
 
 def _config(d: int = 128, dtype: str = "bf16", q_stages: int = 0, **changes) -> BwdConfig:
     """The sm90 backward's key for d (dv = d unless changed) and the flags: the default tuning
-    (``bwd_default_tuning``), with ``q_stages`` when given."""
+    (``bwd_default_tuning``), with ``q_stages`` and the step-order fields (``dq_by_rows``,
+    ``dq_before_dk``) when given."""
     tuning = changes.pop("tuning", None) or bwd_default_tuning(d, changes.get("has_softcap", False))
-    values = dict(
-        arch=90, target="sm_90a", dtype=dtype, head_dim=d, head_dim_v=d,
-        tuning=tuning if not q_stages else Sm90BwdTuning(tuning.tile_m, tuning.tile_n, q_stages),
-    )  # fmt: skip
+    fields = {f: changes.pop(f) for f in ("dq_by_rows", "dq_before_dk") if f in changes}
+    fields.update({"q_stages": q_stages} if q_stages else {})
+    tuning = dataclasses.replace(tuning, **fields)
+    values = dict(arch=90, target="sm_90a", dtype=dtype, head_dim=d, head_dim_v=d, tuning=tuning)
     values.update(changes)
     return BwdConfig(**values)
 
@@ -63,6 +65,11 @@ def _config(d: int = 128, dtype: str = "bf16", q_stages: int = 0, **changes) -> 
         ({"tuning": Tiles(64, 128, 8)}, "not an Sm90BwdTuning"),
         ({"tuning": Sm90BwdTuning(64, 64, q_stages=3), "head_dim": 192}, "shared memory"),
         ({"det_coresident": True, "deterministic": True}, "sm80"),
+        ({"dq_by_rows": True}, "dq_by_rows with tile_m 64"),  # d 128
+        ({"dq_by_rows": True, "d": 64, "has_softcap": True}, "dq_by_rows with tile_m 64"),
+        ({"dq_by_rows": True, "d": 96}, "dq_by_rows with tile_m 64"),
+        ({"dq_before_dk": True, "d": 192, "head_dim_v": 128}, "split d"),
+        ({"dq_before_dk": True, "d": 256}, "split d"),
     ],
 )
 def test_sm90_bwd_can_implement_rejects_with_reason(changes: dict, needle: str) -> None:
@@ -112,6 +119,8 @@ def _compile(config: BwdConfig) -> dict:
 # window, varlen and seqused, three Q / dO stages.
 VARLEN = {"varlen_q": True, "varlen_k": True}
 SEQUSED = {"seqused_q": True, "seqused_k": True}
+ROWS = {"dq_by_rows": True}
+FIRST = {"dq_before_dk": True}
 COMPILE_CASES = [
     pytest.param(64, "bf16", False, False, {}, id="d64"),
     pytest.param(64, "bf16", True, False, {}, id="d64-causal", marks=EXHAUSTIVE),
@@ -179,7 +188,28 @@ COMPILE_CASES = [
     pytest.param(
         128, "bf16", True, True, {"q_stages": 3}, id="d128-causal-det-q3", marks=EXHAUSTIVE
     ),  # fmt: skip
-]
+    # dQ by rows (d 64, 128 query rows) and dQ issued before dK (d <= 128), the tuning fields
+    # dq_by_rows / dq_before_dk, alone and together.
+    pytest.param(64, "bf16", False, False, ROWS, id="d64-rows"),
+    pytest.param(64, "bf16", True, False, ROWS, id="d64-causal-rows", marks=EXHAUSTIVE),
+    pytest.param(64, "bf16", False, True, {"local": True, **ROWS}, id="d64-local-det-rows",
+                 marks=EXHAUSTIVE),
+    pytest.param(64, "bf16", False, False, {**VARLEN, **SEQUSED, **ROWS},
+                 id="d64-varlen-seqused-rows", marks=EXHAUSTIVE),
+    pytest.param(128, "bf16", False, False, FIRST, id="d128-first"),
+    pytest.param(128, "bf16", True, False, FIRST, id="d128-causal-first", marks=EXHAUSTIVE),
+    pytest.param(64, "bf16", False, False, FIRST, id="d64-first", marks=EXHAUSTIVE),
+    pytest.param(96, "bf16", True, True, FIRST, id="d96-causal-det-first", marks=EXHAUSTIVE),
+    pytest.param(64, "bf16", True, False, {"has_softcap": True, **FIRST},
+                 id="d64-causal-softcap-first", marks=EXHAUSTIVE),
+    pytest.param(128, "bf16", False, True, {"local": True, "has_softcap": True, **FIRST},
+                 id="d128-local-softcap-det-first", marks=EXHAUSTIVE),
+    pytest.param(128, "fp16", True, False, {**VARLEN, **SEQUSED, **FIRST},
+                 id="d128-fp16-causal-varlen-seqused-first", marks=EXHAUSTIVE),
+    pytest.param(64, "bf16", False, False, {**ROWS, **FIRST}, id="d64-rows-first",
+                 marks=EXHAUSTIVE),
+    pytest.param(64, "bf16", True, True, {**ROWS, **FIRST}, id="d64-causal-det-rows-first"),
+]  # fmt: skip
 
 
 @pytest.mark.compile
@@ -203,25 +233,33 @@ def _check_sass(config: BwdConfig, info: dict) -> None:
     # (tile_m / 16), the consumer's d / 2 columns of dQ over all tile_n keys (tile_n / 16).
     bodies = 1 if causal or config.local else 2
     dv = config.head_dim_v  # dP^T has k = dv
-    # dQ's M is tile_m: tile_m / 64 WGMMA atoms (d 64: 128 rows, two).
-    per_body = (
-        d // 16 + dv // 16 + 2 * (config.tile_m // 16) + config.tile_m // 64 * config.tile_n // 16
-    )
+    # dQ's M is tile_m: tile_m / 64 WGMMA atoms (d 64: 128 rows, two); dq_by_rows: a
+    # consumer's 64 rows (one atom) of all d columns.
+    rows, first = config.tuning.dq_by_rows, config.tuning.dq_before_dk
+    dq_rows, dq_cols = (config.tile_m // 2, d) if rows else (config.tile_m, d // 2)
+    dq_per_body = dq_rows // 64 * config.tile_n // 16
+    per_body = d // 16 + dv // 16 + 2 * (config.tile_m // 16) + dq_per_body
     assert counts["HGMMA"] == bodies * per_body, "HGMMA count"
+    # The dQ WGMMAs (the only SS ones with B transposed): m64 n(dq_cols) k16.
+    dq_shapes = re.findall(r"HGMMA\.64x(\d+)x16\.F32\S* R\d+, gdesc\[UR\d+\]\.tnspB", sass)
+    assert dq_shapes == [str(dq_cols)] * (bodies * dq_per_body), "dQ WGMMA shape / count"
+    # One warpgroup.arrive per GEMM group (dq_before_dk: dK, issued right behind dQ with no
+    # register written in between, needs none of its own).
     assert sass.count("WARPGROUP.ARRIVE") == 4 * bodies, "WGMMAs serialized by ptxas"
+    _check_step_order(sass, first, dq_rows * dq_cols // 128 // 2, bodies)
     assert counts["UTMALDG"] > 0, "no TMA load (UTMALDG) in the SASS"
     assert counts["HMMA"] == 0 and counts["LDGSTS"] == 0
     # One exp2 per score (64 keys x tile_m query rows over 128 threads) in each body. dQ leaves
     # through smem: one TMA reduce-add per 32-column (128-byte swizzle) box of each consumer's
-    # (tile_m, d / 2) half, issued by producer warp 1 (once, not per body); no atomics. The box
-    # is the swizzle atom's width: 32 fp32 columns (128 bytes) when d / 2 is a multiple of 32,
-    # else 16 (64 bytes: d 96).
+    # (tile_m, d / 2) half (dq_by_rows: (tile_m / 2, d)), issued by producer warp 1 (once, not
+    # per body); no atomics. The box is the swizzle atom's width: 32 fp32 columns (128 bytes)
+    # when the part's columns are a multiple of 32, else 16 (64 bytes: d 96).
     exps = WG_KEYS * config.tile_m // 128  # a thread's scores of its consumer's tile
     assert len(re.findall(r"MUFU\.EX2", sass)) == bodies * exps
     # softcap: one tanh per score before the exponential.
     assert len(re.findall(r"MUFU\.TANH", sass)) == (bodies * exps if config.has_softcap else 0)
-    box = 32 if (d // 2) % 32 == 0 else 16
-    assert len(re.findall(r"UTMAREDG\S*\.ADD", sass)) == 2 * (d // 2) // box
+    box = 32 if dq_cols % 32 == 0 else 16
+    assert len(re.findall(r"UTMAREDG\S*\.ADD", sass)) == 2 * dq_cols // box
     assert len(re.findall(r"\bATOMG", sass)) == 0
     if deterministic:
         # Warp 1's turn (hopper/flash_bwd.py, docstring: deterministic dQ): the semaphore spin
@@ -261,6 +299,39 @@ def _check_sass(config: BwdConfig, info: dict) -> None:
     assert re.search(r"USETMAXREG\.TRY_ALLOC\S*\s+\S+,\s*0xf0\b", sass), (
         "consumer setmaxnreg.inc 240"
     )
+
+
+def _check_step_order(sass: str, dq_before_dk: bool, dq_stores: int, bodies: int) -> None:
+    """The order of the GEMM groups in each step body, and where the dQ tile goes to sdQ
+    (``dq_stores`` 8-byte STS a thread). Runs of HGMMA by kind: SS (S^T, dP^T), RS (dV, dK: A
+    from registers), DQ (SS with B transposed). By default a body is SS, RS (dV and dK), DQ,
+    and dQ is written after the last WGMMA completed (no STS.64 between the dQ WGMMAs and the
+    next wait_group 0); dq_before_dk: SS, RS (dV), DQ, RS (dK), and the dQ stores lie between
+    the dK WGMMAs and the wait for them (dQ written while dK runs)."""
+    lines = [m.group(2) for m in _LINE.finditer(sass)]
+    runs: list[tuple[str, int]] = []  # (kind, index of its last HGMMA)
+    for i, op in enumerate(lines):
+        if not op.startswith("HGMMA"):
+            continue
+        kind = "RS" if re.match(r"HGMMA\S+ R\d+, R\d+,", op) else "SS"
+        kind = "DQ" if kind == "SS" and ".tnspB" in op else kind
+        if runs and runs[-1][0] == kind:
+            runs[-1] = (kind, i)
+        else:
+            runs.append((kind, i))
+    pattern = ["SS", "RS", "DQ", "RS"] if dq_before_dk else ["SS", "RS", "DQ"]
+    assert [k for k, _ in runs] == pattern * bodies, [k for k, _ in runs]
+
+    def stores_before_wait_all(start: int) -> int:
+        end = next(i for i in range(start, len(lines))
+                   if lines[i].startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0"))  # fmt: skip
+        return sum(1 for op in lines[start:end] if re.match(r"(@!?P\d+ )?STS\.64\b", op))
+
+    after = "RS" if dq_before_dk else "DQ"
+    for b in range(bodies):
+        (kind, last) = runs[(b + 1) * len(pattern) - 1]
+        assert kind == after
+        assert stores_before_wait_all(last) == (dq_stores if dq_before_dk else 0), (b, kind)
 
 
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -385,6 +456,43 @@ def test_sm90_bwd_q_stages_tuning() -> None:
         with pytest.raises(TuningError, match="q_stages"):
             with cute_fa.tuning(sm90_bwd={"q_stages": bad}):
                 plan_bwd_config("sm_90a", "bf16", 128, 128)
+
+
+def test_sm90_bwd_step_order_tuning() -> None:
+    """The step-order fields dq_by_rows (d 64 at 128 query rows only) and dq_before_dk (d <= 128,
+    no split d): part of the compile key and its name, set by overrides and by the bench's
+    ``family.field=value`` form; where the kernel cannot run them it declines the key and
+    planning hands the call to the sm80 kernel; not bools: TuningError."""
+    from cute_fa import tuned
+    from cute_fa.planning import bwd_config as plan_bwd_config
+
+    assert not _config(64).tuning.dq_by_rows and not _config(64).tuning.dq_before_dk
+    rows, first = {"dq_by_rows": True}, {"dq_before_dk": True}
+    for fields, label in (
+        (rows, "dqrows"),
+        (first, "dqfirst"),
+        ({**rows, **first}, "dqrows_dqfirst"),
+    ):
+        config = bwd_config(_config(64), fields)
+        assert config.name.endswith(f"_128x128w12_{label}"), config.name
+        assert bwd_can_implement(config) == (True, "")
+        with cute_fa.tuning(sm90_bwd=fields):
+            assert plan_bwd_config("sm_90a", "bf16", 64, 64) == config
+    for d, rows_ok, first_ok in ((64, True, True), (96, False, True), (128, False, True),
+                                 (192, False, False), (256, False, False)):  # fmt: skip
+        for field, ok in (("dq_by_rows", rows_ok), ("dq_before_dk", first_ok)):
+            assert bwd_can_implement(bwd_config(_config(d), {field: True}))[0] == ok, (d, field)
+            with cute_fa.tuning(sm90_bwd={field: True}):
+                assert plan_bwd_config("sm_90a", "bf16", d, d).arch == (90 if ok else 80)
+    # d 64 with softcap steps 64 query rows: no dQ by rows.
+    ok, reason = bwd_can_implement(bwd_config(_config(64, has_softcap=True), {"dq_by_rows": True}))
+    assert not ok and "tile_m 64" in reason
+    assert tuned.parse_assignment("sm90_bwd.dq_by_rows=true") == ("sm90_bwd", "dq_by_rows", True)
+    for bad in (1, "rows"):
+        with pytest.raises(TuningError, match="dq_by_rows"):
+            Sm90BwdTuning(dq_by_rows=bad)
+        with pytest.raises(TuningError, match="dq_before_dk"):
+            Sm90BwdTuning(dq_before_dk=bad)
 
 
 @pytest.mark.parametrize(
