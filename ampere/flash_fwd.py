@@ -495,16 +495,21 @@ class FlashAttentionForwardSm80(AttentionKernel):
         ``pages[j // page_size]``, row ``j % page_size``), 16 bytes a copy as the dense tile."""
         tXcX = g2s.tKVcKV
         tXgX, tXsX = (g2s.tVgV, g2s.tVsV) if cutlass.const_expr(is_v) else (g2s.tKgK, g2s.tKsK)
-        rows_left = seqlen_k - n_block * self.tile_n
-        for n in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
-            row = tXcX[0, n, 0][0]
-            if cutlass.const_expr(predicate):
-                if row < rows_left:
+        if cutlass.const_expr(not predicate and not self.page_size):
+            # The dense unpredicated tile in one copy: one base address, the rows at constant
+            # offsets (a copy a row here costs registers and spills at d64, see docs/log).
+            cute.copy(g2s.copy_g2s, tXgX[None, None, None, n_block], tXsX)
+        else:
+            rows_left = seqlen_k - n_block * self.tile_n
+            for n in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
+                row = tXcX[0, n, 0][0]
+                if cutlass.const_expr(predicate):
+                    if row < rows_left:
+                        self.copy_kv_row(g2s, tXgX, tXsX, n, n_block, row)
+                    elif cutlass.const_expr(zero_fill):
+                        tXsX[None, n, None].fill(0)
+                else:
                     self.copy_kv_row(g2s, tXgX, tXsX, n, n_block, row)
-                elif cutlass.const_expr(zero_fill):
-                    tXsX[None, n, None].fill(0)
-            else:
-                self.copy_kv_row(g2s, tXgX, tXsX, n, n_block, row)
 
     @cute.jit
     def copy_kv_row(self, g2s: KVLoads, tXgX: cute.Tensor, tXsX: cute.Tensor, n, n_block: Int32,

@@ -503,15 +503,29 @@ def bwd_default_tuning(head_dim: int, has_softcap: bool = False) -> Sm90BwdTunin
     tile_m = SM90_BWD_TILE_M
     if not has_softcap:
         tile_m = SM90_BWD_TILE_M_BY_D.get(head_dim, SM90_BWD_TILE_M)
-    return Sm90BwdTuning(tile_m=tile_m, tile_n=tile_n)
+    return Sm90BwdTuning(tile_m=tile_m, tile_n=tile_n, **bwd_default_step_order(head_dim, tile_m))
+
+
+def bwd_default_step_order(head_dim: int, tile_m: int) -> dict:
+    """The step-order fields by default: d 64 with 128 query rows a step takes dQ by rows and
+    dQ before dK (+2-7 % on the H200 at 2k / 8k, docs/log/sm90-backward.md, 2026-12-04); other
+    tiles keep dV, dK, then dQ over d / 2 columns (dQ before dK at d128 measured -2 to -4 %
+    causal)."""
+    on = head_dim == 64 and tile_m == 128
+    return {"dq_by_rows": on, "dq_before_dk": on}
 
 
 def bwd_config(base: BwdConfig, asked: dict | None = None) -> BwdConfig:
     """The sm90 backward's compile key for the problem of ``base`` (its tuning ignored): the
-    default tuning with the fields ``asked`` over it (``cute_fa/tuned.py``)."""
+    default tuning with the fields ``asked`` over it (``cute_fa/tuned.py``); step-order fields
+    not asked follow the tile asked (``bwd_default_step_order``)."""
+    asked = asked or {}
     default = bwd_default_tuning(base.head_dim, base.has_softcap)
     fields = dataclasses.asdict(default)
-    fields.update(asked or {})
+    fields.update(asked)
+    for name, value in bwd_default_step_order(base.head_dim, fields["tile_m"]).items():
+        if name not in asked:
+            fields[name] = value
     return base.replace(tuning=Sm90BwdTuning(**fields))
 
 

@@ -184,10 +184,14 @@ def test_sm90_bwd_three_q_stages(monkeypatch, causal, deterministic, seqlen_q, s
 
 
 # The step-order tuning fields (hopper/flash_bwd.py docstring): dQ split over the consumers by
-# rows (d 64, 128 query rows a step) and dQ issued before dK (d <= 128), alone and together.
+# rows (d 64, 128 query rows a step) and dQ issued before dK (d <= 128), alone, together and
+# neither. Both are on by default at d 64 without softcap (``bwd_default_step_order``), so its
+# cases name both fields.
+BASE_ORDER = {"dq_by_rows": False, "dq_before_dk": False}  # dV, dK, then dQ over d / 2 columns
 STEP_ORDER = [
-    pytest.param(64, {"dq_by_rows": True}, id="d64-rows"),
-    pytest.param(64, {"dq_before_dk": True}, id="d64-first"),
+    pytest.param(64, BASE_ORDER, id="d64-base"),
+    pytest.param(64, {"dq_by_rows": True, "dq_before_dk": False}, id="d64-rows"),
+    pytest.param(64, {"dq_by_rows": False, "dq_before_dk": True}, id="d64-first"),
     pytest.param(64, {"dq_by_rows": True, "dq_before_dk": True}, id="d64-rows-first"),
     pytest.param(96, {"dq_before_dk": True}, id="d96-first"),
     pytest.param(128, {"dq_before_dk": True}, id="d128-first"),
@@ -213,15 +217,16 @@ def test_sm90_bwd_step_order(d, fields, dtype, causal, h_kv, seqlen_q, seqlen_k)
 @pytest.mark.parametrize("d,fields", STEP_ORDER)
 def test_sm90_bwd_step_order_deterministic(d, fields, causal, seqlen_q, seqlen_k):
     """deterministic=True with a step-order field: correct, the same bytes on every run, and
-    the same math as the default kernel: dK and dV are the same WGMMAs (bitwise equal), and so
-    is dQ where only the order changed (dq_before_dk); dQ by rows runs other WGMMA shapes."""
+    the same math as the base order (``BASE_ORDER``): dK and dV are the same WGMMAs (bitwise
+    equal), and so is dQ where only the order changed (dq_before_dk); dQ by rows runs other
+    WGMMA shapes."""
     q, k, v, out, lse, dout = forward_inputs(d, torch.bfloat16, causal, 4, 2, seqlen_q, seqlen_k)
     scale = d**-0.5
     grads = sm90_backward(dout, q, k, v, out, lse, scale, causal, True, tuning=fields)
     check_grads(grads, q, k, v, dout, causal=causal)
     again = sm90_backward(dout, q, k, v, out, lse, scale, causal, True, tuning=fields)
-    default = sm90_backward(dout, q, k, v, out, lse, scale, causal, True)
-    same_as_default = ("dq", "dk", "dv") if "dq_by_rows" not in fields else ("dk", "dv")
+    default = sm90_backward(dout, q, k, v, out, lse, scale, causal, True, tuning=BASE_ORDER)
+    same_as_default = ("dk", "dv") if fields.get("dq_by_rows") else ("dq", "dk", "dv")
     for g, g2, g0, name in zip(grads, again, default, ("dq", "dk", "dv"), strict=True):
         assert torch.equal(g.view(torch.int16), g2.view(torch.int16)), f"{name} differs"
         if name in same_as_default:
@@ -232,18 +237,23 @@ def test_sm90_bwd_step_order_deterministic(d, fields, causal, seqlen_q, seqlen_k
 # windows, softcap (d 64 with softcap steps 64 rows: no dq_by_rows), varlen with NaN past
 # seqused, deterministic varlen.
 STEP_ORDER_FEATURES = [
-    pytest.param(64, {"dq_by_rows": True}, "window", id="d64-rows-window"),
+    pytest.param(64, BASE_ORDER, "window", id="d64-base-window"),
+    pytest.param(64, {"dq_by_rows": True, "dq_before_dk": False}, "window", id="d64-rows-window"),
     pytest.param(64, {"dq_by_rows": True, "dq_before_dk": True}, "window",
                  id="d64-rows-first-window"),
     pytest.param(128, {"dq_before_dk": True}, "window", id="d128-first-window"),
     pytest.param(64, {"dq_before_dk": True}, "softcap", id="d64-first-softcap"),
     pytest.param(128, {"dq_before_dk": True}, "softcap", id="d128-first-softcap"),
-    pytest.param(64, {"dq_by_rows": True}, "seqused", id="d64-rows-seqused"),
+    pytest.param(64, BASE_ORDER, "seqused", id="d64-base-seqused"),
+    pytest.param(64, {"dq_by_rows": True, "dq_before_dk": False}, "seqused",
+                 id="d64-rows-seqused"),
     pytest.param(64, {"dq_by_rows": True, "dq_before_dk": True}, "seqused",
                  id="d64-rows-first-seqused"),
     pytest.param(96, {"dq_before_dk": True}, "seqused", id="d96-first-seqused"),
     pytest.param(128, {"dq_before_dk": True}, "seqused", id="d128-first-seqused"),
-    pytest.param(64, {"dq_by_rows": True}, "varlen-det", id="d64-rows-varlen-det"),
+    pytest.param(64, BASE_ORDER, "varlen-det", id="d64-base-varlen-det"),
+    pytest.param(64, {"dq_by_rows": True, "dq_before_dk": False}, "varlen-det",
+                 id="d64-rows-varlen-det"),
     pytest.param(128, {"dq_before_dk": True}, "varlen-det", id="d128-first-varlen-det"),
 ]  # fmt: skip
 

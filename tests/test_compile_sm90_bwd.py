@@ -462,19 +462,29 @@ def test_sm90_bwd_step_order_tuning() -> None:
     """The step-order fields dq_by_rows (d 64 at 128 query rows only) and dq_before_dk (d <= 128,
     no split d): part of the compile key and its name, set by overrides and by the bench's
     ``family.field=value`` form; where the kernel cannot run them it declines the key and
-    planning hands the call to the sm80 kernel; not bools: TuningError."""
+    planning hands the call to the sm80 kernel; not bools: TuningError. By default both are on
+    at d 64 with 128 query rows and off elsewhere; a field not asked follows the tile asked."""
     from cute_fa import tuned
     from cute_fa.planning import bwd_config as plan_bwd_config
 
-    assert not _config(64).tuning.dq_by_rows and not _config(64).tuning.dq_before_dk
-    rows, first = {"dq_by_rows": True}, {"dq_before_dk": True}
+    assert _config(64).tuning.dq_by_rows and _config(64).tuning.dq_before_dk
+    assert plan_bwd_config("sm_90a", "bf16", 64, 64).name.endswith("_128x128w12_dqrows_dqfirst")
+    for d in (96, 128, 192, 256):
+        assert not _config(d).tuning.dq_by_rows and not _config(d).tuning.dq_before_dk, d
+    # d 64 asked for 64 query rows, or with softcap (64 rows by default): both off.
+    for tuning in (bwd_config(_config(64), {"tile_m": 64}).tuning,
+                   _config(64, has_softcap=True).tuning):  # fmt: skip
+        assert tuning.tile_m == 64 and not tuning.dq_by_rows and not tuning.dq_before_dk
+    rows = {"dq_by_rows": True, "dq_before_dk": False}
+    first = {"dq_by_rows": False, "dq_before_dk": True}
     for fields, label in (
-        (rows, "dqrows"),
-        (first, "dqfirst"),
-        ({**rows, **first}, "dqrows_dqfirst"),
+        ({"dq_by_rows": False, "dq_before_dk": False}, ""),
+        (rows, "_dqrows"),
+        (first, "_dqfirst"),
+        ({"dq_by_rows": True, "dq_before_dk": True}, "_dqrows_dqfirst"),
     ):
         config = bwd_config(_config(64), fields)
-        assert config.name.endswith(f"_128x128w12_{label}"), config.name
+        assert config.name.endswith(f"_128x128w12{label}"), config.name
         assert bwd_can_implement(config) == (True, "")
         with cute_fa.tuning(sm90_bwd=fields):
             assert plan_bwd_config("sm_90a", "bf16", 64, 64) == config
