@@ -33,13 +33,11 @@ from cute_fa.dsl.softmax import (
 
 from .support import (
     SM100_FWD_EPI_ROWS,
-    SM100_FWD_EXP2_POLY_EVERY,
-    SM100_FWD_KV_STAGES,
     SM100_FWD_Q_TILES,
-    SM100_FWD_RESCALE_THRESHOLD,
     SM100_FWD_TILE_Q,
     TMEM_COLUMNS,
     fwd_can_implement,
+    fwd_kv_stages,
     fwd_regs,
     fwd_tmem_columns,
 )
@@ -137,10 +135,12 @@ class FlashAttentionForwardSm100(AttentionKernel):
       Arrival counts are asserted while tracing (``_pipelines``, ``self.protocol``).
     Softmax step (thread = row): wait S_i; tcgen05.ld the row (tile_n fp32); mask (blocks that
       cut the seqlen_k tail or the causal diagonal only: ``apply_mask`` on a (1, tile_n) view);
-      row max; ``update_max`` (rescale threshold SM100_FWD_RESCALE_THRESHOLD = 8 log2 units:
-      the max moves only by more than that, Note [rescale threshold]); factor -> correction
+      row max; ``update_max`` (rescale threshold: the tuning's ``rescale_threshold``, 8 log2
+      units by default: the max moves only by more than that, Note [rescale threshold]);
+      factor -> correction
       (blocks after the first); p = 2^(s scale_log2 - m) with the argument by packed FFMA2 and
-      every SM100_FWD_EXP2_POLY_EVERY-th pair of an unmasked block by the packed polynomial
+      every ``exp2_poly``-th pair (the tuning's; 8 by default, 0: none) of an unmasked block
+      by the packed polynomial
       (``cute_fa/dsl/fastmath.py``); row sum; P -> 16 bits -> tcgen05.st into S_i's columns;
       wait::st; release S_i (= P_i ready).
     Correction: block 0 needs nothing; for each later block j of tile i: wait factor_i(j),
@@ -183,10 +183,12 @@ class FlashAttentionForwardSm100(AttentionKernel):
         self.tile_q = SM100_FWD_TILE_Q  # rows of one Q tile (TMEM lanes)
         self.q_tiles = SM100_FWD_Q_TILES
         self.num_threads = WARP * 16
-        self.kv_stages = SM100_FWD_KV_STAGES[(config.head_dim, config.head_dim_v)]
+        self.kv_stages = fwd_kv_stages(config)
         self.regs_softmax, self.regs_correction, self.regs_other = fwd_regs(config)
-        self.rescale_threshold = SM100_FWD_RESCALE_THRESHOLD
-        self.exp2_poly_every = SM100_FWD_EXP2_POLY_EVERY
+        # The softmax's numerics (Sm100FwdTuning): rescale threshold in log2 units, and every
+        # exp2_poly-th pair of an unmasked block's exponentials by polynomial (0: none).
+        self.rescale_threshold = float(config.tuning.rescale_threshold)
+        self.exp2_poly_every = config.tuning.exp2_poly
         # Packed GQA (Note [packed GQA] in cute_fa/dsl/pack_gqa.py): query heads whose rows
         # share a tile; 1: one head a tile.
         self.packed_heads = config.pack_gqa or 1

@@ -77,25 +77,29 @@ def fwd_regs(config: FwdConfig) -> tuple[int, int, int]:
     return SM100_FWD_REGS[(config.head_dim, config.head_dim_v)]
 
 
-# Conditional rescale (Note [rescale threshold] in cute_fa/dsl/softmax.py): a row's max moves
-# only by more than this many log2 units; 0: on every new max. FA4: 8 for 16-bit inputs.
-SM100_FWD_RESCALE_THRESHOLD = 8.0
-# Software exp2 (Note [exp2 on the FMA pipe]; packed f32x2 form in cute_fa/dsl/fastmath.py):
-# in blocks without a mask, every k-th pair of a row's exponentials is a polynomial on the
-# FMA pipe; 0: all on MUFU. FA4 emulates about 1 in 10 at d 128 (its tuning table); not
-# measured here (no Blackwell GPU).
-SM100_FWD_EXP2_POLY_EVERY = 8
-# Stages of the K/V ring (K[n] and V[n] take one stage each) by (head_dim, head_dim_v): what
-# fits 227 KiB with two Q tiles (O is staged in the Q tiles' smem; (192, 128) would take 2).
+# The softmax's numerics are fields of Sm100FwdTuning (cute_fa/config.py): the conditional
+# rescale (``rescale_threshold``, Note [rescale threshold] in cute_fa/dsl/softmax.py; FA4: 8
+# for 16-bit inputs) and the software exp2 (``exp2_poly``: in blocks without a mask every k-th
+# pair of a row's exponentials is the packed polynomial, cute_fa/dsl/fastmath.py; FA4 emulates
+# about 1 in 10 at d 128). Both defaults are FA4's values, not measured here (no Blackwell GPU).
+# Stages of the K/V ring (K[n] and V[n] take one stage each) by (head_dim, head_dim_v), where
+# the tuning's ``kv_stages`` is 0: what fits 227 KiB with two Q tiles (O is staged in the Q
+# tiles' smem; (192, 128) would take 2).
 SM100_FWD_KV_STAGES = {(64, 64): 4, (96, 96): 4, (128, 128): 4, (192, 128): 2}
 # mbarriers, the LSE/scale exchange (2 x 2 x 128 fp32) and 1024-byte alignment of the tiles.
 SM100_FWD_SMEM_SLACK = 4096
 
 
+def fwd_kv_stages(config: FwdConfig) -> int:
+    """Stages of the forward's K/V ring: the tuning's ``kv_stages``, or by head dims."""
+    asked = getattr(config.tuning, "kv_stages", 0)
+    return asked or SM100_FWD_KV_STAGES.get((config.head_dim, config.head_dim_v), 2)
+
+
 def fwd_smem_bytes(config: FwdConfig) -> int:
     """Shared memory of the forward: two Q tiles and the K/V ring (stages of the larger of a K
     and a V tile), 16-bit elements, plus slack."""
-    stages = SM100_FWD_KV_STAGES.get((config.head_dim, config.head_dim_v), 2)
+    stages = fwd_kv_stages(config)
     q = config.tile_m * config.head_dim * 2
     kv = stages * config.tile_n * max(config.head_dim, config.head_dim_v) * 2
     return q + kv + SM100_FWD_SMEM_SLACK

@@ -198,13 +198,50 @@ class _Sm100Tiles:
         return f"{self.tile_m}x{self.tile_n}w{self.num_warps}"
 
 
+# Stages of the sm100 forward's K/V ring a tuning may ask for; 0: the default of its head dims.
+SM100_KV_STAGE_CHOICES = (0, 2, 3, 4)
+
+
 @dataclass(frozen=True)
 class Sm100FwdTuning(_Sm100Tiles):
     """Tuning of FlashAttentionForwardSm100 (blackwell/flash_fwd.py): two 128-row Q tiles a
-    CTA (tile_m 256) and tile_n keys a block."""
+    CTA (tile_m 256) and tile_n keys a block;
+    the softmax's numerics (FA4's values by default, not measured here: no Blackwell GPU) and
+    the K/V ring's depth. Every field changes the generated code."""
 
     tile_m: int = 256
     tile_n: int = 128
+    # In a block without a mask, every exp2_poly-th pair of a row's exponentials is the packed
+    # polynomial on the FMA pipe (Note [exp2 on the FMA pipe]); 0: all on MUFU.
+    exp2_poly: int = 8
+    # Log2 units a row max must grow by before O is rescaled (Note [rescale threshold]); 0: on
+    # every new max.
+    rescale_threshold: int = 8
+    kv_stages: int = 0  # K/V ring stages; 0: by head dims (blackwell/support.py)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.exp2_poly not in EXP2_POLY_CHOICES:
+            raise TuningError(
+                f"exp2_poly must be one of {EXP2_POLY_CHOICES}, got {self.exp2_poly!r}"
+            )
+        if self.rescale_threshold not in RESCALE_THRESHOLD_CHOICES:
+            raise TuningError(
+                f"rescale_threshold must be one of {RESCALE_THRESHOLD_CHOICES}, "
+                f"got {self.rescale_threshold!r}"
+            )
+        if self.kv_stages not in SM100_KV_STAGE_CHOICES:
+            raise TuningError(
+                f"kv_stages must be one of {SM100_KV_STAGE_CHOICES}, got {self.kv_stages!r}"
+            )
+
+    @property
+    def label(self) -> str:
+        flags = [super().label]
+        flags += [f"poly{self.exp2_poly}"] if self.exp2_poly != 8 else []
+        flags += [f"thr{self.rescale_threshold}"] if self.rescale_threshold != 8 else []
+        flags += [f"kv{self.kv_stages}"] if self.kv_stages else []
+        return "_".join(flags)
 
 
 @dataclass(frozen=True)

@@ -141,3 +141,41 @@ def test_each_backward_flag_reaches_the_compile_key(target, flag):
     config = planning.bwd_config(target, "bf16", 128, 128, **{flag: True})
     assert config.arch == int(target[3:5])
     assert [f for f in (*BWD_FLAGS, "causal", "deterministic") if getattr(config, f)] == [flag]
+
+
+def test_sm100_forward_numerics_are_typed_tuning_fields():
+    """exp2_poly, rescale_threshold and kv_stages of Sm100FwdTuning: FA4's values by default
+    (8, 8, the ring of the head dims), taken from overrides and tuned tables, in the compile
+    key's name when not the default, checked when made; kv_stages sizes the shared memory."""
+    from cute_fa.blackwell import support as sm100
+
+    import cute_fa
+    from cute_fa import tuned
+    from cute_fa.config import Sm100FwdTuning, TuningError
+    from cute_fa.planning import SM100_FWD, FwdRequest, fwd_config_for_target
+
+    def plan(d=128, table=None):
+        request = FwdRequest("bf16", d, d, False)
+        return fwd_config_for_target(SM100_FWD, "sm_100a", request, None, table)
+
+    config, _ = plan()
+    assert (config.tuning.exp2_poly, config.tuning.rescale_threshold) == (8, 8)
+    assert config.tuning.kv_stages == 0 and sm100.fwd_kv_stages(config) == 4
+    assert config.name.endswith("_256x128w16"), config.name
+    with cute_fa.tuning(sm100_fwd={"exp2_poly": 0, "rescale_threshold": 0, "kv_stages": 3}):
+        asked, reason = plan()
+    assert reason == "" and asked.name.endswith("_256x128w16_poly0_thr0_kv3"), asked.name
+    assert sm100.fwd_kv_stages(asked) == 3
+    assert sm100.fwd_smem_bytes(config) - sm100.fwd_smem_bytes(asked) == 128 * 128 * 2
+    key = tuned.TableKey("GPU", 1, 0, "0", "0")
+    table = tuned.Table(key, {"sm100_fwd": {"d64": {"exp2_poly": 16}}})
+    assert plan(64, table)[0].tuning.exp2_poly == 16
+    # (192, 128) holds two stages: four do not fit 227 KiB, and the reason says so.
+    with cute_fa.tuning(sm100_fwd={"kv_stages": 4}):
+        request = FwdRequest("bf16", 192, 128, False)
+        config, reason = fwd_config_for_target(SM100_FWD, "sm_100a", request)
+    assert config is None and "shared memory" in reason
+    for field, bad in (("exp2_poly", 3), ("exp2_poly", True), ("rescale_threshold", 6),
+                       ("kv_stages", 1), ("kv_stages", 5)):  # fmt: skip
+        with pytest.raises(TuningError, match=field):
+            Sm100FwdTuning(**{field: bad})

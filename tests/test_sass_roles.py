@@ -4,8 +4,10 @@ kernel's design (blackwell/flash_fwd.py's class docstring)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
-from cute_fa.blackwell.support import SM100_FWD_EXP2_POLY_EVERY, fwd_config, fwd_regs
+from cute_fa.blackwell.support import fwd_config, fwd_regs
 
 from cute_fa.tools.sass_roles import role_loops, role_table
 
@@ -57,20 +59,33 @@ def test_role_loops_on_a_listing() -> None:
     assert (mma.maxnreg, mma.instructions, mma.columns["UTCHMMA"]) == (0x30, 3, 1)
 
 
+# The softmax's numerics fields of Sm100FwdTuning: the default (FA4's values), every exponential
+# on MUFU, and the polynomial on every other pair with a rescale on every new max.
+NUMERICS = [
+    pytest.param({}, id="default"),
+    pytest.param({"exp2_poly": 0}, id="poly0"),
+    pytest.param({"exp2_poly": 2, "rescale_threshold": 0}, id="poly2-thr0",
+                 marks=pytest.mark.exhaustive),
+]  # fmt: skip
+
+
 @pytest.mark.compile
-def test_role_table_sm100_fwd_d128() -> None:
+@pytest.mark.parametrize("fields", NUMERICS)
+def test_role_table_sm100_fwd_d128(fields: dict) -> None:
     from cute_fa.tools.sass import compile_cubin, inspect_cubin
 
     config = fwd_config(128, 128)
+    config = dataclasses.replace(config, tuning=dataclasses.replace(config.tuning, **fields))
     info = inspect_cubin(compile_cubin(config))
     rows = {r["role"]: r for r in role_table(info["sass_text"], config.head_dim_v)}
     assert set(rows) == {"softmax unmasked", "softmax masked", "correction", "mma"}
     softmax_regs, correction_regs, other_regs = fwd_regs(config)
     tile_n, d, dv, q_tiles = config.tile_n, config.head_dim, config.head_dim_v, 2
-    # Softmax, per block of one Q tile: tile_n exponentials a row, every POLY_EVERY-th pair of
+    # Softmax, per block of one Q tile: tile_n exponentials a row, every exp2_poly-th pair of
     # an unmasked block by the polynomial, plus the row's rescale factor; S in by tcgen05.ld of
     # 32 columns, P (16-bit, tile_n / 2 columns) out by tcgen05.st of 32.
-    poly = 2 * (tile_n // 2 // SM100_FWD_EXP2_POLY_EVERY)
+    every = config.tuning.exp2_poly
+    poly = 2 * (tile_n // 2 // every) if every else 0
     unmasked, masked = rows["softmax unmasked"], rows["softmax masked"]
     assert unmasked["MUFU.EX2"] == tile_n - poly + 1
     assert masked["MUFU.EX2"] == tile_n + 1
