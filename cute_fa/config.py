@@ -82,10 +82,21 @@ class Tiles:
         return f"{self.tile_m}x{self.tile_n}w{self.num_warps}"
 
 
-# Choices of the sm90 forward's numerics switches (Note [exp2 on the FMA pipe], Note [rescale
+# Choices of the forwards' numerics switches (Note [exp2 on the FMA pipe], Note [rescale
 # threshold] in cute_fa/dsl/softmax.py).
 EXP2_POLY_CHOICES = (0, 2, 4, 8, 16)
 RESCALE_THRESHOLD_CHOICES = (0, 4, 8)
+
+
+def _check_numerics(tuning) -> None:
+    """TuningError unless the tuning's ``exp2_poly`` and ``rescale_threshold`` are choices."""
+    if tuning.exp2_poly not in EXP2_POLY_CHOICES:
+        raise TuningError(f"exp2_poly must be one of {EXP2_POLY_CHOICES}, got {tuning.exp2_poly!r}")
+    if tuning.rescale_threshold not in RESCALE_THRESHOLD_CHOICES:
+        raise TuningError(
+            f"rescale_threshold must be one of {RESCALE_THRESHOLD_CHOICES}, "
+            f"got {tuning.rescale_threshold!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -112,15 +123,7 @@ class Sm90FwdTuning:
         _check_tile(self.tile_m, self.tile_n)
         if self.tile_m not in (128, 192):
             raise TuningError(f"sm90 forward tile_m must be 128 or 192, got {self.tile_m!r}")
-        if self.exp2_poly not in EXP2_POLY_CHOICES:
-            raise TuningError(
-                f"exp2_poly must be one of {EXP2_POLY_CHOICES}, got {self.exp2_poly!r}"
-            )
-        if self.rescale_threshold not in RESCALE_THRESHOLD_CHOICES:
-            raise TuningError(
-                f"rescale_threshold must be one of {RESCALE_THRESHOLD_CHOICES}, "
-                f"got {self.rescale_threshold!r}"
-            )
+        _check_numerics(self)
         if self.num_ctas < 0:
             raise TuningError(f"num_ctas must be >= 0, got {self.num_ctas!r}")
 
@@ -221,15 +224,7 @@ class Sm100FwdTuning(_Sm100Tiles):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.exp2_poly not in EXP2_POLY_CHOICES:
-            raise TuningError(
-                f"exp2_poly must be one of {EXP2_POLY_CHOICES}, got {self.exp2_poly!r}"
-            )
-        if self.rescale_threshold not in RESCALE_THRESHOLD_CHOICES:
-            raise TuningError(
-                f"rescale_threshold must be one of {RESCALE_THRESHOLD_CHOICES}, "
-                f"got {self.rescale_threshold!r}"
-            )
+        _check_numerics(self)
         if self.kv_stages not in SM100_KV_STAGE_CHOICES:
             raise TuningError(
                 f"kv_stages must be one of {SM100_KV_STAGE_CHOICES}, got {self.kv_stages!r}"
