@@ -474,7 +474,8 @@ def bwd_config(
 # On the H200 the sm90 backward measured 0.96-1.18x SDPA CUDNN and 1.34-1.76x SDPA FLASH at d64,
 # d128 and d256, 1.06-1.20x CUDNN at d96 / d192 (docs/performance.md), against 0.99-1.13x FLASH
 # for the sm80 kernel (242-343 TFLOPs at 2k-16k), so an sm_90a device runs it wherever it can
-# (every call the sm80 kernel takes, and (d, dv) = (192, 128), which only the sm90 backward has).
+# (every call the sm80 kernel takes, and (d, dv) = (192, 128) / (128, 64), which only the sm90
+# backward has).
 # deterministic=True runs the sm90 kernel too (its dQ writer warp takes the turns of the
 # semaphores that run_backward allocates with the config's tile_m); on the H200 the sm80
 # kernel's deterministic mode measured 266-291 TFLOPs at d128 8k, where the sm90 kernel's

@@ -138,7 +138,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
     (cu_seqlens_q / cu_seqlens_k, each on its own; seqused_q / seqused_k); no mask, causal or
     sliding window (local; Note [bottom-right aligned masks] in cute_fa/dsl/mask.py); softcap;
     GQA (K/V head = head // (heads / kv heads)); deterministic dQ (``mdQsemaphore``, see
-    "Deterministic dQ" below); (head_dim, head_dim_v) = (192, 128) too.
+    "Deterministic dQ" below); (head_dim, head_dim_v) = (192, 128) and (128, 64) too.
     ``hopper/support.py bwd_can_implement`` rejects other head dims with its reason.
     Tile: tile_n = 128 keys a CTA (64 with split d), tile_m = 64 query rows a step (d 64
     without softcap: 128, so S^T / dP^T are N = 128 WGMMAs and dQ two M = 64 atoms)

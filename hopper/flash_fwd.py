@@ -190,9 +190,9 @@ class FlashAttentionForwardSm90(AttentionKernel):
     hopper/support.py.
 
     Scope so far: bf16 or fp16; (head_dim, head_dim_v) in (64, 64), (96, 96), (128, 128),
-    (192, 192), (192, 128), (256, 256); dense or varlen (cu_seqlens_q / cu_seqlens_k, each on its
-    own, seqused_q / seqused_k); no mask, causal or sliding window (local); softcap or not;
-    GQA/MQA (K/V head = head // (heads / kv heads));
+    (192, 192), (192, 128), (128, 64), (256, 256); dense or varlen (cu_seqlens_q /
+    cu_seqlens_k, each on its own, seqused_q / seqused_k); no mask, causal or sliding window
+    (local); softcap or not; GQA/MQA (K/V head = head // (heads / kv heads));
     ``hopper/support.py`` rejects everything else with its reason.
     Tile: tile_m = 64 * num_consumers query rows, one 64-row slice per consumer warpgroup:
     192 (three consumers) for d 64 without a window or softcap, causal only from 4096 query
@@ -355,7 +355,7 @@ class FlashAttentionForwardSm90(AttentionKernel):
       (hopper/support.py rejects both). The combine (ampere/flash_combine.py) merges the splits.
     Every tuning switch is a field of the compile key (FwdConfig); hopper/support.py has
       each with its measurements and defaults.
-    Not yet: head_dim_v != head_dim other than 192 x 128, persistent
+    Not yet: head_dim_v != head_dim other than 192 x 128 and 128 x 64, persistent
       scheduling of window and varlen calls (tiles of unequal cost).
     """
 

@@ -35,8 +35,9 @@ SM90_FWD_TILE_N = {64: 128, 96: 128, 128: 128, 192: 112, 256: 64}
 # stages). Non-causal it measured +0-4 % in one session and -1 to -3 % at 4k / 8k in the next
 # (noise of that size between runs); causal -3 to -12 % (docs/performance.md, Log).
 SM90_FWD_HEAD_DIMS = tuple(SM90_FWD_TILE_N)
-# (head_dim, head_dim_v) pairs: equal head dims, and 192 x 128 (DeepSeek's q/k 192, v 128).
-SM90_FWD_HEAD_DIM_PAIRS = tuple((d, d) for d in SM90_FWD_HEAD_DIMS) + ((192, 128),)
+# (head_dim, head_dim_v) pairs: equal head dims, 192 x 128 (DeepSeek's q/k 192, v 128) and
+# 128 x 64 (the tile of d 128 with a narrower V / O: fewer registers, no other change).
+SM90_FWD_HEAD_DIM_PAIRS = tuple((d, d) for d in SM90_FWD_HEAD_DIMS) + ((192, 128), (128, 64))
 SM90_FWD_KV_STAGES = 2
 # The tile of d 64 and 128, the first shape the kernel ran with (tests use it as the default).
 SM90_FWD_TILE = (SM90_FWD_TILE_M, SM90_FWD_TILE_N[128], SM90_FWD_WARPS)
@@ -463,7 +464,7 @@ SM90_BWD_TILE_M_BY_D = {64: 128}
 SM90_BWD_TILE_N = 128
 SM90_BWD_WARPS = 12  # one producer and two consumer warpgroups
 SM90_BWD_HEAD_DIMS = (64, 96, 128, 192, 256)
-SM90_BWD_HEAD_DIM_PAIRS = tuple((d, d) for d in SM90_BWD_HEAD_DIMS) + ((192, 128),)
+SM90_BWD_HEAD_DIM_PAIRS = tuple((d, d) for d in SM90_BWD_HEAD_DIMS) + ((192, 128), (128, 64))
 SM90_BWD_Q_STAGES = 2
 SM90_BWD_DS_BUFFERS = 2
 # Above this head dim dK and dV of 64 keys (2 * 64 * d / 128 fp32 a thread) no longer fit one

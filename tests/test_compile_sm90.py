@@ -88,7 +88,7 @@ def test_sm90_forward_is_dispatched_first_on_sm90(monkeypatch) -> None:
         ({"target": "sm_100a"}, "sm_90a"),
         ({"head_dim": 80, "head_dim_v": 80}, "head_dim 80"),
         ({"head_dim": 512, "head_dim_v": 512}, "head_dim 512"),
-        ({"head_dim_v": 64}, "head_dim_v"),
+        ({"head_dim_v": 96}, "head_dim_v"),
         ({"head_dim": 256, "head_dim_v": 128}, "head_dim_v"),
         ({"tuning": Tiles(128, 64, 4)}, "not an Sm90FwdTuning"),
         # Three consumers hold at most 80 keys at d 128 in 160 registers.
@@ -137,9 +137,9 @@ VARLEN_SEQUSED_Q = {**VARLEN, "seqused_q": True}
 VARLEN_SEQUSED_K = {**VARLEN_SEQUSED_Q, "seqused_k": True}
 LOCAL_SOFTCAP = {"local": True, "has_softcap": True}
 # (d, dv, dtype, flags): every head-dim pair, each mask kind, softcap and varlen at least once.
-# Unmarked cases run by default: plain, causal (192, 128), varlen with seqused_k, local with
-# softcap (and every other flag) at d 256; DEFAULT_PLANS adds d 64, three consumers and
-# persistent grids.
+# Unmarked cases run by default: plain, causal (192, 128), local with softcap (128, 64), varlen
+# with seqused_k, local with softcap (and every other flag) at d 256; DEFAULT_PLANS adds d 64,
+# three consumers and persistent grids.
 COMPILE_CASES = [
     pytest.param(128, 128, "bf16", {}, id="d128"),
     pytest.param(128, 128, "bf16", {"causal": True}, id="d128-causal", marks=EXHAUSTIVE),
@@ -152,6 +152,8 @@ COMPILE_CASES = [
     pytest.param(192, 192, "bf16", {"causal": True}, id="d192-causal", marks=EXHAUSTIVE),
     pytest.param(192, 128, "bf16", {}, id="d192x128", marks=EXHAUSTIVE),
     pytest.param(192, 128, "bf16", {"causal": True}, id="d192x128-causal"),
+    pytest.param(128, 64, "bf16", {}, id="d128x64", marks=EXHAUSTIVE),
+    pytest.param(128, 64, "bf16", LOCAL_SOFTCAP, id="d128x64-local-softcap"),
     pytest.param(256, 256, "bf16", {}, id="d256", marks=EXHAUSTIVE),
     pytest.param(256, 256, "bf16", {"causal": True}, id="d256-causal", marks=EXHAUSTIVE),
     pytest.param(256, 256, "fp16", {"causal": True}, id="d256-fp16-causal", marks=EXHAUSTIVE),

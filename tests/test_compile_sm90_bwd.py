@@ -58,7 +58,7 @@ def _config(d: int = 128, dtype: str = "bf16", q_stages: int = 0, **changes) -> 
         ({"arch": 80}, "sm80"),
         ({"target": "sm_100a"}, "sm_90a"),
         ({"head_dim": 80, "head_dim_v": 80}, "head_dim 80"),
-        ({"head_dim_v": 64}, "head_dim_v"),
+        ({"head_dim_v": 96}, "head_dim_v"),
         ({"tuning": Sm90BwdTuning(64, 64)}, "tile_n 64"),
         ({"tuning": Sm90BwdTuning(64, 128), "head_dim": 256, "head_dim_v": 256}, "tile_n 128"),
         ({"tuning": Sm90BwdTuning(96, 128)}, "tile_m 96"),
@@ -138,6 +138,10 @@ COMPILE_CASES = [
         192, "bf16", True, False, {"has_softcap": True}, id="d192-causal-softcap", marks=EXHAUSTIVE
     ),  # fmt: skip
     pytest.param(192, "bf16", False, False, {"head_dim_v": 128}, id="d192-dv128"),
+    pytest.param(128, "bf16", True, False, {"head_dim_v": 64}, id="d128-dv64-causal"),
+    pytest.param(
+        128, "bf16", False, True, {"head_dim_v": 64, **VARLEN}, id="d128-dv64-det", marks=EXHAUSTIVE
+    ),  # fmt: skip
     pytest.param(
         192,
         "fp16",

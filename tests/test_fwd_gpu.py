@@ -228,13 +228,14 @@ def test_fwd_query_tile_edges(d, causal, seqlen_q, seqlen_k):
 )
 @pytest.mark.parametrize("softcap", [0.0, 15.0], ids=["nocap", "cap15"])
 @pytest.mark.parametrize("causal,window", [MASKS[0], MASKS[1], MASKS[3]])
+@pytest.mark.parametrize("d,dv", [(192, 128), (128, 64)], ids=["d192x128", "d128x64"])
 @needs_sm90_forward
-def test_fwd_d192_dv128(causal, window, softcap, seqlen_q, seqlen_k):
-    """head_dim 192 with head_dim_v 128 (q/k 192, v 128)."""
+def test_fwd_dv_pairs(d, dv, causal, window, softcap, seqlen_q, seqlen_k):
+    """A value head dim below the head dim: (192, 128) (q/k 192, v 128) and (128, 64)."""
     b, h, h_kv = 2, NHEADS, 2
-    q, k, _ = _qkv(b, seqlen_q, seqlen_k, h, h_kv, 192, torch.bfloat16, softcap)
-    v = torch.randn(b, seqlen_k, h_kv, 128, device="cuda", dtype=torch.bfloat16)
-    poison_free_memory(_reserve_for((b, seqlen_q, h, 128), torch.bfloat16, (b, h, seqlen_q)))
+    q, k, _ = _qkv(b, seqlen_q, seqlen_k, h, h_kv, d, torch.bfloat16, softcap)
+    v = torch.randn(b, seqlen_k, h_kv, dv, device="cuda", dtype=torch.bfloat16)
+    poison_free_memory(_reserve_for((b, seqlen_q, h, dv), torch.bfloat16, (b, h, seqlen_q)))
     out, lse = cute_fa.flash_attn_func(
         q, k, v, causal=causal, window_size=window, softcap=softcap, return_lse=True
     )
@@ -413,7 +414,7 @@ def test_fwd_persistent_three_consumers_causal(monkeypatch, seqlen_q, seqlen_k):
 # seqlen_q > seqlen_k has tiles that see no key (d256: all but the last row); 800 rows are an
 # odd number of query blocks (a causal pair of one tile).
 PERSISTENT_CASES = [(64, 64, 1000, 777), (96, 96, 800, 800), (128, 128, 1000, 777),
-                    (192, 128, 700, 300), (256, 256, 1000, 1)]  # fmt: skip
+                    (192, 128, 700, 300), (128, 64, 1000, 777), (256, 256, 1000, 1)]  # fmt: skip
 
 
 @pytest.mark.parametrize("softcap", [0.0, 15.0], ids=["nocap", "cap15"])
