@@ -38,12 +38,12 @@ def _randn(*shape, torch):
     return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
 
-def _dense(torch, d=D, h=H, h_kv=None, **kwargs):
+def _dense(torch, d=D, h=H, h_kv=None, dv=None, **kwargs):
     import cute_fa
 
     q = _randn(B, SEQ_Q, h, d, torch=torch)
     k = _randn(B, SEQ_K, h_kv or h, d, torch=torch)
-    v = _randn(B, SEQ_K, h_kv or h, d, torch=torch)
+    v = _randn(B, SEQ_K, h_kv or h, dv or d, torch=torch)
     out = cute_fa.flash_attn_func(q, k, v, **kwargs)
     out = out[0] if isinstance(out, tuple) else out
     out.backward(torch.randn_like(out))
@@ -151,6 +151,7 @@ PATHS: dict[str, tuple[Callable, tuple[int, ...]]] = {
     "deterministic": (lambda t: _dense(t, causal=True, deterministic=True), ARCHS),
     "d128": (lambda t: _dense(t, d=128), ARCHS),
     "d256": (lambda t: _dense(t, d=256, causal=True), (90,)),  # sm90 backward: split d
+    "d128x64": (lambda t: _dense(t, d=128, dv=64, causal=True), (90,)),  # a narrower V / O
     "persistent": (_persistent, (90,)),  # the sm90 forward's persistent grid
     "varlen": (lambda t: _varlen(t, [0, 100, 200, 713], [0, 90, 300, 711], causal=True), ARCHS),
     "seqused_q": (lambda t: _seqused_q(t), ARCHS),
