@@ -154,8 +154,9 @@ def _make_plan(
     config = _for_device(config, device, no_work)
     kernel = None if no_work else _compiled_kernel(config)
     if kernel is not None and splits > 1 and selftest.needs_check(config):
-        # Split variants are self-checked (split, then merged); one that fails: the unsplit
-        # plan, with the warning.
+        # A split variant that is self-checked (its family is: cute_fa/selftest.py
+        # needs_check) is checked split, then merged; one that fails: the unsplit plan, with the
+        # warning.
         error = selftest.failure(kernel, config, device)
         if error:
             fallback = _for_device(unsplit, device, no_work)
@@ -312,9 +313,10 @@ def _heuristic_splits(
 #   packed q: out_partial (S, total_q, h, dv), lse_partial (S, h, total_q): the forward kernel's
 #             batch extent is S; the combine adds a batch dim of 1.
 # The split count is a runtime value: one compiled kernel serves every S. The backward needs
-# only out and lse, so a split forward's backward is the usual one. Every split variant gets
-# the first-use self-check (cute_fa/selftest.py: three splits into poisoned partials, merged by
-# the LSE-weighted sum, against the reference); one that fails serves its calls unsplit.
+# only out and lse, so a split forward's backward is the usual one. A split variant of a family
+# that gets the first-use self-check (cute_fa/selftest.py needs_check) is checked as three splits
+# into poisoned partials, merged by the LSE-weighted sum, against the reference; one that fails
+# serves its calls unsplit.
 
 
 def _for_device(config, device, no_work: bool):

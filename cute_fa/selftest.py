@@ -113,8 +113,6 @@ def needs_check(config: FwdConfig | BwdConfig) -> bool:
         return False
     if mode == "force" or config.arch in _forced:
         return True
-    if getattr(config, "split_kv", False):  # split-KV forwards: not run on a GPU yet
-        return True
     return config.arch == 100 or (config.arch == 80 and config.target in SMALL_SMEM_TARGETS)
 
 
