@@ -150,7 +150,7 @@ class Sm90BwdTuning:
     """Tuning of FlashAttentionBackwardSm90 (hopper/flash_bwd.py); defaults in
     ``hopper/support.py bwd_default_tuning``."""
 
-    tile_m: int = 64  # query rows a step
+    tile_m: int = 64  # query rows a step: 64, 128 (d 64) or 80 (d 128, dQ computed transposed)
     tile_n: int = 128  # keys a CTA
     q_stages: int = 0  # Q / dO (and LSE / delta) stages; 0: two (one above d 192)
     # tile_m 128 (d 64): each consumer computes dQ of its 64 query rows over all d columns

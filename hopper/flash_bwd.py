@@ -16,7 +16,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.nvgpu.warp import LdMatrix8x8x16bOp, StMatrix8x8x16bOp
 from cutlass.tensor_utils.layout import LayoutEnum
 
-from cute_fa.config import BwdConfig
+from cute_fa.config import SMEM_CAPACITY, BwdConfig
 from cute_fa.dsl.copy import acc_to_smem, elem_ptr, row_store_copy, store_rows, transposed
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import (
@@ -43,7 +43,14 @@ from .fragments import (
     gemm_over_k,
     zero_rows_from,
 )
-from .support import SM90_BWD_DS_BUFFERS, bwd_can_implement, bwd_q_stages, bwd_split_d
+from .support import (
+    SM90_BWD_DS_BUFFERS,
+    bwd_can_implement,
+    bwd_dq_transposed,
+    bwd_q_stages,
+    bwd_smem_bytes,
+    bwd_split_d,
+)
 from .sync import thread_pipeline, tma_pipeline
 
 WARPGROUP = 128  # threads
@@ -142,7 +149,9 @@ class FlashAttentionBackwardSm90(AttentionKernel):
     ``hopper/support.py bwd_can_implement`` rejects other head dims with its reason.
     Tile: tile_n = 128 keys a CTA (64 with split d), tile_m = 64 query rows a step (d 64
     without softcap: 128, so S^T / dP^T are N = 128 WGMMAs and dQ two M = 64 atoms)
-    (``support.bwd_tile``).
+    (``support.bwd_default_tuning``); tuning.tile_m = 80 at d 128 (no softcap, the base step
+    order, two Q / dO stages): S^T / dP^T are N = 80 WGMMAs and dQ is computed transposed
+    (below; ``support.bwd_dq_transposed``).
 
     Split d (d > 128, ``self.split_d``): dK and dV of 64 keys (2 * 64 * d / 128 fp32 a thread)
       no longer fit one consumer's registers (d 192 with dv 128 too: dK's 96 and dV's 64
@@ -184,7 +193,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
     Warp roles (3 warpgroups, 384 threads; launched at <= 168 registers a thread)
       warpgroup 0: producer. setmaxnreg.dec to 24 registers.
         warp 0 issues the TMA loads (K and V once; Q[m] and dO[m] of each query block) and
-          writes LSE (log2 units) and delta rows of each block to smem with its 32 lanes.
+          writes LSE (log2 units) and delta rows of each block to smem with its 32 lanes
+          (tile_m / 32 rows a lane, rounded up: at tile_m 80 lanes 0..15 write rows 64..79).
         warp 1 (dQ writer): per query block and consumer c, waits for DQ_FULL_WG1 + c, issues
           the TMA reduce-add of that consumer's half of sdQ into dQaccum (its column half of
           the block, or with dq_by_rows its 64 rows), waits until the TMA
@@ -217,6 +227,19 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       instead of two atoms of N = d / 2 (16 m64n32k16, 48 KiB); the same 32 fp32 registers a
       thread. Still one reduce-add per dQaccum element, CTA and block; rows [64 c, 64 c + 64)
       of each dS row hold both consumers' keys, so DS_READY stays.
+      tile_m = 80 (``dq_transposed``; d 128): dQ's M would be the 80 query rows, not a
+      multiple of the WGMMA's M = 64, so the consumer computes its columns of dQ transposed:
+      dQ_c^T = K[:, cols c]^T dS^T
+                            SS   (d/2 x tile_m, k = tile_n) A: the d/2 columns of c of sK,
+                                                            viewed transposed (MN-major); B:
+                                                            all of sdS (K-major)
+      8 m64n80k16 WGMMAs a consumer and step (tile_m 64: 8 m64n64k16), a 64 x 80 fp32
+      accumulator (40 registers a thread, allocated after S^T / dP^T are converted). The same
+      columns of the same sdQ half as without it: a thread's accumulator pairs are two rows
+      of one dQ column, 128 bytes apart in sdQ, so they leave by 4-byte stores (40 a thread;
+      8 lanes of a store write 8 columns of 4 rows, 32 banks under the 128-byte swizzle: no
+      conflict) instead of 8-byte ones. Registers a thread: dK + dV 128, S^T + dP^T 80
+      (m64n80); the SASS peaks at R237 of 240 (causal), no spills.
     Per query block m (the i-th visited), consumer c (pipeline states advance in lockstep over
     the q stages; split d: the score GEMMs and the dS exchange as above, and dQ is issued only
     after wait_group 0)
@@ -234,7 +257,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       fence; issue dQ_c (commit) behind dV and dK; wait_group 1 (dV, dK complete): release
         Q[m], dO[m]; wait_group 0 (dQ_c complete)
       i > 0: wait DQ_EMPTY_WG1 + c (warp 1 has read this consumer's sdQ half of block i - 1)
-      dQ_c -> sdQ[:, :, c] (fp32, 8-byte stores); fence.proxy.async; arrive DQ_FULL_WG1 + c
+      dQ_c -> sdQ[:, :, c] (fp32, 8-byte stores; tile_m 80: 4-byte); fence.proxy.async; arrive
+        DQ_FULL_WG1 + c
     tuning.dq_before_dk (not split d; FA4's order): dK is taken out of the dV commit group and
     issued behind dQ, so that dQ is written to smem while dK's WGMMA is in flight:
       P^T, dS^T -> 16-bit registers; fence; issue dV += P^T dO (commit)
@@ -250,11 +274,13 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       The two dS buffers: block i + 2 overwrites the buffer of block i only after the DS_READY
       barrier of block i + 1, which each consumer reaches after its dQ GEMM of block i (the
       only reader of that buffer) completed.
-    Pipelines (mbarriers; producer warp 0 -> both consumers)
+    Pipelines (mbarriers; producer warp 0 -> both consumers; ``pipeline_protocol`` builds them
+    and checks stages, TMA bytes and arrivals against the tiles while tracing)
       pipeline_kv: PipelineTmaAsync, 1 stage, K and V tiles on one barrier, 8 consumer-warp
                    arrivals; loaded once, never released.
       pipeline_q, pipeline_do: PipelineTmaAsync, q_stages = 2, 8 consumer-warp arrivals; a stage
-                   is released once the dK (Q) / dV (dO) GEMM of its block has completed.
+                   is released once the dK (Q) / dV (dO) GEMM of its block has completed;
+                   tile_m * d * 2 bytes a stage (tile_m 80: 20 KiB, two 64-column boxes).
       pipeline_lse: PipelineAsync, q_stages = 2, 32 producer-lane arrivals (their st.shared of
                    LSE and delta come before their arrive), 256 consumer-thread arrivals.
     Named barriers (``Barrier``)
@@ -290,8 +316,12 @@ class FlashAttentionBackwardSm90(AttentionKernel):
                                          (tile_m / 2, d, 2), a consumer's rows; its TMA
                                          reduce-add goes to rows [64 (2 m + c), + 64) of
                                          dQaccum in two 32-column boxes (same bytes).
-      d 64: 195 KiB (tile_m 128; 114 at 64), d 96: 154, d 128: 194, d 192: 218, d 256: 217.5
-      (one Q / dO stage)
+                                         tile_m 80: boxes of (80, 32), two a consumer; the
+                                         TMA atom takes the first half's layout by
+                                         cute.select (cute.slice_ of this swizzled fp32
+                                         layout, a column stride of 2560, aborts the DSL).
+      d 64: 195 KiB (tile_m 128; 114 at 64), d 96: 154, d 128: 194 (tile_m 80: 226.25, of
+      the 227 an sm_90a CTA may use), d 192: 218, d 256: 217.5 (one Q / dO stage)
       (``support.bwd_smem_bytes``).
     Epilogue (per consumer): DS_READY (both consumers are done with sK); dK *= softmax_scale;
       dK, dV -> 16-bit -> its rows of sK / sV -> named barrier EPILOGUE_WG1 + c -> 16-byte
@@ -346,11 +376,12 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       (S^T, dP^T, dV + dK, dQ; no ptxas serialization; dq_before_dk: S^T, dP^T, dV, dQ and dK
       behind dQ with no arrive of its own, the dQ stores between dK's WGMMAs and the wait for
       them: releasing dO before issuing dK gave every dK WGMMA its own arrive), the dQ
-      WGMMAs' shape (dq_by_rows: m64nd), no spills and no stack (the exceptions
-      are listed there); dQ leaves by UTMAREDG (no REDG atomics). With dQ split along d its
-      accumulator is 64 x d/2 fp32 (d/4 registers a thread), so dQ is issued while dV and dK
-      (and their 16-bit P^T / dS^T registers) are in flight without ptxas serializing the
-      WGMMAs (C7512); with the full 64 x d accumulator d 128 did not fit. Deterministic mode
+      WGMMAs' shape (dq_by_rows: m64nd; tile_m 80: m64n80 with A transposed), no spills and
+      no stack (the exceptions are listed there); dQ leaves by UTMAREDG (no REDG atomics).
+      With dQ split along d its accumulator is 64 x d/2 fp32 (d/4 registers a thread), so dQ
+      is issued while dV and dK (and their 16-bit P^T / dS^T registers) are in flight without
+      ptxas serializing the WGMMAs (C7512); with the full 64 x d accumulator d 128 did not
+      fit. Deterministic mode
       adds only warp 1's handshake (acquire-load spin, release increment, async-proxy fences);
       the consumers' code is unchanged.
     A learnable sink needs nothing here: the torch layer applies it to the forward's (out,
@@ -385,6 +416,9 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         # The part of a block's dQ a consumer computes (docstring: GEMMs): by default its d / 2
         # columns of all tile_m rows; dq_by_rows (tile_m 128): its 64 rows of all d columns.
         self.dq_by_rows = config.tuning.dq_by_rows
+        # tile_m 80 (not a multiple of 64): dQ^T = K^T dS^T, M = the consumer's d / 2 columns,
+        # N = the query rows (docstring: GEMMs).
+        self.dq_transposed = bwd_dq_transposed(config)
         self.dq_rows = self.tile_m // self.num_consumers if self.dq_by_rows else self.tile_m
         self.dq_cols = self.tile_hdim if self.dq_by_rows else self.tile_hdim // self.num_consumers
         # dq_before_dk: dV, dQ, dK issued in that order (docstring: per query block).
@@ -393,6 +427,28 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         # on the H200 (docs/performance.md, "rotated query-block walks"): d128 non-causal +3-6 %;
         # the sm80 kernel lost 1-3 % with the same change and keeps the plain walk.
         self.rotate = not (config.deterministic or config.causal or config.local)
+
+    def pipeline_protocol(self) -> dict:
+        """The mbarrier pipelines of the class docstring, as (stages, then the TMA bytes of a
+        stage and the consumer-warp arrivals, or the producer-lane and consumer-thread
+        arrivals), checked against the tiles while tracing (after ``__call__`` set the
+        transaction bytes)."""
+        consumer_threads = self.num_consumers * WARPGROUP
+        consumer_warps = consumer_threads // 32
+        tm, d, dv, tn = self.tile_m, self.tile_hdim, self.tile_hdimv, self.tile_n
+        width = self.dtype.width // 8
+        # A TMA stage completes on the bytes of its boxes: K and V of tile_n keys, Q / dO of
+        # tile_m rows (tile_m 80: two (80, 64) boxes of 10 KiB each).
+        assert self.tx_kv == tn * (d + dv) * width and self.tx_q == tm * d * width
+        assert self.tx_do == tm * dv * width
+        # One LSE / delta row a lane and pass: every row of the block has a lane.
+        assert -(-tm // 32) * 32 >= tm and self.q_stages >= 1
+        return {
+            "kv": (1, self.tx_kv, consumer_warps),
+            "q": (self.q_stages, self.tx_q, consumer_warps),
+            "do": (self.q_stages, self.tx_do, consumer_warps),
+            "lse": (self.q_stages, 32, consumer_threads),
+        }
 
     def query_block(self, i: Int32, m_block_min: Int32, m_block_max: Int32) -> Int32:
         """The i-th query block a CTA visits (``visited_query_block``: downward in deterministic
@@ -411,6 +467,14 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         mma_sdp = self.make_mma_sdp()
         mma_dkv = self.make_mma_dkv(self.dk_cols)
+        if cutlass.const_expr(self.dq_transposed):
+            # dQ^T = K^T dS^T: A = the consumer's columns of sK viewed transposed (MN-major),
+            # B = sdS as it is (K-major), N = tile_m (80).
+            mma_dq = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, mn_major, k_major, Float32, (1, 1, 1),
+                (64, self.tile_m),
+            )  # fmt: skip
+            return mma_sdp, mma_dkv, mma_dq
         mma_dq = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, k_major, mn_major, Float32, (1, 1, 1),
             (64, self.dq_cols),  # tile_m = 128 by columns: two M atoms a step
@@ -490,7 +554,9 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             )
             sp_elems, sp_align = cute.cosize(sP_layout), 1024
         # sdQ: fp32 (tm, d / 2) per consumer (the last mode), the source of the TMA reduce-add;
-        # dq_by_rows: (tm / 2, d).
+        # dq_by_rows: (tm / 2, d). The TMA atom gets consumer 0's tile by cute.select: with
+        # tm = 80 (a column-block stride of 2560 elements) cute.slice_ of this swizzled fp32
+        # layout aborts the process inside the DSL (the offset of stage 0 is 0 either way).
         sdQ_layout = sm90_utils.make_smem_layout_epi(
             Float32, LayoutEnum.ROW_MAJOR, (dq_rows, dq_cols), self.num_consumers
         )
@@ -505,7 +571,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         tma_do, mdO_tma = cpasync.make_tiled_tma_atom(load, mdO_t, sdO_tile, (tm, dv))
         tma_dq, mdQ_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ_t,
-            cute.slice_(sdQ_layout, (None, None, 0)), (dq_rows, dq_cols),
+            cute.select(sdQ_layout, mode=[0, 1]), (dq_rows, dq_cols),
         )  # fmt: skip
         self.tx_kv = cute.size_in_bytes(self.dtype, sK_tile) + cute.size_in_bytes(
             self.dtype, sV_tile
@@ -529,6 +595,12 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, sp_elems], sp_align]
 
+        # The CTA's shared memory fits the target (``bwd_smem_bytes``, what can_implement
+        # counts, is this within the 1024-byte alignment of the tiles: the struct rounds up to
+        # it). tile_m 80: 231,680 counted, a struct of 232,448 bytes, all 227 KiB of sm_90a
+        # (as three Q / dO stages at d 128, which ran on the H200).
+        assert SharedStorage.size_in_bytes() <= SMEM_CAPACITY[self.config.target]
+        assert SharedStorage.size_in_bytes() <= bwd_smem_bytes(self.config) + 1024
         # dK / dV stores: 16 bytes a thread, one warpgroup over a (64, d) tile.
         copy_r2g = row_store_copy(self.dtype, WARPGROUP, self.dk_cols)  # dK; dV: consume
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
@@ -600,13 +672,14 @@ class FlashAttentionBackwardSm90(AttentionKernel):
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        consumer_warps = self.num_consumers * WARPGROUP // 32
-        pipeline_kv = tma_pipeline(storage.mbar_kv, 1, self.tx_kv, consumer_warps)
-        pipeline_q = tma_pipeline(storage.mbar_q, self.q_stages, self.tx_q, consumer_warps)
-        pipeline_do = tma_pipeline(storage.mbar_do, self.q_stages, self.tx_do, consumer_warps)
-        pipeline_lse = thread_pipeline(
-            storage.mbar_lse, self.q_stages, 32, self.num_consumers * WARPGROUP
-        )
+        protocol = self.pipeline_protocol()
+        pipeline_kv = tma_pipeline(storage.mbar_kv, *protocol["kv"])
+        pipeline_q = tma_pipeline(storage.mbar_q, *protocol["q"])
+        pipeline_do = tma_pipeline(storage.mbar_do, *protocol["do"])
+        pipeline_lse = thread_pipeline(storage.mbar_lse, *protocol["lse"])
+        pipes = {"kv": pipeline_kv, "q": pipeline_q, "do": pipeline_do, "lse": pipeline_lse}
+        for name, (stages, *_) in protocol.items():
+            assert pipes[name].num_stages == stages, name
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -738,20 +811,42 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             pipeline_do.producer_acquire(state)
             cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, state.index],
                       tma_bar_ptr=pipeline_do.producer_get_barrier(state))  # fmt: skip
-            # LSE in log2 units and delta of the block's rows; rows past seqlen_q and rows that
-            # saw no key in the forward (LSE = -inf) get +inf: P = 0 there.
+            # LSE in log2 units and delta of the block's rows, a row a lane (``stage_lse_row``).
             pipeline_lse.producer_acquire(state)
-            for r in cutlass.range_constexpr(tm // 32):
+            for r in cutlass.range_constexpr(-(-tm // 32)):
                 row = r * 32 + lane
-                lse_log2 = Float32.inf
-                dpsum = Float32(0.0)
-                if m_block * tm + row < seqlen_q:
-                    lse_log2 = lse_for_recompute(mLSE[m_block * tm + row])
-                    dpsum = mdPsum[m_block * tm + row]
-                sLSE[row, state.index] = lse_log2
-                sdPsum[row, state.index] = dpsum
+                lse_args = (mLSE, mdPsum, sLSE, sdPsum, m_block, row, state.index, seqlen_q)
+                if cutlass.const_expr((r + 1) * 32 > tm):  # tile_m 80: rows 64..79, lanes 0..15
+                    if row < tm:
+                        self.stage_lse_row(*lse_args)
+                else:
+                    self.stage_lse_row(*lse_args)
             pipeline_lse.producer_commit(state)
             state.advance()
+
+    @cute.jit
+    def stage_lse_row(
+        self,
+        mLSE: cute.Tensor,
+        mdPsum: cute.Tensor,
+        sLSE: cute.Tensor,
+        sdPsum: cute.Tensor,
+        m_block: Int32,
+        row: Int32,
+        stage: Int32,
+        seqlen_q: Int32,
+    ):
+        """Producer warp 0: LSE in log2 units and delta of one row of the block into the stage;
+        rows past seqlen_q and rows that saw no key in the forward (LSE = -inf) get +inf: P = 0
+        there."""
+        tm = self.tile_m
+        lse_log2 = Float32.inf
+        dpsum = Float32(0.0)
+        if m_block * tm + row < seqlen_q:
+            lse_log2 = lse_for_recompute(mLSE[m_block * tm + row])
+            dpsum = mdPsum[m_block * tm + row]
+        sLSE[row, stage] = lse_log2
+        sdPsum[row, stage] = dpsum
 
     @cute.jit
     def reduce_dq(
@@ -1232,9 +1327,17 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         sdS_dq = sdS_m
         if cutlass.const_expr(self.dq_by_rows):
             sdS_dq = cute.local_tile(sdS_m, (self.dq_rows, self.tile_n), (consumer, 0))
-        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS_dq))
-        tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(transposed(sK_dq)))
-        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C(sdQ_c.shape))
+        # dQ as (A, B, the tile its accumulator covers): dS K or, transposed, K^T dS^T.
+        sdQ_acc = sdQ_c
+        if cutlass.const_expr(self.dq_transposed):
+            tdQrA = thr_dq.make_fragment_A(thr_dq.partition_A(transposed(sK_dq)))
+            tdQrB = thr_dq.make_fragment_B(thr_dq.partition_B(sdS_dq))
+            sdQ_acc = transposed(sdQ_c)
+        else:
+            tdQrA = thr_dq.make_fragment_A(thr_dq.partition_A(sdS_dq))
+            tdQrB = thr_dq.make_fragment_B(thr_dq.partition_B(transposed(sK_dq)))
+        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C(sdQ_acc.shape))
+        assert cute.size(acc_dQ) * WARPGROUP == cute.size(sdQ_c)  # its part, once
         if cutlass.const_expr(self.split_d):
             # dQ's accumulator (d / 4 registers a thread: 48 or 64) fits only once dV and dK
             # have completed and their 16-bit P^T / dS^T registers are free.
@@ -1242,7 +1345,7 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             pipeline_q.consumer_release(state)
             pipeline_do.consumer_release(state)
         warpgroup.fence()
-        gemm_over_k(mma_dq, acc_dQ, tdQrdS, tdQrK, zero_init=True)
+        gemm_over_k(mma_dq, acc_dQ, tdQrA, tdQrB, zero_init=True)
         warpgroup.commit_group()
         if cutlass.const_expr(self.dq_before_dk):
             # dV complete: dO released; dK behind dQ; once dQ is complete it goes to sdQ (below)
@@ -1265,12 +1368,17 @@ class FlashAttentionBackwardSm90(AttentionKernel):
         # dQ half -> sdQ once producer warp 1's reduce of the previous block has read it.
         if i > 0:
             dq_barrier(Barrier.DQ_EMPTY_WG1, consumer).arrive_and_wait()
+        # A thread's accumulator pairs are adjacent columns of dQ (8-byte stores); transposed,
+        # adjacent rows of dQ, 128 bytes apart in sdQ (4-byte stores, conflict-free under the
+        # 128-byte swizzle: docstring).
+        dq_store_bits = 32 if cutlass.const_expr(self.dq_transposed) else 64
         r2s_dq = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64),
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32,
+                                num_bits_per_copy=dq_store_bits),
             mma_dq,
-        )
+        )  # fmt: skip
         thr_r2s_dq = r2s_dq.get_slice(tidx)
-        cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), thr_r2s_dq.partition_D(sdQ_c))
+        cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), thr_r2s_dq.partition_D(sdQ_acc))
         cute.arch.fence_view_async_shared()
         dq_barrier(Barrier.DQ_FULL_WG1, consumer).arrive()
         if cutlass.const_expr(self.dq_before_dk):

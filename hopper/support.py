@@ -461,6 +461,18 @@ SM90_BWD_TILE_M = 64
 # (S^T and dP^T of 64 keys x 128 rows, N = 128 WGMMAs; +12-14 % on the H200, docs/performance.md
 # Log "d64, 128 query rows a step"), except with softcap, whose 1 - tanh^2 tile then spills.
 SM90_BWD_TILE_M_BY_D = {64: 128}
+# 80 query rows a step (a tuning choice, not a default; d 128 only): FA4's tile at d 128
+# non-causal. S^T / dP^T are m64n80 WGMMAs (N = 80: a multiple of 16), dV / dK have k = 80;
+# dQ, whose M would be the 80 rows (not a multiple of 64), is computed transposed, dQ^T = K^T
+# dS^T: M = a consumer's 64 columns of d, N = the 80 rows (``bwd_dq_transposed``; the class
+# docstring of hopper/flash_bwd.py). Registers a consumer thread: dK + dV 128, S^T + dP^T 80,
+# then dQ^T 40 once S^T / dP^T are dead (0 spills; docs/log/sm90-backward.md, 2026-12-05).
+# Shared memory: 32 + 32 (K, V) + 2 x (20 + 20) (Q, dO) + 2 x 20 (dS) + 40 (dQ) KiB, LSE and
+# delta 1.25 KiB: 231,680 B of the 232,448 an sm_90a CTA may use, so one Q / dO stage more
+# does not fit.
+SM90_BWD_TILE_M_DQ_T = 80
+SM90_BWD_TILE_M_DQ_T_HEAD_DIMS = (128,)
+SM90_BWD_TILE_MS = (64, SM90_BWD_TILE_M_DQ_T, 128)
 SM90_BWD_TILE_N = 128
 SM90_BWD_WARPS = 12  # one producer and two consumer warpgroups
 SM90_BWD_HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -476,6 +488,13 @@ SM90_BWD_SPLIT_D_ABOVE = 128
 SM90_BWD_SPLIT_D_TILE_N = 64
 # One Q / dO stage above this head dim (d 256: two stages need 278 KiB of shared memory).
 SM90_BWD_TWO_Q_STAGES_MAX_D = 192
+
+
+def bwd_dq_transposed(config: BwdConfig) -> bool:
+    """Whether the sm90 backward computes dQ transposed (dQ^T = K^T dS^T, the query rows as
+    the WGMMA's N): for a step of query rows that is not a multiple of 64, the M of a WGMMA
+    (tile_m 80)."""
+    return config.tile_m % 64 != 0
 
 
 def bwd_split_d(head_dim: int) -> bool:
@@ -563,8 +582,15 @@ def bwd_can_implement(config: BwdConfig) -> tuple[bool, str]:
             f"tile_n {config.tile_n}: the sm90 backward at head_dim {config.head_dim} runs "
             f"{split_tile_n} keys a CTA (two consumers of {split_tile_n // 2} keys)"
         )
-    if config.tile_m not in (64, 128):
-        return False, f"tile_m {config.tile_m}: the sm90 backward steps 64 or 128 query rows"
+    if config.tile_m not in SM90_BWD_TILE_MS:
+        return False, (
+            f"tile_m {config.tile_m}: the sm90 backward steps 64, 80 (head_dim 128) or 128 "
+            "query rows"
+        )
+    if bwd_dq_transposed(config):
+        why = _dq_transposed_declines(config)
+        if why:
+            return False, f"tile_m {config.tile_m} (dQ transposed): {why}"
     if config.tuning.dq_by_rows and (config.tile_m != 128 or bwd_split_d(config.head_dim)):
         return False, (
             f"dq_by_rows with tile_m {config.tile_m} at head_dim {config.head_dim}: dQ by rows "
@@ -579,3 +605,33 @@ def bwd_can_implement(config: BwdConfig) -> tuple[bool, str]:
     if smem > SMEM_CAPACITY.get(config.target, 0):
         return False, f"tiles need {smem} B of shared memory, more than {config.target} has"
     return True, ""
+
+
+def _dq_transposed_declines(config: BwdConfig) -> str:
+    """Why the 80-row step (dQ transposed) cannot run ``config`` ("" when it can)."""
+    d = config.head_dim
+    if (d, config.head_dim_v) not in tuple((h, h) for h in SM90_BWD_TILE_M_DQ_T_HEAD_DIMS):
+        return (
+            f"head_dim {d} / head_dim_v {config.head_dim_v}: 80 query rows a step run head_dim "
+            f"{SM90_BWD_TILE_M_DQ_T_HEAD_DIMS} only (d 64 steps 128 rows; d 96 was not built; "
+            "above 128 dK / dV are split along d)"
+        )
+    if config.has_softcap:
+        return (
+            "softcap: its 1 - tanh^2 tile (40 more fp32 registers a thread beside dK + dV's 128 "
+            "and S^T + dP^T's 80) spills (54 LDL / STL, an 88-byte stack)"
+        )
+    if config.tuning.dq_before_dk:
+        return (
+            "dq_before_dk: with dQ^T's accumulator live while dK's WGMMAs run, ptxas "
+            "serializes every WGMMA (one warpgroup.arrive each); the 80-row step keeps the base "
+            "order (dV and dK, then dQ)"
+        )
+    if bwd_q_stages(config) > SM90_BWD_Q_STAGES:
+        return (
+            f"q_stages {bwd_q_stages(config)}: two Q / dO stages of 80 rows already take "
+            f"{bwd_smem_bytes(config.with_tuning(q_stages=SM90_BWD_Q_STAGES))} B of shared "
+            f"memory (a third needs {bwd_smem_bytes(config)} B, more than "
+            f"{SMEM_CAPACITY.get(config.target, 0)})"
+        )
+    return ""
