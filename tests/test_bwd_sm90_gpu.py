@@ -295,3 +295,89 @@ def test_sm90_bwd_step_order_features(monkeypatch, d, fields, feature, causal):
         assert config.arch == 90, config.name
         for field, value in fields.items():
             assert getattr(config.tuning, field) == value, config.name
+
+
+# 80 query rows a step at d 128 with dQ computed transposed (``Sm90BwdTuning(tile_m=80)``, a
+# tuning choice; hopper/flash_bwd.py docstring): select with ``-k m80``. Lengths around the
+# 80-row blocks (1, 113, 300 = 3.75 blocks, 1000, 2049 = 25.6 blocks) and across the 128-key
+# CTAs, causal or not, MHA / GQA, bf16 / fp16.
+M80 = {"tile_m": 80}
+M80_SEQLENS = [(1, 1), (113, 113), (300, 300), (1000, 1000), (2049, 2049), (113, 300),
+               (300, 113), (1000, 17), (17, 1000), (2049, 300)]  # fmt: skip
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", M80_SEQLENS, ids=[f"{a}x{b}" for a, b in M80_SEQLENS])
+@pytest.mark.parametrize("h_kv", [4, 2], ids=["mha", "gqa2"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_sm90_bwd_m80(dtype, causal, h_kv, seqlen_q, seqlen_k):
+    q, k, v, out, lse, dout = forward_inputs(128, dtype, causal, 4, h_kv, seqlen_q, seqlen_k)
+    grads = sm90_backward(dout, q, k, v, out, lse, 128**-0.5, causal, tuning=M80)
+    torch.cuda.synchronize()
+    check_grads(grads, q, k, v, dout, causal=causal)
+
+
+M80_DETERMINISTIC_SEQLENS = DETERMINISTIC_SEQLENS + [(2049, 2049)]
+
+
+@pytest.mark.parametrize(
+    "seqlen_q,seqlen_k",
+    M80_DETERMINISTIC_SEQLENS,
+    ids=[f"{a}x{b}" for a, b in M80_DETERMINISTIC_SEQLENS],
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_bwd_m80_deterministic(causal, seqlen_q, seqlen_k):
+    """deterministic=True with 80-row steps (one semaphore per 80-row query block): correct,
+    and the same bytes on every run."""
+    q, k, v, out, lse, dout = forward_inputs(128, torch.bfloat16, causal, 4, 2, seqlen_q, seqlen_k)
+    scale = 128**-0.5
+    grads = sm90_backward(dout, q, k, v, out, lse, scale, causal, True, tuning=M80)
+    check_grads(grads, q, k, v, dout, causal=causal)
+    for _ in range(2):
+        again = sm90_backward(dout, q, k, v, out, lse, scale, causal, True, tuning=M80)
+        for g, g2, name in zip(grads, again, ("dq", "dk", "dv"), strict=True):
+            assert torch.equal(g.view(torch.int16), g2.view(torch.int16)), f"{name} differs"
+
+
+# Through the public API (planning, autograd) with tile_m 80 as a ``cute_fa.tuning`` override:
+# windows, packed varlen (empty sequences included), varlen with NaN past seqused,
+# deterministic varlen, all with GQA (6 query heads on 2 K/V heads).
+M80_FEATURES = ["window", "varlen", "seqused", "varlen-det"]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("feature", M80_FEATURES)
+def test_sm90_bwd_m80_features(monkeypatch, feature, causal):
+    from test_bwd_gpu import (
+        LENS_K,
+        LENS_Q,
+        NHEADS,
+        on_this_thread,
+        run_bwd_and_check,
+        run_varlen_bwd_and_check,
+        track_bwd_kernels,
+    )
+
+    if cute_fa.settings.forced_bwd_arch() == 80:
+        pytest.skip("CUTE_FA_BWD_ARCH=80 runs the sm80 backward")
+    ran = track_bwd_kernels(monkeypatch)
+    with cute_fa.tuning(sm90_bwd=M80), on_this_thread():
+        if feature == "window":
+            window = (64, 0) if causal else (100, 37)
+            run_bwd_and_check(2, 1000, 700, NHEADS, 2, 128, window=window)
+            run_bwd_and_check(1, 2049, 2049, NHEADS, 2, 128, window=window)
+        elif feature == "varlen":
+            run_varlen_bwd_and_check(LENS_Q, LENS_K, 128, causal=causal)
+        elif feature == "seqused":
+            used_q = [min(a, u) for a, u in zip(LENS_Q, [10, 0, 250, 1, 100, 150, 0, 63],
+                                                strict=True)]  # fmt: skip
+            used_k = [min(a, u) for a, u in zip(LENS_K, [290, 5, 64, 1, 0, 17, 0, 100],
+                                                strict=True)]  # fmt: skip
+            run_varlen_bwd_and_check(LENS_Q, LENS_K, 128, causal=causal, used_q=used_q,
+                                     used_k=used_k, nan_unused=True)  # fmt: skip
+        else:
+            run_varlen_bwd_and_check(LENS_Q, LENS_K, 128, causal=causal, deterministic=True)
+    configs = ran()
+    assert configs, "no backward ran"
+    for config in configs:
+        assert config.arch == 90 and config.tile_m == 80, config.name

@@ -26,6 +26,7 @@ from cute_fa.hopper.support import (
     bwd_can_implement,
     bwd_config,
     bwd_default_tuning,
+    bwd_dq_transposed,
     bwd_q_stages,
     bwd_smem_bytes,
     bwd_split_d,
@@ -41,10 +42,10 @@ WG_KEYS = 64  # keys of one consumer warpgroup's score tile
 
 def _config(d: int = 128, dtype: str = "bf16", q_stages: int = 0, **changes) -> BwdConfig:
     """The sm90 backward's key for d (dv = d unless changed) and the flags: the default tuning
-    (``bwd_default_tuning``), with ``q_stages`` and the step-order fields (``dq_by_rows``,
-    ``dq_before_dk``) when given."""
+    (``bwd_default_tuning``), with ``q_stages``, ``tile_m`` and the step-order fields
+    (``dq_by_rows``, ``dq_before_dk``) when given."""
     tuning = changes.pop("tuning", None) or bwd_default_tuning(d, changes.get("has_softcap", False))
-    fields = {f: changes.pop(f) for f in ("dq_by_rows", "dq_before_dk") if f in changes}
+    fields = {f: changes.pop(f) for f in ("dq_by_rows", "dq_before_dk", "tile_m") if f in changes}
     fields.update({"q_stages": q_stages} if q_stages else {})
     tuning = dataclasses.replace(tuning, **fields)
     values = dict(arch=90, target="sm_90a", dtype=dtype, head_dim=d, head_dim_v=d, tuning=tuning)
@@ -70,6 +71,17 @@ def _config(d: int = 128, dtype: str = "bf16", q_stages: int = 0, **changes) -> 
         ({"dq_by_rows": True, "d": 96}, "dq_by_rows with tile_m 64"),
         ({"dq_before_dk": True, "d": 192, "head_dim_v": 128}, "split d"),
         ({"dq_before_dk": True, "d": 256}, "split d"),
+        # 80 query rows a step (dQ transposed): d 128 only, no softcap, dq_before_dk, three
+        # stages or dQ by rows.
+        ({"tile_m": 80, "d": 64}, "80 query rows a step run head_dim (128,) only"),
+        ({"tile_m": 80, "d": 96}, "80 query rows a step run head_dim (128,) only"),
+        ({"tile_m": 80, "d": 192, "head_dim_v": 128}, "head_dim 192 / head_dim_v 128"),
+        ({"tile_m": 80, "has_softcap": True}, "softcap"),
+        ({"tile_m": 80, "has_softcap": True, "local": True}, "spills"),
+        ({"tile_m": 80, "dq_before_dk": True}, "serializes every WGMMA"),
+        ({"tile_m": 80, "dq_before_dk": True, "causal": True}, "dq_before_dk"),
+        ({"tile_m": 80, "q_stages": 3}, "q_stages 3"),
+        ({"tile_m": 80, "dq_by_rows": True}, "dq_by_rows with tile_m 80"),
     ],
 )
 def test_sm90_bwd_can_implement_rejects_with_reason(changes: dict, needle: str) -> None:
@@ -87,6 +99,25 @@ def test_sm90_bwd_can_implement_accepts(d: int, dtype: str, causal: bool, determ
     assert bwd_smem_bytes(config) <= SMEM_CAPACITY["sm_90a"]
     # The key planning builds is this one.
     assert bwd_config(config) == config
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [{}, {"causal": True}, {"local": True}, {"deterministic": True}, {"dtype": "fp16"},
+     {"causal": True, **{f: True for f in ("varlen_q", "varlen_k", "seqused_q", "seqused_k")}},
+     {"local": True, "deterministic": True, "varlen_q": True, "varlen_k": True}],
+)  # fmt: skip
+def test_sm90_bwd_tile_m_80_accepts(flags: dict) -> None:
+    """80 query rows a step at d 128 (dQ computed transposed): accepted with every mask and
+    flag but softcap; the shared memory fits sm_90a (231,680 bytes counted of 232,448); the key
+    planning builds for the override is this one, with the base step order."""
+    config = _config(128, tile_m=80, **flags)
+    assert bwd_can_implement(config) == (True, "")
+    assert bwd_dq_transposed(config) and not bwd_dq_transposed(_config(128, **flags))
+    assert bwd_smem_bytes(config) == 231_680 <= SMEM_CAPACITY["sm_90a"]
+    assert bwd_config(config, {"tile_m": 80}) == config
+    assert not config.tuning.dq_by_rows and not config.tuning.dq_before_dk
+    assert config.name.split("_d128_")[1].startswith("80x128w12")
 
 
 def test_sm90_bwd_kernel_rejects_at_construction() -> None:
@@ -121,6 +152,7 @@ VARLEN = {"varlen_q": True, "varlen_k": True}
 SEQUSED = {"seqused_q": True, "seqused_k": True}
 ROWS = {"dq_by_rows": True}
 FIRST = {"dq_before_dk": True}
+M80 = {"tile_m": 80}
 COMPILE_CASES = [
     pytest.param(64, "bf16", False, False, {}, id="d64"),
     pytest.param(64, "bf16", True, False, {}, id="d64-causal", marks=EXHAUSTIVE),
@@ -213,6 +245,19 @@ COMPILE_CASES = [
     pytest.param(64, "bf16", False, False, {**ROWS, **FIRST}, id="d64-rows-first",
                  marks=EXHAUSTIVE),
     pytest.param(64, "bf16", True, True, {**ROWS, **FIRST}, id="d64-causal-det-rows-first"),
+    # 80 query rows a step at d 128, dQ computed transposed (tile_m 80).
+    pytest.param(128, "bf16", False, False, M80, id="d128-m80"),
+    pytest.param(128, "bf16", True, False, M80, id="d128-causal-m80", marks=EXHAUSTIVE),
+    pytest.param(128, "fp16", True, True, M80, id="d128-fp16-causal-det-m80", marks=EXHAUSTIVE),
+    pytest.param(128, "bf16", False, True, M80, id="d128-det-m80", marks=EXHAUSTIVE),
+    pytest.param(128, "bf16", False, False, {"local": True, **M80}, id="d128-local-m80",
+                 marks=EXHAUSTIVE),
+    pytest.param(128, "bf16", False, False, {**VARLEN, **M80}, id="d128-varlen-m80",
+                 marks=EXHAUSTIVE),
+    pytest.param(128, "bf16", True, False, {**VARLEN, **SEQUSED, **M80},
+                 id="d128-causal-varlen-seqused-m80"),
+    pytest.param(128, "bf16", False, True, {"local": True, **VARLEN, **SEQUSED, **M80},
+                 id="d128-local-det-varlen-seqused-m80", marks=EXHAUSTIVE),
 ]  # fmt: skip
 
 
@@ -228,9 +273,11 @@ def _check_sass(config: BwdConfig, info: dict) -> None:
     d, causal, deterministic = config.head_dim, config.causal, config.deterministic
     counts, sass = info["sass_counts"], info["sass_text"]
     spills = counts["LDL"] + counts["STL"]
+    top = max(int(r) for r in re.findall(r"\bR(\d+)\b", sass))  # the consumers' highest
     print(
-        f"{config.name}: regs {info['regs']} stack {info['stack']} HGMMA {counts['HGMMA']} "
-        f"UTMALDG {counts['UTMALDG']} spills {spills} smem {bwd_smem_bytes(config)}"
+        f"{config.name}: regs {info['regs']} (highest R{top}) stack {info['stack']} HGMMA "
+        f"{counts['HGMMA']} UTMALDG {counts['UTMALDG']} spills {spills} smem "
+        f"{bwd_smem_bytes(config)}"
     )
     # Step bodies: causal and local mask every query block (1 body), otherwise a masked and an
     # unmasked body. Per body: S^T and dP^T (d / 16 WGMMAs of k = 16 each), dV and dK
@@ -238,15 +285,25 @@ def _check_sass(config: BwdConfig, info: dict) -> None:
     bodies = 1 if causal or config.local else 2
     dv = config.head_dim_v  # dP^T has k = dv
     # dQ's M is tile_m: tile_m / 64 WGMMA atoms (d 64: 128 rows, two); dq_by_rows: a
-    # consumer's 64 rows (one atom) of all d columns.
+    # consumer's 64 rows (one atom) of all d columns; transposed (tile_m 80): M is the
+    # consumer's d / 2 columns (one atom at d 128), N the tile_m rows.
     rows, first = config.tuning.dq_by_rows, config.tuning.dq_before_dk
     dq_rows, dq_cols = (config.tile_m // 2, d) if rows else (config.tile_m, d // 2)
-    dq_per_body = dq_rows // 64 * config.tile_n // 16
+    dq_t = bwd_dq_transposed(config)
+    dq_m, dq_n = (dq_cols, dq_rows) if dq_t else (dq_rows, dq_cols)
+    dq_per_body = dq_m // 64 * config.tile_n // 16
     per_body = d // 16 + dv // 16 + 2 * (config.tile_m // 16) + dq_per_body
     assert counts["HGMMA"] == bodies * per_body, "HGMMA count"
-    # The dQ WGMMAs (the only SS ones with B transposed): m64 n(dq_cols) k16.
-    dq_shapes = re.findall(r"HGMMA\.64x(\d+)x16\.F32\S* R\d+, gdesc\[UR\d+\]\.tnspB", sass)
-    assert dq_shapes == [str(dq_cols)] * (bodies * dq_per_body), "dQ WGMMA shape / count"
+    # The dQ WGMMAs (the only SS ones with an operand transposed: B, or A when dQ is computed
+    # transposed): m64 n(dq_n) k16.
+    tnsp = "tnspA" if dq_t else "tnspB"
+    dq_shapes = re.findall(rf"HGMMA\.64x(\d+)x16\.F32\S* R\d+, gdesc\[UR\d+\]\.{tnsp}", sass)
+    assert dq_shapes == [str(dq_n)] * (bodies * dq_per_body), "dQ WGMMA shape / count"
+    if dq_t:
+        # S^T and dP^T are m64 n(tile_m); nothing else but the dQ WGMMAs transposes A.
+        sdp = re.findall(r"HGMMA\.64x(\d+)x16\.F32\S* R\d+, gdesc\[UR\d+\], ", sass)
+        assert sdp == [str(config.tile_m)] * (bodies * (d + dv) // 16), "S^T / dP^T shape"
+        assert len(re.findall(r"\.tnspA", sass)) == bodies * dq_per_body
     # One warpgroup.arrive per GEMM group (dq_before_dk: dK, issued right behind dQ with no
     # register written in between, needs none of its own).
     assert sass.count("WARPGROUP.ARRIVE") == 4 * bodies, "WGMMAs serialized by ptxas"
@@ -288,6 +345,19 @@ def _check_sass(config: BwdConfig, info: dict) -> None:
     assert len(re.findall(r"\bLDSM", sass)) == (bodies * 2 * config.tile_m // 16 if split else 0)
     if not (config.seqused_q or config.seqused_k):
         assert "STS.U16" not in sass
+    # dQ to sdQ: 8-byte stores of column pairs, or (transposed) 4-byte stores, a thread's pairs
+    # being two rows of one column: dq_rows x dq_cols / 128 values a thread and body. The other
+    # 4-byte stores are producer warp 0's LSE / delta rows (2 a pass of 32 rows: tile_m 80,
+    # three passes), the epilogue's 16-bit pairs of dK and dV (d / 4 + dv / 4 a thread) and
+    # the seqused zeros.
+    dq_values = bodies * dq_rows * dq_cols // 128
+    plain = len(re.findall(r"\bSTS (?=\[)", sass))
+    if dq_t:
+        assert len(re.findall(r"\bSTS\.64", sass)) == 0
+        others = 2 * -(-config.tile_m // 32) + (d + dv) // 4
+        assert plain == dq_values + others or config.seqused_q or config.seqused_k, plain
+    else:
+        assert len(re.findall(r"\bSTS\.64", sass)) >= dq_values // 2
     # DS_READY (barrier 3, 256 threads) is one aligned bar.sync a step body, reached by both
     # consumers at that instruction (split d: after the consumers' branches join), and one
     # before the epilogue. A copy per branch is what synccheck reports as "divergent thread(s)
@@ -318,7 +388,7 @@ def _check_step_order(sass: str, dq_before_dk: bool, dq_stores: int, bodies: int
         if not op.startswith("HGMMA"):
             continue
         kind = "RS" if re.match(r"HGMMA\S+ R\d+, R\d+,", op) else "SS"
-        kind = "DQ" if kind == "SS" and ".tnspB" in op else kind
+        kind = "DQ" if kind == "SS" and (".tnspB" in op or ".tnspA" in op) else kind
         if runs and runs[-1][0] == kind:
             runs[-1] = (kind, i)
         else:
@@ -507,6 +577,33 @@ def test_sm90_bwd_step_order_tuning() -> None:
             Sm90BwdTuning(dq_by_rows=bad)
         with pytest.raises(TuningError, match="dq_before_dk"):
             Sm90BwdTuning(dq_before_dk=bad)
+
+
+def test_sm90_bwd_tile_m_80_tuning() -> None:
+    """tile_m 80 (dQ computed transposed) as an override and as the bench's variant
+    ``cute_fa:sm90_bwd.tile_m=80``: planned on the sm90 kernel at d 128, causal or not (the base
+    step order; not a default), part of the compile key's name; where the kernel declines it
+    (other head dims, softcap) planning hands the call to the sm80 kernel."""
+    from cute_fa import tuned
+    from cute_fa.planning import bwd_config as plan_bwd_config
+    from cute_fa.tools import bench
+
+    assert plan_bwd_config("sm_90a", "bf16", 128, 128).tile_m == 64  # the default stays
+    assert tuned.parse_assignment("sm90_bwd.tile_m=80") == ("sm90_bwd", "tile_m", 80)
+    peers = "cute_fa,cute_fa:sm90_bwd.tile_m=80,fa4"
+    assert bench._name_list(peers) == peers.split(",")
+    settings_ = bench.split_impl("cute_fa:sm90_bwd.tile_m=80")[1]
+    for causal in (False, True):
+        with bench.variant_context(settings_):
+            config = plan_bwd_config("sm_90a", "bf16", 128, 128, causal=causal)
+        assert config.arch == 90 and config.tile_m == 80 and bwd_dq_transposed(config)
+        assert "_80x128w12" in config.name and config == _config(128, tile_m=80, causal=causal)
+        with cute_fa.tuning(sm90_bwd={"tile_m": 80}):
+            assert plan_bwd_config("sm_90a", "bf16", 128, 128, causal=causal) == config
+    with cute_fa.tuning(sm90_bwd={"tile_m": 80}):
+        for d in (64, 96, 192, 256):
+            assert plan_bwd_config("sm_90a", "bf16", d, d).arch == 80, d
+        assert plan_bwd_config("sm_90a", "bf16", 128, 128, has_softcap=True).arch == 80
 
 
 @pytest.mark.parametrize(
