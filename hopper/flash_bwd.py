@@ -381,9 +381,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
       With dQ split along d its accumulator is 64 x d/2 fp32 (d/4 registers a thread), so dQ
       is issued while dV and dK (and their 16-bit P^T / dS^T registers) are in flight without
       ptxas serializing the WGMMAs (C7512); with the full 64 x d accumulator d 128 did not
-      fit. Deterministic mode
-      adds only warp 1's handshake (acquire-load spin, release increment, async-proxy fences);
-      the consumers' code is unchanged.
+      fit. Deterministic mode adds only warp 1's handshake (acquire-load spin, release
+      increment, async-proxy fences); the consumers' code is unchanged.
     A learnable sink needs nothing here: the torch layer applies it to the forward's (out,
       LSE) and hands this kernel the matching dO and dLSE (Note [learnable sink] in
       cute_fa/api.py).
