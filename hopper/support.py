@@ -613,8 +613,9 @@ def _dq_transposed_declines(config: BwdConfig) -> str:
     if (d, config.head_dim_v) not in tuple((h, h) for h in SM90_BWD_TILE_M_DQ_T_HEAD_DIMS):
         return (
             f"head_dim {d} / head_dim_v {config.head_dim_v}: 80 query rows a step run head_dim "
-            f"{SM90_BWD_TILE_M_DQ_T_HEAD_DIMS} only (d 64 steps 128 rows; d 96 was not built; "
-            "above 128 dK / dV are split along d)"
+            f"{SM90_BWD_TILE_M_DQ_T_HEAD_DIMS} with head_dim_v = head_dim only (d 64 steps 128 "
+            "rows; d 96 was not built; above 128 dK / dV are split along d; (128, 64) compiles "
+            "without spills but has no GPU test of this tile)"
         )
     if config.has_softcap:
         return (

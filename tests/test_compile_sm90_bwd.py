@@ -73,9 +73,10 @@ def _config(d: int = 128, dtype: str = "bf16", q_stages: int = 0, **changes) -> 
         ({"dq_before_dk": True, "d": 256}, "split d"),
         # 80 query rows a step (dQ transposed): d 128 only, no softcap, dq_before_dk, three
         # stages or dQ by rows.
-        ({"tile_m": 80, "d": 64}, "80 query rows a step run head_dim (128,) only"),
-        ({"tile_m": 80, "d": 96}, "80 query rows a step run head_dim (128,) only"),
+        ({"tile_m": 80, "d": 64}, "80 query rows a step run head_dim (128,)"),
+        ({"tile_m": 80, "d": 96}, "80 query rows a step run head_dim (128,)"),
         ({"tile_m": 80, "d": 192, "head_dim_v": 128}, "head_dim 192 / head_dim_v 128"),
+        ({"tile_m": 80, "head_dim_v": 64}, "head_dim 128 / head_dim_v 64"),
         ({"tile_m": 80, "has_softcap": True}, "softcap"),
         ({"tile_m": 80, "has_softcap": True, "local": True}, "spills"),
         ({"tile_m": 80, "dq_before_dk": True}, "serializes every WGMMA"),
