@@ -17,7 +17,14 @@ from cutlass.cute.nvgpu.warp import LdMatrix8x8x16bOp, StMatrix8x8x16bOp
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from cute_fa.config import BwdConfig
-from cute_fa.dsl.copy import acc_to_smem, elem_ptr, row_store_copy, store_rows, transposed
+from cute_fa.dsl.copy import (
+    acc_to_smem,
+    elem_ptr,
+    row_store_copy,
+    store_rows,
+    transposed,
+    zero_rows_from,
+)
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import (
     Window,
@@ -41,7 +48,6 @@ from .fragments import (
     acc_as_rs_operand,
     convert_in_chunks,
     gemm_over_k,
-    zero_rows_from,
 )
 from .support import SM90_BWD_DS_BUFFERS, bwd_can_implement, bwd_q_stages, bwd_split_d
 from .sync import thread_pipeline, tma_pipeline
