@@ -230,12 +230,8 @@ def bwd_can_implement(config: BwdConfig) -> tuple[bool, str]:
     if bwd_smem_bytes(config) > SMEM_CAPACITY[config.target]:
         return False, f"shared memory {bwd_smem_bytes(config)} bytes exceeds the target's"
     not_yet = [
-        (config.local, "local (sliding window)"),
-        (config.has_softcap, "softcap"),
         (config.deterministic, "deterministic"),
         (config.det_coresident, "det_coresident"),
-        (config.seqused_q, "seqused_q"),
-        (config.seqused_k, "seqused_k"),
     ]
     for flag, name in not_yet:
         if flag:
