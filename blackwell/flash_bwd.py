@@ -17,11 +17,17 @@ from cutlass.tensor_utils.layout import LayoutEnum
 from cute_fa.config import BwdConfig
 from cute_fa.dsl.copy import transposed, zero_rows_from
 from cute_fa.dsl.kernel import AttentionKernel
-from cute_fa.dsl.mask import apply_mask, query_block_mask_bounds, query_block_range
+from cute_fa.dsl.mask import (
+    apply_mask,
+    query_block_mask_bounds,
+    query_block_range,
+    visited_query_block,
+)
 from cute_fa.dsl.ring import ring_state
 from cute_fa.dsl.scheduler import bwd_block_coords, bwd_grid
 from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import ScoreScales, lse_for_recompute, score_scales, softcap_scores
+from cute_fa.dsl.turns import dq_turn, pass_dq_turn, wait_dq_turn
 
 from .support import (
     SM100_BWD_DO_STAGES,
@@ -90,15 +96,17 @@ class FlashAttentionBackwardSm100(AttentionKernel):
     Scope: bf16 / fp16; d = dv in (64, 96, 128); dense or varlen (cu_seqlens_q / cu_seqlens_k),
     seqused_q / seqused_k; no mask, causal or a sliding window (bottom-right aligned, Note
     [bottom-right aligned masks]); softcap; GQA / MQA (K/V head = head // (heads / kv heads);
-    dK / dV written per query head). ``blackwell/support.py bwd_can_implement`` rejects the
-    rest (deterministic, d 192 / 256) with its reason.
+    dK / dV written per query head); deterministic dQ (the chain order, below).
+    ``blackwell/support.py bwd_can_implement`` rejects the rest (d 192 / 256, the sm80
+    kernel's det_coresident order) with its reason.
 
     Grid and work split
-      grid = (ceil(max_seqlen_k / tile_n), heads, batch) (``bwd_grid``): one CTA owns tile_n =
-      128 keys of one (query head, batch); K and V are loaded once, dV and dK accumulate in
-      TMEM; the CTA walks the query blocks that see its keys (``query_block_range``: causal
-      skips those above the diagonal, a window those outside it) upward, tile_m = 128 query
-      rows a step. P is recomputed
+      grid = (ceil(max_seqlen_k / tile_n), heads, batch) (``bwd_grid``; deterministic causal:
+      key blocks slowest): one CTA owns tile_n = 128 keys of one (query head, batch); K and V
+      are loaded once, dV and dK accumulate in TMEM; the CTA walks the query blocks that see
+      its keys (``query_block_range``: causal skips those above the diagonal, a window those
+      outside it) upward (deterministic: downward; every role alike, ``query_block``),
+      tile_m = 128 query rows a step. P is recomputed
       from Q, K and the forward's LSE. Everything is computed transposed, keys x queries, so
       the keys are the M = 128 rows of the MMAs and the 128 TMEM lanes: thread t of a
       warpgroup owns key row t (32x32b TMEM loads and stores).
@@ -202,9 +210,29 @@ class FlashAttentionBackwardSm100(AttentionKernel):
       so the load warp zeroes them in smem (tail barriers above) before any MMA reads them;
       dK / dV rows past seqused_k are the caller's zeros (cute_fa/backward.py), dQ rows past
       seqused_q get exact zeros added.
-    Not yet: 2-CTA MMA (d 192 / 256), deterministic dQ, a persistent / LPT scheduler, TMA
-      stores of dK / dV, a dedicated dQ region at d 64 (TMEM has room; dP(i + 1) would not
-      wait for the dQ drain).
+    Deterministic dQ (config.deterministic; Note [deterministic dQ] in ampere/flash_bwd.py:
+      each dQaccum element gets its terms in ascending key block order; the sm90 kernel's
+      handshake, ``cute_fa/dsl/turns.py``)
+      mdQsemaphore (batch, head, query block) int32, zeroed by the caller. Every role walks
+      its query blocks downward. Only dq warp 0 (the one that issues the reduce-adds) touches
+      the semaphores; for query block m, with turn = n_block - first_key_block(m), it
+        1. before its wait for dQ(m) in TMEM (pipeline_dq; the spin overlaps the block's
+           MMAs): lane 0 reads the semaphore (ld.acquire.gpu) until it equals turn;
+           __syncwarp; fence.proxy.async.global;
+        2. the block's d / 16 chunk reduce-adds as without determinism (the other dq warps
+           meet it at DQ_STAGE per chunk);
+        3. cp.async.bulk.wait_group 0 (the writes complete), fence.proxy.async.global,
+           __syncwarp, lane 0: red.release.gpu.add 1.
+      A CTA waits only for key blocks first_key_block(m) .. n_block - 1 of the same (batch,
+      head): CTAs of lower index (causal: key blocks slowest in the grid), started first,
+      whose turns never depend on higher key blocks: no deadlock. While warp 0 waits, dQ(m)
+      stays in TMEM: the MMA warp's dP of the next block (over dQ's columns) waits for its
+      drain, so a CTA runs at most one block ahead of its turn. Walking downward, every key
+      block starts at the same last query blocks: key block n waits for n - 1's reduce-adds
+      (a wavefront).
+    Not yet: 2-CTA MMA (d 192 / 256), a persistent / LPT scheduler, TMA stores of dK / dV, a
+      dedicated dQ region at d 64 (TMEM has room; dP(i + 1) would not wait for the dQ drain,
+      and a deterministic CTA could run further ahead of its turn).
     """
 
     arch = 100
@@ -220,6 +248,7 @@ class FlashAttentionBackwardSm100(AttentionKernel):
         self.dq_chunk = SM100_BWD_DQ_CHUNK
         self.dq_stages = SM100_BWD_DQ_STAGES
         self.regs_compute, self.regs_dq, self.regs_other = SM100_BWD_REGS
+        self.deterministic = config.deterministic
         self.num_threads = WARP * 16
         # TMEM plan (columns of 32 bits), asserted <= 512 by the plan itself.
         self.tmem = bwd_tmem_plan(self.tile_m, self.tile_hdim, self.tile_hdimv)
@@ -323,13 +352,13 @@ class FlashAttentionBackwardSm100(AttentionKernel):
         batch = cute.size(mQ.shape[0])
         if cutlass.const_expr(mCuSeqlensQ is not None):
             batch = mCuSeqlensQ.shape[0] - 1
-        grid = bwd_grid(cute.ceil_div(max_seqlen_k, tn), cute.size(mQ.shape[2]), batch, False,
-                        self.causal)  # fmt: skip
+        grid = bwd_grid(cute.ceil_div(max_seqlen_k, tn), cute.size(mQ.shape[2]), batch,
+                        self.deterministic, self.causal)  # fmt: skip
         self.kernel(
             mQ_tma, mK_tma, mV_tma, mdO_tma, mdQ_tma, mQ, mK, mLSE, mdPsum, mdK, mdV,
             tma_q, tma_k, tma_v, tma_do, tma_dq, softmax_scale, score_scale, scale_log2,
             window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-            sK_layout, sV_layout, sQ_layout,
+            mdQsemaphore, sK_layout, sV_layout, sQ_layout,
             sdO_layout, sdS_layout, sdQ_layout, tP_layout, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)  # fmt: skip
@@ -436,6 +465,7 @@ class FlashAttentionBackwardSm100(AttentionKernel):
         mCuSeqlensK: cute.Tensor | None,
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
+        mdQsemaphore: cute.Tensor | None,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         sQ_layout: cute.ComposedLayout,
@@ -479,7 +509,7 @@ class FlashAttentionBackwardSm100(AttentionKernel):
                 cute.make_layout((STAT_VEC, self.tile_m // STAT_VEC, self.q_stages))),
         )  # fmt: skip
         gmem = (mQ, mK, mLSE, mdPsum, mdK, mdV, mQ_tma, mK_tma, mV_tma, mdO_tma, mdQ_tma,
-                mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, window_left,
+                mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mdQsemaphore, window_left,
                 window_right)  # fmt: skip
         # Each role finds its CTA's work itself, after its setmaxnreg.
         if warp_idx == Role.LOAD:
@@ -498,7 +528,7 @@ class FlashAttentionBackwardSm100(AttentionKernel):
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             self.reduce_dq(self.tile_work(*gmem), tma_dq, smem_t["sdQ"], tmem_ptr, pipes,
-                           tidx % WARPGROUP, warp_idx)  # fmt: skip
+                           window_left, tidx % WARPGROUP, warp_idx)  # fmt: skip
             pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM_FREE),
                                   num_threads=3 * WARPGROUP).arrive()  # fmt: skip
         if warp_idx >= Role.COMPUTE0 and warp_idx < Role.MMA:
@@ -582,13 +612,15 @@ class FlashAttentionBackwardSm100(AttentionKernel):
         mCuSeqlensK: cute.Tensor | None,
         mSeqUsedQ: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
+        mdQsemaphore: cute.Tensor | None,
         window_left: Int32,
         window_right: Int32,
     ):
         """Where this CTA's keys lie and which query blocks it visits, the same in every role:
         (n_block, seqlen_q, seqlen_k, m_block_min, n_steps, and the (head, batch) views of Q,
-        K, V, dO, dQaccum (TMA coordinates), LSE, delta, dK, dV)."""
-        n_block, head, batch = bwd_block_coords(False, self.causal)
+        K, V, dO, dQaccum (TMA coordinates), LSE, delta, dK, dV, and of the dQ semaphores
+        (deterministic; else None))."""
+        n_block, head, batch = bwd_block_coords(self.deterministic, self.causal)
         offset_q, seqlen_q, offset_k, seqlen_k = seqlen_info(
             batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK
         )
@@ -612,8 +644,16 @@ class FlashAttentionBackwardSm100(AttentionKernel):
             cute.domain_offset((offset_q,), mdPsum[qb, head, None]),
             cute.domain_offset((offset_k, 0), mdK[kb, None, head, None]),
             cute.domain_offset((offset_k, 0), mdV[kb, None, head, None]),
+            mdQsemaphore[batch, head, None] if cutlass.const_expr(self.deterministic) else None,
         )
         return (n_block, seqlen_q, seqlen_k, m_block_min, n_steps) + views
+
+    @cute.jit
+    def query_block(self, i: Int32, m_block_min: Int32, n_steps: Int32) -> Int32:
+        """The i-th query block every role of this CTA visits: ascending from m_block_min, or
+        deterministic downward from the last (``visited_query_block``; docstring:
+        deterministic dQ)."""
+        return visited_query_block(i, m_block_min, m_block_min + n_steps, self.deterministic)
 
     @cute.jit
     def load(
@@ -632,7 +672,7 @@ class FlashAttentionBackwardSm100(AttentionKernel):
         V of a CTA whose keys cut seqlen_k, seqused_q: Q and dO of the block that holds
         seqlen_q, through ``load_tail`` (their rows past seqused zeroed)."""
         (n_block, seqlen_q, seqlen_k, m_block_min, n_steps, mQ, mK, mV, mdO, _, mLSE, mdPsum, _,
-         _) = work  # fmt: skip
+         _, _) = work  # fmt: skip
         tm, tn, d, dv = self.tile_m, self.tile_n, self.tile_hdim, self.tile_hdimv
         lane = cute.arch.lane_idx()
 
@@ -667,12 +707,13 @@ class FlashAttentionBackwardSm100(AttentionKernel):
             else:
                 self.load_tiles(kv, pipeline_kv, kv_state)
         for i in cutlass.range(n_steps, unroll=1):
-            m_block = m_block_min + i
+            m_block = self.query_block(i, m_block_min, n_steps)
             valid_q = seqlen_q - m_block * tm
             q_state = ring_state(self.q_stages, i, producer=True)
             q = ((tma_q, tQgQ[None, m_block], tQsQ[None, q_state.index]),)
             if cutlass.const_expr(seqused_q):
-                # Only the block that holds seqlen_q (the last visited): phase 0 of tail
+                # Only the block that holds seqlen_q (the last visited, deterministic the
+                # first): phase 0 of tail
                 # barrier 1 for Q, phase 1 for dO.
                 if valid_q < tm:
                     self.load_tail(q, pipeline_q, q_state,
@@ -868,7 +909,7 @@ class FlashAttentionBackwardSm100(AttentionKernel):
         64 half + 64) of every block, thread ``tidx`` key row ``tidx`` (docstring: compute
         step); then its half of the columns of dK and dV to global."""
         (n_block, seqlen_q, seqlen_k, m_block_min, n_steps, _, _, _, _, _, _, _, mdK,
-         mdV) = work  # fmt: skip
+         mdV, _) = work  # fmt: skip
         hm = self.half_m
         # S^T half: (128 keys, 64 queries) at column 64 half; P^T half: 32 fp32 words at the
         # same column; dP^T chunks of DS_CHUNK queries.
@@ -922,26 +963,24 @@ class FlashAttentionBackwardSm100(AttentionKernel):
                 tPrP_shape, load_dp, thr_load_dp, thr_acc_c, tdP, dP_shape, sdS, smem_t["sLSE"],
                 smem_t["sdPsum"], pipes, half, tidx, n_block, seqlen_q, seqlen_k, window_left,
                 window_right, scales)  # fmt: skip
-        # Sliding window: the visited blocks [lo, hi) cut neither window edge (blocks before
-        # lo may cut the right edge, from hi on the left one), none in a CTA whose keys cut
+        # Sliding window: the query blocks [lo, hi) cut neither window edge (blocks before lo
+        # may cut the right edge, from hi on the left one), none in a CTA whose keys cut
         # seqlen_k. One loop picks the step per block (a loop per kind keeps more values live:
         # the forward's window as a third loop spilled).
         lo, hi = Int32(0), Int32(0)
         if cutlass.const_expr(self.local):
-            m_no_right, m_left = query_block_mask_bounds(
+            lo, hi = query_block_mask_bounds(
                 n_block, seqlen_q, seqlen_k, window_left, window_right, self.tile_m,
                 self.tile_n, False, True,
             )  # fmt: skip
-            lo = m_no_right - m_block_min
-            hi = m_left - m_block_min
             if (n_block + 1) * self.tile_n > seqlen_k:
                 hi = lo
         for i in cutlass.range(n_steps, unroll=1):
-            m_block = m_block_min + i
+            m_block = self.query_block(i, m_block_min, n_steps)
             if cutlass.const_expr(self.causal):
                 self.compute_step(step, i, m_block, True)
             elif cutlass.const_expr(self.local):
-                if i >= lo and i < hi:
+                if m_block >= lo and m_block < hi:
                     self.compute_step(step, i, m_block, False)
                 else:
                     self.compute_step(step, i, m_block, True)
@@ -1097,11 +1136,15 @@ class FlashAttentionBackwardSm100(AttentionKernel):
 
     @cute.jit
     def reduce_dq(self, work: tuple, tma_dq: cute.CopyAtom, sdQ: cute.Tensor,
-                  tmem_ptr: cute.Pointer, pipes: dict, tidx: Int32, warp_idx: Int32):  # fmt: skip
+                  tmem_ptr: cute.Pointer, pipes: dict, window_left: Int32, tidx: Int32,
+                  warp_idx: Int32):  # fmt: skip
         """dQ warpgroup: per block, dQ (thread = query row) from TMEM in chunks of dq_chunk
         columns to sdQ (dq_stages buffers), one TMA reduce-add per chunk issued by warp 0
-        (docstring: named barrier DQ_STAGE). Use i of pipeline_dq."""
-        (_, _, _, m_block_min, n_steps, _, _, _, _, mdQ, _, _, _, _) = work
+        (docstring: named barrier DQ_STAGE). Use i of pipeline_dq. Deterministic: warp 0
+        takes the block's turn before its first reduce-add and passes it on after the last
+        (docstring: deterministic dQ)."""
+        (n_block, seqlen_q, seqlen_k, m_block_min, n_steps, _, _, _, _, mdQ, _, _, _, _,
+         mSem) = work  # fmt: skip
         tm, ch = self.tile_m, self.dq_chunk
         chunks = self.tile_hdim // ch
         gdQ = cute.local_tile(mdQ, (tm, ch), (None, None))
@@ -1122,8 +1165,14 @@ class FlashAttentionBackwardSm100(AttentionKernel):
                     for s in range(self.dq_stages)]  # fmt: skip
         stage_bar = pipeline.NamedBarrier(barrier_id=int(Barrier.DQ_STAGE), num_threads=WARPGROUP)
         for i in cutlass.range(n_steps, unroll=1):
-            m_block = m_block_min + i
+            m_block = self.query_block(i, m_block_min, n_steps)
             state = ring_state(1, i, producer=False)
+            if cutlass.const_expr(self.deterministic):
+                if warp_idx == Role.DQ:
+                    # Before dQ(i) is in TMEM: the spin overlaps the MMAs of the block.
+                    wait_dq_turn(mSem, m_block,
+                                 dq_turn(m_block, n_block, seqlen_q, seqlen_k, window_left,
+                                         self.tile_m, self.tile_n, self.local))  # fmt: skip
             pipes["dq"].consumer_wait(state)
             for c in cutlass.range_constexpr(chunks):
                 stage = c % self.dq_stages  # chunks is even: stage c % 2 in every block
@@ -1145,5 +1194,8 @@ class FlashAttentionBackwardSm100(AttentionKernel):
                 if warp_idx == Role.DQ:
                     cute.copy(tma_dq, tdQsdQ[None, stage], tdQgdQ[None, m_block, c])
                     cute.arch.cp_async_bulk_commit_group()
+            if cutlass.const_expr(self.deterministic):
+                if warp_idx == Role.DQ:
+                    pass_dq_turn(mSem, m_block)
         if warp_idx == Role.DQ:
             cute.arch.cp_async_bulk_wait_group(0)

@@ -67,6 +67,8 @@ def test_lazy_import_and_support_without_dsl_kernel() -> None:
         {"local": True, "has_softcap": True},
         {"causal": True, "has_softcap": True, "seqused_q": True, "seqused_k": True},
         {"local": True, "varlen_q": True, "varlen_k": True, "seqused_k": True},
+        {"deterministic": True},
+        {"deterministic": True, "causal": True, "varlen_q": True, "varlen_k": True},
     ],
 )
 def test_sm100_bwd_can_implement_accepts(d: int, target: str, dtype: str, flags: dict) -> None:
@@ -88,8 +90,7 @@ def test_sm100_bwd_can_implement_accepts(d: int, target: str, dtype: str, flags:
         ({"tuning": Sm100BwdTuning(tile_n=64)}, "tile"),
         ({"tuning": Sm90BwdTuning()}, "Sm100BwdTuning"),
         ({"tuning": Sm100FwdTuning()}, "Sm100BwdTuning"),
-        ({"deterministic": True}, "deterministic"),
-        ({"deterministic": True, "det_coresident": True}, "deterministic"),
+        ({"deterministic": True, "det_coresident": True}, "det_coresident"),
     ],
 )
 def test_sm100_bwd_can_implement_rejects_with_reason(changes: dict, needle: str) -> None:
@@ -100,8 +101,8 @@ def test_sm100_bwd_can_implement_rejects_with_reason(changes: dict, needle: str)
 def test_sm100_bwd_kernel_rejects_at_construction() -> None:
     from cute_fa.blackwell import FlashAttentionBackwardSm100
 
-    with pytest.raises(NotImplementedError, match="deterministic"):
-        FlashAttentionBackwardSm100(bwd_config(128, 128, deterministic=True))
+    with pytest.raises(NotImplementedError, match="det_coresident"):
+        FlashAttentionBackwardSm100(bwd_config(128, 128, deterministic=True, det_coresident=True))
 
 
 def test_sm100_bwd_tmem_plan_and_budget() -> None:
@@ -160,8 +161,9 @@ def test_query_block_mask_bounds_never_skip_a_needed_mask(causal: bool, local: b
 VARLEN = {"varlen_q": True, "varlen_k": True}
 SEQUSED = {"seqused_q": True, "seqused_k": True}
 WINDOW_SOFTCAP = {"local": True, "has_softcap": True}
-# (d, target, flags). Default run: five compiles (d 128; d 96 causal; d 64 fp16 causal varlen;
-# d 128 on sm_103a; d 128 window + softcap + seqused); the rest with -m exhaustive.
+# (d, target, flags). Default run: six compiles (d 128; d 96 causal; d 64 fp16 causal varlen;
+# d 128 on sm_103a; d 128 window + softcap + seqused; d 128 deterministic); the rest with
+# -m exhaustive.
 COMPILE_CASES = [
     pytest.param(128, "sm_100a", {}, id="d128"),
     pytest.param(96, "sm_100a", {"causal": True}, id="d96-causal"),
@@ -195,6 +197,13 @@ COMPILE_CASES = [
                  id="d128-causal-softcap-seqused-sm103a", marks=EXHAUSTIVE),  # fmt: skip
     pytest.param(64, "sm_103a", {"local": True, **SEQUSED}, id="d64-local-seqused-sm103a",
                  marks=EXHAUSTIVE),  # fmt: skip
+    pytest.param(128, "sm_100a", {"deterministic": True}, id="d128-deterministic"),
+    pytest.param(128, "sm_100a", {"deterministic": True, "causal": True},
+                 id="d128-causal-deterministic", marks=EXHAUSTIVE),  # fmt: skip
+    pytest.param(64, "sm_100a", {"deterministic": True, **WINDOW_SOFTCAP, **VARLEN, **SEQUSED},
+                 id="d64-det-local-softcap-varlen-seqused", marks=EXHAUSTIVE),  # fmt: skip
+    pytest.param(96, "sm_103a", {"deterministic": True, "causal": True},
+                 id="d96-causal-deterministic-sm103a", marks=EXHAUSTIVE),  # fmt: skip
 ]
 
 _SETMAXNREG = re.compile(r"USETMAXREG\.(DEALLOC|TRY_ALLOC)\.CTAPOOL\s+(?:U?P\w+,\s*)?(0x[0-9a-f]+)")
@@ -231,9 +240,18 @@ def test_sm100_bwd_compiles(d: int, target: str, flags: dict) -> None:
     boxes = d // 64 if d % 64 == 0 else d // 32
     assert counts["UTMALDG"] == boxes * (4 + tails)
     assert len(re.findall(r"STS\.U16", sass)) == tails
-    # dQ leaves by TMA reduce-adds, one per chunk; no per-element atomics.
+    # dQ leaves by TMA reduce-adds, one per chunk; no per-element atomics. Deterministic: dq
+    # warp 0's handshake (cute_fa/dsl/turns.py), a strong GPU-scope spin load and one release
+    # increment (its MEMBAR.ALL.GPU the only one: no fence.acq_rel); none without.
     assert counts["UTMAREDG"] == d // SM100_BWD_DQ_CHUNK
-    assert counts["RED"] == 0 and counts["REDG"] == 0 and counts["ATOMG"] == 0
+    assert counts["RED"] == 0 and counts["ATOMG"] == 0
+    if config.deterministic:
+        assert re.findall(r"\bREDG\S*", sass) == ["REDG.E.ADD.S32.STRONG.GPU"]
+        assert len(re.findall(r"\bLDG\.E\.STRONG\.GPU", sass)) >= 1
+        assert len(re.findall(r"MEMBAR\.ALL\.GPU", sass)) == 1
+    else:
+        assert counts["REDG"] == 0
+        assert "MEMBAR.ALL.GPU" not in sass and "LDG.E.STRONG" not in sass
     # TMEM allocated (a retry loop: one or more FIND_AND_SET) and freed once.
     assert sass.count("UTCATOMSWS.FIND_AND_SET") >= 1
     assert sass.count("UTCATOMSWS.AND") == 1

@@ -206,14 +206,13 @@ def test_feature_matrix_is_generated_from_can_implement(monkeypatch):
         family = {"sm_90a": "sm90", "sm_100a": "sm100", "sm_103a": "sm100"}.get(target, "sm80")
         assert rows["backward, head_dim 128"][columns.index(target)] == family  # Note [backward
         assert rows["backward, causal"][columns.index(target)] == family  # dispatch]
-    # The sm100 backward takes windows, softcap and seqused (compile-only, self-checked); what
-    # it declines goes to the sm80 kernel on the same GPU.
+    # The sm100 backward takes windows, softcap, seqused and deterministic=True (compile-only,
+    # self-checked); what it declines goes to the sm80 kernel on the same GPU.
     for target in ("sm_100a", "sm_103a"):
         for row in ("backward, sliding window", "backward, softcap",
-                    "backward, seqused_q / seqused_k"):  # fmt: skip
+                    "backward, seqused_q / seqused_k", "backward, deterministic=True"):  # fmt: skip
             assert rows[row][columns.index(target)] == "sm100", row
-        for row in ("backward, head_dim 256", "backward, softcap, head_dim 256",
-                    "backward, deterministic=True"):  # fmt: skip
+        for row in ("backward, head_dim 256", "backward, softcap, head_dim 256"):
             assert rows[row][columns.index(target)] == "sm80", row
     assert rows["backward, seqused_q / seqused_k"][columns.index("sm_90a")] == "sm90"
     # The sm90 backward does deterministic dQ too (semaphores in its dQ writer warp).
@@ -575,16 +574,16 @@ def test_sm100_backward_takes_what_it_implements_and_sm80_the_rest(monkeypatch):
                           {"local": True}, {"has_softcap": True},
                           {"causal": True, "has_softcap": True, "seqused_q": True},
                           {"local": True, "varlen_q": True, "varlen_k": True,
-                           "seqused_k": True}):  # fmt: skip
+                           "seqused_k": True}, {"deterministic": True},
+                          {"deterministic": True, "causal": True}):  # fmt: skip
                 config = planning.bwd_config(target, "bf16", d, d, **flags)
                 assert config.arch == 100 and config.target == target, (d, flags)
-        assert planning.bwd_config(target, "bf16", 128, 128, deterministic=True).arch == 80
         assert planning.bwd_config(target, "bf16", 256, 256).arch == 80
         assert planning.bwd_config(target, "bf16", 256, 256, has_softcap=True).arch == 80
     with pytest.raises(NotImplementedError, match="FlashAttentionBackwardSm100: head_dim 192"):
         planning.bwd_config("sm_100a", "bf16", 192, 128)
     monkeypatch.setenv(settings.BWD_ARCH, "100")
-    with pytest.raises(NotImplementedError, match="FlashAttentionBackwardSm100: deterministic"):
-        planning.bwd_config("sm_100a", "bf16", 128, 128, deterministic=True)
+    with pytest.raises(NotImplementedError, match="FlashAttentionBackwardSm100: head_dim 256"):
+        planning.bwd_config("sm_100a", "bf16", 256, 256)
     monkeypatch.setenv(settings.BWD_ARCH, "80")
     assert planning.bwd_config("sm_100a", "bf16", 128, 128).arch == 80
