@@ -169,7 +169,7 @@ COMPILE_CASES = [
     pytest.param(96, "sm_100a", {"causal": True}, id="d96-causal"),
     pytest.param(
         64, "sm_100a", {"dtype": "fp16", "causal": True, **VARLEN}, id="d64-fp16-causal-varlen"
-    ),  # fmt: skip
+    ),
     pytest.param(128, "sm_103a", {}, id="d128-sm103a"),
     pytest.param(128, "sm_100a", {"causal": True}, id="d128-causal", marks=EXHAUSTIVE),
     pytest.param(128, "sm_100a", VARLEN, id="d128-varlen", marks=EXHAUSTIVE),
@@ -182,28 +182,69 @@ COMPILE_CASES = [
     pytest.param(64, "sm_100a", {"local": True}, id="d64-local", marks=EXHAUSTIVE),
     pytest.param(128, "sm_100a", {"has_softcap": True}, id="d128-softcap", marks=EXHAUSTIVE),
     pytest.param(64, "sm_100a", {"has_softcap": True}, id="d64-softcap", marks=EXHAUSTIVE),
-    pytest.param(128, "sm_100a", {"causal": True, "has_softcap": True}, id="d128-causal-softcap",
-                 marks=EXHAUSTIVE),  # fmt: skip
-    pytest.param(64, "sm_100a", {"causal": True, "has_softcap": True}, id="d64-causal-softcap",
-                 marks=EXHAUSTIVE),  # fmt: skip
+    pytest.param(
+        128,
+        "sm_100a",
+        {"causal": True, "has_softcap": True},
+        id="d128-causal-softcap",
+        marks=EXHAUSTIVE,
+    ),
+    pytest.param(
+        64,
+        "sm_100a",
+        {"causal": True, "has_softcap": True},
+        id="d64-causal-softcap",
+        marks=EXHAUSTIVE,
+    ),
     pytest.param(96, "sm_100a", WINDOW_SOFTCAP, id="d96-local-softcap", marks=EXHAUSTIVE),
-    pytest.param(64, "sm_100a", {"dtype": "fp16", **WINDOW_SOFTCAP, **VARLEN, **SEQUSED},
-                 id="d64-fp16-local-softcap-varlen-seqused", marks=EXHAUSTIVE),  # fmt: skip
+    pytest.param(
+        64,
+        "sm_100a",
+        {"dtype": "fp16", **WINDOW_SOFTCAP, **VARLEN, **SEQUSED},
+        id="d64-fp16-local-softcap-varlen-seqused",
+        marks=EXHAUSTIVE,
+    ),
     pytest.param(128, "sm_100a", {"seqused_q": True}, id="d128-seqused-q", marks=EXHAUSTIVE),
-    pytest.param(128, "sm_100a", {"causal": True, **VARLEN, "seqused_k": True},
-                 id="d128-causal-varlen-seqused-k", marks=EXHAUSTIVE),  # fmt: skip
+    pytest.param(
+        128,
+        "sm_100a",
+        {"causal": True, **VARLEN, "seqused_k": True},
+        id="d128-causal-varlen-seqused-k",
+        marks=EXHAUSTIVE,
+    ),
     pytest.param(128, "sm_103a", WINDOW_SOFTCAP, id="d128-local-softcap-sm103a", marks=EXHAUSTIVE),
-    pytest.param(128, "sm_103a", {"causal": True, "has_softcap": True, **SEQUSED},
-                 id="d128-causal-softcap-seqused-sm103a", marks=EXHAUSTIVE),  # fmt: skip
-    pytest.param(64, "sm_103a", {"local": True, **SEQUSED}, id="d64-local-seqused-sm103a",
-                 marks=EXHAUSTIVE),  # fmt: skip
+    pytest.param(
+        128,
+        "sm_103a",
+        {"causal": True, "has_softcap": True, **SEQUSED},
+        id="d128-causal-softcap-seqused-sm103a",
+        marks=EXHAUSTIVE,
+    ),
+    pytest.param(
+        64, "sm_103a", {"local": True, **SEQUSED}, id="d64-local-seqused-sm103a", marks=EXHAUSTIVE
+    ),
     pytest.param(128, "sm_100a", {"deterministic": True}, id="d128-deterministic"),
-    pytest.param(128, "sm_100a", {"deterministic": True, "causal": True},
-                 id="d128-causal-deterministic", marks=EXHAUSTIVE),  # fmt: skip
-    pytest.param(64, "sm_100a", {"deterministic": True, **WINDOW_SOFTCAP, **VARLEN, **SEQUSED},
-                 id="d64-det-local-softcap-varlen-seqused", marks=EXHAUSTIVE),  # fmt: skip
-    pytest.param(96, "sm_103a", {"deterministic": True, "causal": True},
-                 id="d96-causal-deterministic-sm103a", marks=EXHAUSTIVE),  # fmt: skip
+    pytest.param(
+        128,
+        "sm_100a",
+        {"deterministic": True, "causal": True},
+        id="d128-causal-deterministic",
+        marks=EXHAUSTIVE,
+    ),
+    pytest.param(
+        64,
+        "sm_100a",
+        {"deterministic": True, **WINDOW_SOFTCAP, **VARLEN, **SEQUSED},
+        id="d64-det-local-softcap-varlen-seqused",
+        marks=EXHAUSTIVE,
+    ),
+    pytest.param(
+        96,
+        "sm_103a",
+        {"deterministic": True, "causal": True},
+        id="d96-causal-deterministic-sm103a",
+        marks=EXHAUSTIVE,
+    ),
 ]
 
 _SETMAXNREG = re.compile(r"USETMAXREG\.(DEALLOC|TRY_ALLOC)\.CTAPOOL\s+(?:U?P\w+,\s*)?(0x[0-9a-f]+)")
