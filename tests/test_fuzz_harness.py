@@ -19,7 +19,10 @@ def _ref_rows(q, k, v, window, softcap, scale_error):
     """Reference (out (sq, h, dv), lse (h, sq)) of one sequence at the inputs' precision."""
     scale = q.shape[-1] ** -0.5 * (1 + scale_error)
     if k.shape[0] == 0:
-        out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+        # 0, joined to the inputs' graph (zero gradients) as the library's output is, so that
+        # a backward case whose only sequence has no keys still differentiates.
+        link = 0 * (q.sum() + k.sum() + v.sum())
+        out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype) + link
         return out, torch.full((q.shape[1], q.shape[0]), -torch.inf)
     o, lse = attention_ref(q[None], k[None], v[None], softmax_scale=scale, window_size=window,
                            softcap=softcap, upcast=False, reorder_ops=True)  # fmt: skip
