@@ -15,13 +15,19 @@ from cutlass.memory import TmemAllocator
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from cute_fa.config import BwdConfig
-from cute_fa.dsl.copy import transposed
+from cute_fa.dsl.copy import transposed, zero_rows_from
 from cute_fa.dsl.kernel import AttentionKernel
-from cute_fa.dsl.mask import apply_mask, query_block_range
+from cute_fa.dsl.mask import (
+    apply_mask,
+    query_block_mask_bounds,
+    query_block_range,
+    visited_query_block,
+)
 from cute_fa.dsl.ring import ring_state
 from cute_fa.dsl.scheduler import bwd_block_coords, bwd_grid
 from cute_fa.dsl.seqlen import seqlen_info
-from cute_fa.dsl.softmax import lse_for_recompute, score_scales
+from cute_fa.dsl.softmax import ScoreScales, lse_for_recompute, score_scales, softcap_scores
+from cute_fa.dsl.turns import dq_turn, pass_dq_turn, wait_dq_turn
 
 from .support import (
     SM100_BWD_DO_STAGES,
@@ -41,6 +47,19 @@ WARPGROUP = 128
 DS_CHUNK = 32
 # LSE / delta values a compute thread reads from smem at once (two 16-byte loads).
 STAT_VEC = 8
+
+
+# Note [softcap gradient folded into P]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# With softcap the scores are t = tanh(s * softmax_scale / softcap) (times softcap, folded into
+# scale_log2), so the gradient of the raw score s is P (dP - delta) (1 - t^2) times
+# softmax_scale (the postprocess / the dK epilogue apply that). dS needs P and 1 - t^2 only as
+# their product, and P itself only for the 16-bit P^T store before it: each pair of P^T is
+# computed while t is still in its registers, its 16-bit values go to the P^T store buffer, and
+# P (1 - t^2) takes its place. No second 64-value fragment (the sm80 / sm90 kernels keep
+# 1 - tanh^2 beside S; at 168 registers a compute thread has no room for it), no MUFU.LG2
+# (the sm90 split-d way recovers t from P). A masked score has t = -inf: 1 - t^2 = -inf,
+# clamped to 0 (P is 0 there too, and 0 * -inf would be NaN).
 
 
 class Role(enum.IntEnum):
@@ -65,24 +84,29 @@ class Barrier(enum.IntEnum):
 class FlashAttentionBackwardSm100(AttentionKernel):
     """Exact attention backward (dQ, dK, dV) on tcgen05 (sm_100a / sm_103a; cross-compiled only).
 
-    Nothing of this kernel has run on a Blackwell GPU, and nothing dispatches to it: it is
-    compiled for sm_100a and sm_103a with fake tensors and checked by its SASS, its resource
-    usage and the protocol below, asserted while tracing (tests/test_compile_sm100_bwd.py;
-    docs/blackwell.md has its counts beside FA4's). It takes the backward protocol of
-    ``cute_fa/dsl/fake.py bwd_fake_args``, so the existing preprocess (delta = rowsum(dO O),
-    dQaccum zeroed) and postprocess (dQaccum * softmax_scale -> dtype; GQA sums of dK / dV)
-    serve it unchanged.
+    Nothing of this kernel has run on a Blackwell GPU: it is compiled for sm_100a and sm_103a
+    with fake tensors and checked by its SASS, its resource usage and the protocol below,
+    asserted while tracing (tests/test_compile_sm100_bwd.py; docs/blackwell.md has its counts
+    beside FA4's). Planning sends capability 10.x to it where it implements the call, behind
+    the first-use self-check of each variant (cute_fa/selftest.py run_bwd_check). It takes
+    the backward protocol of ``cute_fa/dsl/fake.py bwd_fake_args``, so the existing
+    preprocess (delta = rowsum(dO O), dQaccum zeroed) and postprocess (dQaccum *
+    softmax_scale -> dtype; GQA sums of dK / dV) serve it unchanged.
 
-    Scope: bf16 / fp16; d = dv in (64, 96, 128); dense or varlen (cu_seqlens_q / cu_seqlens_k);
-    no mask or causal (bottom-right aligned, Note [bottom-right aligned masks]); GQA / MQA (K/V
-    head = head // (heads / kv heads); dK / dV written per query head). ``blackwell/support.py
-    bwd_can_implement`` rejects the rest with its reason.
+    Scope: bf16 / fp16; d = dv in (64, 96, 128); dense or varlen (cu_seqlens_q / cu_seqlens_k),
+    seqused_q / seqused_k; no mask, causal or a sliding window (bottom-right aligned, Note
+    [bottom-right aligned masks]); softcap; GQA / MQA (K/V head = head // (heads / kv heads);
+    dK / dV written per query head); deterministic dQ (the chain order, below).
+    ``blackwell/support.py bwd_can_implement`` rejects the rest (d 192 / 256, the sm80
+    kernel's det_coresident order) with its reason.
 
     Grid and work split
-      grid = (ceil(max_seqlen_k / tile_n), heads, batch) (``bwd_grid``): one CTA owns tile_n =
-      128 keys of one (query head, batch); K and V are loaded once, dV and dK accumulate in
-      TMEM; the CTA walks the query blocks that see its keys (``query_block_range``: causal
-      skips those above the diagonal) upward, tile_m = 128 query rows a step. P is recomputed
+      grid = (ceil(max_seqlen_k / tile_n), heads, batch) (``bwd_grid``; deterministic causal:
+      key blocks slowest): one CTA owns tile_n = 128 keys of one (query head, batch); K and V
+      are loaded once, dV and dK accumulate in TMEM; the CTA walks the query blocks that see
+      its keys (``query_block_range``: causal skips those above the diagonal, a window those
+      outside it) upward (deterministic: downward; every role alike, ``query_block``),
+      tile_m = 128 query rows a step. P is recomputed
       from Q, K and the forward's LSE. Everything is computed transposed, keys x queries, so
       the keys are the M = 128 rows of the MMAs and the 128 TMEM lanes: thread t of a
       warpgroup owns key row t (32x32b TMEM loads and stores).
@@ -150,18 +174,26 @@ class FlashAttentionBackwardSm100(AttentionKernel):
       Uses are counted, not carried (``cute_fa/dsl/ring.py ring_state``): block i is use i of
       every per-block pipeline; the MMA's wait for P(i) is its acquire of use i + 1 of
       pipeline_s (granted by the release of use i).
+    Tail barriers (seqused; not pipelines): mbar_tail[0] (K and V of a CTA whose keys cut
+      seqused_k, phase 0) and mbar_tail[1] (Q, phase 0, then dO, phase 1, of the block that
+      holds seqused_q), 1 arrival + the tiles' bytes each, the load warp's own (``load_tail``):
+      it waits, zeroes the rows past seqused, fences and only then completes the stage's full
+      barrier of pipeline_kv / pipeline_q / pipeline_do with no bytes.
     Named barriers (``Barrier``): TMEM_ALLOC (416), TMEM_FREE (384), DQ_STAGE (128: per dQ
       chunk, after the threads wrote it to sdQ and warp 0 waited until the previous chunk's
       reduce-add has read its buffer; two buffers, so the writes of chunk c + 1 never meet
       the reduce of chunk c - 1).
     Compute step (thread t: key row t of the CTA, warpgroup w: queries [64 w, 64 w + 64)):
-      wait LSE / delta(i), S(i); tcgen05.ld the 64 S^T values; mask (causal: every block;
-      otherwise only a CTA whose keys cut seqlen_k; ``apply_mask`` on a (queries, 1 key) view
-      of the row); P^T = exp2(S^T scale_log2 - LSE_log2[query]) (FFMA2 + MUFU.EX2); P^T ->
-      16 bits -> tcgen05.st over the warpgroup's own S^T columns; wait::st; release S (= P
-      ready). Wait dP(i), acquire sdS; per 32-column chunk: tcgen05.ld dP^T, dS^T = P^T (dP^T
-      - delta[query]) (FADD2 / FMUL2), 16 bits -> sdS (16-byte stores); release dP after the
-      last load; fence.proxy.async; commit sdS; release LSE / delta.
+      wait LSE / delta(i), S(i); tcgen05.ld the 64 S^T values; softcap: tanh(S^T score_scale)
+      (``softcap_scores``, shared with the sm80 / sm90 kernels); mask (causal: every block;
+      window: the blocks that may cut an edge, ``query_block_mask_bounds``, one loop choosing
+      the step per block; all blocks of a CTA whose keys cut seqlen_k; ``apply_mask`` on a
+      (queries, 1 key) view of the row); P^T = exp2(S^T scale_log2 - LSE_log2[query]) (FFMA2 +
+      MUFU.EX2); P^T -> 16 bits -> tcgen05.st over the warpgroup's own S^T columns; wait::st;
+      release S (= P ready). Wait dP(i), acquire sdS; per 32-column chunk: tcgen05.ld dP^T,
+      dS^T = P^T (dP^T - delta[query]) (FADD2 / FMUL2; softcap: P^T (1 - tanh^2) kept in
+      place of P^T, Note [softcap gradient folded into P]), 16 bits -> sdS (16-byte stores);
+      release dP after the last load; fence.proxy.async; commit sdS; release LSE / delta.
     Shared memory (K-major swizzled tiles, ``_operand_layout``): sK (128, d), sV (128, dv),
       sQ (128, d, 2), sdO (128, dv, 1), sdS (128 keys, 128 queries), sdQ (128, 16, 2) fp32,
       sLSE / sdPsum (128, 2) fp32. 132 KiB (d 64), 172 KiB (d 96), 212 KiB (d 128)
@@ -171,12 +203,36 @@ class FlashAttentionBackwardSm100(AttentionKernel):
       dS = 0); keys past seqlen_k are masked (P = 0, dS = 0), so every dQ row past seqlen_q and
       every dK / dV term from a key past seqlen_k is an exact 0. The TMA reduce clips rows past
       the tensor (dense); packed varlen adds exact zeros to the next sequence's dQaccum rows.
-      dK / dV stores skip keys past seqlen_k. A CTA whose keys no query row sees (or, varlen,
-      past its sequence) issues no MMA and stores dK = dV = 0 for its keys below seqlen_k.
-    Not yet: 2-CTA MMA (d 192 / 256), sliding window, softcap, deterministic dQ, seqused_q /
-      seqused_k (tail zeroing), a persistent / LPT scheduler, TMA stores of dK / dV, a
-      dedicated dQ region at d 64 (TMEM has room; dP(i + 1) would not wait for the dQ drain),
-      dispatch (planning) and the first-use self-check for backward variants.
+      dK / dV stores skip keys past seqlen_k. A CTA whose keys no query row sees (a window
+      outside them, or, varlen, past its sequence) issues no MMA and stores dK = dV = 0 for
+      its keys below seqlen_k. seqused_q / seqused_k: seqlen_q / seqlen_k are the used
+      lengths; the rows between them and the end of the tensor (or sequence) may hold NaN,
+      so the load warp zeroes them in smem (tail barriers above) before any MMA reads them;
+      dK / dV rows past seqused_k are the caller's zeros (cute_fa/backward.py), dQ rows past
+      seqused_q get exact zeros added.
+    Deterministic dQ (config.deterministic; Note [deterministic dQ] in ampere/flash_bwd.py:
+      each dQaccum element gets its terms in ascending key block order; the sm90 kernel's
+      handshake, ``cute_fa/dsl/turns.py``)
+      mdQsemaphore (batch, head, query block) int32, zeroed by the caller. Every role walks
+      its query blocks downward. Only dq warp 0 (the one that issues the reduce-adds) touches
+      the semaphores; for query block m, with turn = n_block - first_key_block(m), it
+        1. before its wait for dQ(m) in TMEM (pipeline_dq; the spin overlaps the block's
+           MMAs): lane 0 reads the semaphore (ld.acquire.gpu) until it equals turn;
+           __syncwarp; fence.proxy.async.global;
+        2. the block's d / 16 chunk reduce-adds as without determinism (the other dq warps
+           meet it at DQ_STAGE per chunk);
+        3. cp.async.bulk.wait_group 0 (the writes complete), fence.proxy.async.global,
+           __syncwarp, lane 0: red.release.gpu.add 1.
+      A CTA waits only for key blocks first_key_block(m) .. n_block - 1 of the same (batch,
+      head): CTAs of lower index (causal: key blocks slowest in the grid), started first,
+      whose turns never depend on higher key blocks: no deadlock. While warp 0 waits, dQ(m)
+      stays in TMEM: the MMA warp's dP of the next block (over dQ's columns) waits for its
+      drain, so a CTA runs at most one block ahead of its turn. Walking downward, every key
+      block starts at the same last query blocks: key block n waits for n - 1's reduce-adds
+      (a wavefront).
+    Not yet: 2-CTA MMA (d 192 / 256), a persistent / LPT scheduler, TMA stores of dK / dV, a
+      dedicated dQ region at d 64 (TMEM has room; dP(i + 1) would not wait for the dQ drain,
+      and a deterministic CTA could run further ahead of its turn).
     """
 
     arch = 100
@@ -192,6 +248,7 @@ class FlashAttentionBackwardSm100(AttentionKernel):
         self.dq_chunk = SM100_BWD_DQ_CHUNK
         self.dq_stages = SM100_BWD_DQ_STAGES
         self.regs_compute, self.regs_dq, self.regs_other = SM100_BWD_REGS
+        self.deterministic = config.deterministic
         self.num_threads = WARP * 16
         # TMEM plan (columns of 32 bits), asserted <= 512 by the plan itself.
         self.tmem = bwd_tmem_plan(self.tile_m, self.tile_hdim, self.tile_hdimv)
@@ -278,6 +335,8 @@ class FlashAttentionBackwardSm100(AttentionKernel):
             mbar_ds: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_dq: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_dkv: cute.struct.MemRange[cutlass.Int64, 2]
+            # seqused: the load warp's own barriers of the tail tiles (K / V; Q, dO).
+            mbar_tail: cute.struct.MemRange[cutlass.Int64, 2]
             tmem_addr: Int32
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.q_stages], 128]
             sdPsum: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.q_stages], 128]
@@ -289,16 +348,17 @@ class FlashAttentionBackwardSm100(AttentionKernel):
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
         assert SharedStorage.size_in_bytes() <= bwd_smem_bytes(self.config)
-        _, scale_log2 = score_scales(softmax_scale, softcap, False)
+        score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
         batch = cute.size(mQ.shape[0])
         if cutlass.const_expr(mCuSeqlensQ is not None):
             batch = mCuSeqlensQ.shape[0] - 1
-        grid = bwd_grid(cute.ceil_div(max_seqlen_k, tn), cute.size(mQ.shape[2]), batch, False,
-                        self.causal)  # fmt: skip
+        grid = bwd_grid(cute.ceil_div(max_seqlen_k, tn), cute.size(mQ.shape[2]), batch,
+                        self.deterministic, self.causal)  # fmt: skip
         self.kernel(
             mQ_tma, mK_tma, mV_tma, mdO_tma, mdQ_tma, mQ, mK, mLSE, mdPsum, mdK, mdV,
-            tma_q, tma_k, tma_v, tma_do, tma_dq, softmax_scale, scale_log2, window_left,
-            window_right, mCuSeqlensQ, mCuSeqlensK, sK_layout, sV_layout, sQ_layout,
+            tma_q, tma_k, tma_v, tma_do, tma_dq, softmax_scale, score_scale, scale_log2,
+            window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+            mdQsemaphore, sK_layout, sV_layout, sQ_layout,
             sdO_layout, sdS_layout, sdQ_layout, tP_layout, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)  # fmt: skip
@@ -397,11 +457,15 @@ class FlashAttentionBackwardSm100(AttentionKernel):
         tma_do: cute.CopyAtom,
         tma_dq: cute.CopyAtom,
         softmax_scale: Float32,
+        score_scale: Float32,
         scale_log2: Float32,
         window_left: Int32,
         window_right: Int32,
         mCuSeqlensQ: cute.Tensor | None,
         mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedQ: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
+        mdQsemaphore: cute.Tensor | None,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         sQ_layout: cute.ComposedLayout,
@@ -416,6 +480,11 @@ class FlashAttentionBackwardSm100(AttentionKernel):
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         pipes = self._pipelines(storage)
+        if cutlass.const_expr(self.config.seqused_q or self.config.seqused_k):
+            if warp_idx == Role.LOAD:
+                with cute.arch.elect_one():
+                    for b in cutlass.range_constexpr(2):
+                        cute.arch.mbarrier_init(storage.mbar_tail.data_ptr() + b, 1)
         tmem = TmemAllocator(
             storage.tmem_addr.ptr,
             barrier_for_retrieve=pipeline.NamedBarrier(
@@ -440,11 +509,13 @@ class FlashAttentionBackwardSm100(AttentionKernel):
                 cute.make_layout((STAT_VEC, self.tile_m // STAT_VEC, self.q_stages))),
         )  # fmt: skip
         gmem = (mQ, mK, mLSE, mdPsum, mdK, mdV, mQ_tma, mK_tma, mV_tma, mdO_tma, mdQ_tma,
-                mCuSeqlensQ, mCuSeqlensK, window_left, window_right)  # fmt: skip
+                mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mdQsemaphore, window_left,
+                window_right)  # fmt: skip
         # Each role finds its CTA's work itself, after its setmaxnreg.
         if warp_idx == Role.LOAD:
             cute.arch.setmaxregister_decrease(self.regs_other)
-            self.load(self.tile_work(*gmem), tma_q, tma_k, tma_v, tma_do, smem_t, pipes)
+            self.load(self.tile_work(*gmem), tma_q, tma_k, tma_v, tma_do, smem_t, pipes,
+                      storage.mbar_tail.data_ptr())  # fmt: skip
         if warp_idx == Role.MMA:
             cute.arch.setmaxregister_decrease(self.regs_other)
             tmem.wait_for_alloc()
@@ -457,7 +528,7 @@ class FlashAttentionBackwardSm100(AttentionKernel):
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             self.reduce_dq(self.tile_work(*gmem), tma_dq, smem_t["sdQ"], tmem_ptr, pipes,
-                           tidx % WARPGROUP, warp_idx)  # fmt: skip
+                           window_left, tidx % WARPGROUP, warp_idx)  # fmt: skip
             pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM_FREE),
                                   num_threads=3 * WARPGROUP).arrive()  # fmt: skip
         if warp_idx >= Role.COMPUTE0 and warp_idx < Role.MMA:
@@ -467,8 +538,8 @@ class FlashAttentionBackwardSm100(AttentionKernel):
             tmem_ptr = tmem.retrieve_ptr(Float32)
             # One code path for both compute warpgroups: the query half is a runtime value.
             self.compute(self.tile_work(*gmem), (warp_idx - Role.COMPUTE0) // 4, smem_t,
-                         tmem_ptr, softmax_scale, scale_log2, window_left, window_right, pipes,
-                         tidx % WARPGROUP)  # fmt: skip
+                         tmem_ptr, softmax_scale, ScoreScales(score_scale, scale_log2),
+                         window_left, window_right, pipes, tidx % WARPGROUP)  # fmt: skip
             tmem.relinquish_alloc_permit()
             pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM_FREE),
                                   num_threads=3 * WARPGROUP).arrive_and_wait()  # fmt: skip
@@ -539,15 +610,19 @@ class FlashAttentionBackwardSm100(AttentionKernel):
         mdQ_tma: cute.Tensor,
         mCuSeqlensQ: cute.Tensor | None,
         mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedQ: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
+        mdQsemaphore: cute.Tensor | None,
         window_left: Int32,
         window_right: Int32,
     ):
         """Where this CTA's keys lie and which query blocks it visits, the same in every role:
         (n_block, seqlen_q, seqlen_k, m_block_min, n_steps, and the (head, batch) views of Q,
-        K, V, dO, dQaccum (TMA coordinates), LSE, delta, dK, dV)."""
-        n_block, head, batch = bwd_block_coords(False, self.causal)
+        K, V, dO, dQaccum (TMA coordinates), LSE, delta, dK, dV, and of the dQ semaphores
+        (deterministic; else None))."""
+        n_block, head, batch = bwd_block_coords(self.deterministic, self.causal)
         offset_q, seqlen_q, offset_k, seqlen_k = seqlen_info(
-            batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, None, None
+            batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK
         )
         m_block_min, m_block_max = query_block_range(
             n_block, seqlen_q, seqlen_k, window_left, window_right, self.tile_m, self.tile_n,
@@ -569,8 +644,16 @@ class FlashAttentionBackwardSm100(AttentionKernel):
             cute.domain_offset((offset_q,), mdPsum[qb, head, None]),
             cute.domain_offset((offset_k, 0), mdK[kb, None, head, None]),
             cute.domain_offset((offset_k, 0), mdV[kb, None, head, None]),
+            mdQsemaphore[batch, head, None] if cutlass.const_expr(self.deterministic) else None,
         )
         return (n_block, seqlen_q, seqlen_k, m_block_min, n_steps) + views
+
+    @cute.jit
+    def query_block(self, i: Int32, m_block_min: Int32, n_steps: Int32) -> Int32:
+        """The i-th query block every role of this CTA visits: ascending from m_block_min, or
+        deterministic downward from the last (``visited_query_block``; docstring:
+        deterministic dQ)."""
+        return visited_query_block(i, m_block_min, m_block_min + n_steps, self.deterministic)
 
     @cute.jit
     def load(
@@ -582,11 +665,14 @@ class FlashAttentionBackwardSm100(AttentionKernel):
         tma_do: cute.CopyAtom,
         smem_t: dict,
         pipes: dict,
+        mbar_tail: cute.Pointer,
     ):
         """Load warp: K and V once; per block i: Q(i) (use i of pipeline_q), LSE / delta(i)
-        (use i of pipeline_lse, the 32 lanes), dO(i) (use i of pipeline_do)."""
-        (n_block, seqlen_q, _, m_block_min, n_steps, mQ, mK, mV, mdO, _, mLSE, mdPsum, _,
-         _) = work  # fmt: skip
+        (use i of pipeline_lse, the 32 lanes), dO(i) (use i of pipeline_do). seqused_k: K and
+        V of a CTA whose keys cut seqlen_k, seqused_q: Q and dO of the block that holds
+        seqlen_q, through ``load_tail`` (their rows past seqused zeroed)."""
+        (n_block, seqlen_q, seqlen_k, m_block_min, n_steps, mQ, mK, mV, mdO, _, mLSE, mdPsum, _,
+         _, _) = work  # fmt: skip
         tm, tn, d, dv = self.tile_m, self.tile_n, self.tile_hdim, self.tile_hdimv
         lane = cute.arch.lane_idx()
 
@@ -606,18 +692,37 @@ class FlashAttentionBackwardSm100(AttentionKernel):
         pipeline_kv, pipeline_q, pipeline_do = pipes["kv"], pipes["q"], pipes["do"]
         pipeline_lse = pipes["lse"]
         sLSE, sdPsum = smem_t["sLSE"], smem_t["sdPsum"]
+        seqused_q, seqused_k = self.config.seqused_q, self.config.seqused_k
         if n_steps > 0:
             kv_state = ring_state(1, 0, producer=True)
-            pipeline_kv.producer_acquire(kv_state)
-            bar = pipeline_kv.producer_get_barrier(kv_state)
-            cute.copy(tma_k, tKgK[None, n_block], tKsK[None, 0], tma_bar_ptr=bar)
-            cute.copy(tma_v, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=bar)
+            kv = ((tma_k, tKgK[None, n_block], tKsK[None, 0]),
+                  (tma_v, tVgV[None, n_block], tVsV[None, 0]))  # fmt: skip
+            if cutlass.const_expr(seqused_k):
+                valid_k = seqlen_k - n_block * tn
+                if valid_k < tn:
+                    self.load_tail(kv, pipeline_kv, kv_state, (smem_t["sK"], smem_t["sV"]),
+                                   valid_k, mbar_tail, 0, self.tx_kv)  # fmt: skip
+                else:
+                    self.load_tiles(kv, pipeline_kv, kv_state)
+            else:
+                self.load_tiles(kv, pipeline_kv, kv_state)
         for i in cutlass.range(n_steps, unroll=1):
-            m_block = m_block_min + i
+            m_block = self.query_block(i, m_block_min, n_steps)
+            valid_q = seqlen_q - m_block * tm
             q_state = ring_state(self.q_stages, i, producer=True)
-            pipeline_q.producer_acquire(q_state)
-            cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, q_state.index],
-                      tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))  # fmt: skip
+            q = ((tma_q, tQgQ[None, m_block], tQsQ[None, q_state.index]),)
+            if cutlass.const_expr(seqused_q):
+                # Only the block that holds seqlen_q (the last visited, deterministic the
+                # first): phase 0 of tail
+                # barrier 1 for Q, phase 1 for dO.
+                if valid_q < tm:
+                    self.load_tail(q, pipeline_q, q_state,
+                                   (smem_t["sQ"][None, None, q_state.index],), valid_q,
+                                   mbar_tail + 1, 0, self.tx_q)  # fmt: skip
+                else:
+                    self.load_tiles(q, pipeline_q, q_state)
+            else:
+                self.load_tiles(q, pipeline_q, q_state)
             # LSE in log2 units and delta of the block's rows; rows past seqlen_q and rows that
             # saw no key in the forward (LSE = -inf) get +inf: P = 0 there.
             pipeline_lse.producer_acquire(q_state)
@@ -632,9 +737,53 @@ class FlashAttentionBackwardSm100(AttentionKernel):
                 sdPsum[row % STAT_VEC, row // STAT_VEC, q_state.index] = dpsum
             pipeline_lse.producer_commit(q_state)
             do_state = ring_state(self.do_stages, i, producer=True)
-            pipeline_do.producer_acquire(do_state)
-            cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, do_state.index],
-                      tma_bar_ptr=pipeline_do.producer_get_barrier(do_state))  # fmt: skip
+            do = ((tma_do, tdOgdO[None, m_block], tdOsdO[None, do_state.index]),)
+            if cutlass.const_expr(seqused_q):
+                if valid_q < tm:
+                    self.load_tail(do, pipeline_do, do_state,
+                                   (smem_t["sdO"][None, None, do_state.index],), valid_q,
+                                   mbar_tail + 1, 1, self.tx_do)  # fmt: skip
+                else:
+                    self.load_tiles(do, pipeline_do, do_state)
+            else:
+                self.load_tiles(do, pipeline_do, do_state)
+
+    @cute.jit
+    def load_tiles(self, copies: tuple, pipe, state: pipeline.PipelineState):
+        """One use of a TMA pipeline: acquire its stage, then every (atom, gmem, smem) copy on
+        its full barrier (which expects the bytes of all of them: ``tx_*``)."""
+        pipe.producer_acquire(state)
+        for atom, src, dst in copies:
+            cute.copy(atom, src, dst, tma_bar_ptr=pipe.producer_get_barrier(state))
+
+    @cute.jit
+    def load_tail(self, copies: tuple, pipe, state: pipeline.PipelineState, tiles: tuple,
+                  valid: Int32, mbar: cute.Pointer, phase: cutlass.Constexpr[int],
+                  tx_bytes: cutlass.Constexpr[int]):  # fmt: skip
+        """seqused: ``load_tiles`` with the rows [valid, rows) of every (rows, cols) smem tile
+        of ``tiles`` zeroed before the MMA warp may read the stage.
+
+        Rows past seqused_q / seqused_k (up to the end of the tensor or of the sequence) are
+        not inputs and may hold NaN: their P and dS are 0, but 0 * NaN in the GEMMs that read
+        them (S^T, dP^T, dQ = dS K, dK += dS^T Q, dV += P^T dO) would spread. The copies
+        complete on the load warp's own barrier ``mbar`` (1 arrival + ``tx_bytes``; phase
+        ``phase``: each tail barrier is used at most twice a CTA, at fixed points) instead of
+        the stage's full barrier; the warp waits for it, zeroes the rows (lane l: every 32nd
+        element from l), fences the generic-proxy stores for the async proxy (the MMAs read
+        smem through it) and only then arrives on the stage's full barrier with no bytes
+        expected, which completes its phase. The stage's empty wait comes first, as in any
+        acquire (the forward's ``load_v_tail`` does the same for V)."""
+        pipe.sync_object_empty.wait(state.index, state.phase)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar, tx_bytes)
+        for atom, src, dst in copies:
+            cute.copy(atom, src, dst, tma_bar_ptr=mbar)
+        cute.arch.mbarrier_wait(mbar, phase)
+        for tile in tiles:
+            zero_rows_from(tile, valid, cute.arch.lane_idx(), WARP)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_warp()
+        pipe.producer_acquire(state, try_acquire_token=cutlass.Boolean(True), expected_tx=0)
 
     @cute.jit
     def mma(self, work: tuple, smem_t: dict, tP_layout: cute.ComposedLayout,
@@ -750,7 +899,7 @@ class FlashAttentionBackwardSm100(AttentionKernel):
         smem_t: dict,
         tmem_ptr: cute.Pointer,
         softmax_scale: Float32,
-        scale_log2: Float32,
+        scales: ScoreScales,
         window_left: Int32,
         window_right: Int32,
         pipes: dict,
@@ -760,7 +909,7 @@ class FlashAttentionBackwardSm100(AttentionKernel):
         64 half + 64) of every block, thread ``tidx`` key row ``tidx`` (docstring: compute
         step); then its half of the columns of dK and dV to global."""
         (n_block, seqlen_q, seqlen_k, m_block_min, n_steps, _, _, _, _, _, _, _, mdK,
-         mdV) = work  # fmt: skip
+         mdV, _) = work  # fmt: skip
         hm = self.half_m
         # S^T half: (128 keys, 64 queries) at column 64 half; P^T half: 32 fp32 words at the
         # same column; dP^T chunks of DS_CHUNK queries.
@@ -813,11 +962,28 @@ class FlashAttentionBackwardSm100(AttentionKernel):
         step = (thr_load_s.partition_S(tS), tScS, load_s, store_p, thr_store_p.partition_D(tP),
                 tPrP_shape, load_dp, thr_load_dp, thr_acc_c, tdP, dP_shape, sdS, smem_t["sLSE"],
                 smem_t["sdPsum"], pipes, half, tidx, n_block, seqlen_q, seqlen_k, window_left,
-                window_right, scale_log2)  # fmt: skip
+                window_right, scales)  # fmt: skip
+        # Sliding window: the query blocks [lo, hi) cut neither window edge (blocks before lo
+        # may cut the right edge, from hi on the left one), none in a CTA whose keys cut
+        # seqlen_k. One loop picks the step per block (a loop per kind keeps more values live:
+        # the forward's window as a third loop spilled).
+        lo, hi = Int32(0), Int32(0)
+        if cutlass.const_expr(self.local):
+            lo, hi = query_block_mask_bounds(
+                n_block, seqlen_q, seqlen_k, window_left, window_right, self.tile_m,
+                self.tile_n, False, True,
+            )  # fmt: skip
+            if (n_block + 1) * self.tile_n > seqlen_k:
+                hi = lo
         for i in cutlass.range(n_steps, unroll=1):
-            m_block = m_block_min + i
+            m_block = self.query_block(i, m_block_min, n_steps)
             if cutlass.const_expr(self.causal):
                 self.compute_step(step, i, m_block, True)
+            elif cutlass.const_expr(self.local):
+                if m_block >= lo and m_block < hi:
+                    self.compute_step(step, i, m_block, False)
+                else:
+                    self.compute_step(step, i, m_block, True)
             else:
                 # Only a CTA whose keys cut seqlen_k needs the mask (a per-CTA choice).
                 if (n_block + 1) * self.tile_n > seqlen_k:
@@ -834,7 +1000,8 @@ class FlashAttentionBackwardSm100(AttentionKernel):
         dS^T (sdS). Use i of pipeline_s, pipeline_dp, pipeline_ds and pipeline_lse."""
         (tStS_t, tScS, load_s, store_p, tStP_t, tPrP_shape, load_dp, thr_load_dp, thr_acc_c, tdP,
          dP_shape, sdS, sLSE, sdPsum, pipes, half, tidx, n_block, seqlen_q, seqlen_k, window_left,
-         window_right, scale_log2) = step  # fmt: skip
+         window_right, scales) = step  # fmt: skip
+        score_scale, scale_log2 = scales
         hm = self.half_m
         state = ring_state(1, i, producer=False)
         lse_state = ring_state(self.q_stages, i, producer=False)
@@ -842,6 +1009,8 @@ class FlashAttentionBackwardSm100(AttentionKernel):
         pipes["s"].consumer_wait(state)
         tSrS = cute.make_rmem_tensor(tScS.shape, Float32)
         cute.copy(load_s, tStS_t, tSrS)
+        if cutlass.const_expr(self.has_softcap):  # before the mask: -inf stays -inf
+            softcap_scores(tSrS, score_scale)
         if cutlass.const_expr(masked):
             n = cute.size(tSrS)
             col_view = cute.make_layout((n, 1))
@@ -850,7 +1019,14 @@ class FlashAttentionBackwardSm100(AttentionKernel):
                        m_block * self.tile_m + half * hm, n_block * self.tile_n, seqlen_q,
                        seqlen_k, window_left, window_right, self.causal, self.local)  # fmt: skip
         # P^T = exp2(S^T scale_log2 - LSE_log2[query]); element j is query 64 half + j.
+        tPrP = cute.make_rmem_tensor(tPrP_shape, Float32)
+        tPrP_16 = cute.make_tensor(cute.recast_ptr(tPrP.iterator, dtype=self.dtype), tSrS.layout)
         stat = cute.make_rmem_tensor((STAT_VEC,), Float32)
+        p_vec = cute.make_rmem_tensor((STAT_VEC,), Float32)
+        one = Float32(1.0)
+        if cutlass.const_expr(self.has_softcap):  # P^T's groups of STAT_VEC are contiguous
+            for j in cutlass.range_constexpr(cute.size(tSrS)):
+                assert cute.crd2idx(j, tSrS.layout) == j
         for g in cutlass.range_constexpr(hm // STAT_VEC):
             cute.autovec_copy(sLSE[None, half * (hm // STAT_VEC) + g, lse_state.index], stat)
             for v in cutlass.range_constexpr(0, STAT_VEC, 2):
@@ -858,15 +1034,29 @@ class FlashAttentionBackwardSm100(AttentionKernel):
                 a0, a1 = cute.arch.fma_packed_f32x2((tSrS[j], tSrS[j + 1]),
                                                     (scale_log2, scale_log2),
                                                     (-stat[v], -stat[v + 1]))  # fmt: skip
-                tSrS[j] = cute.math.exp2(a0, fastmath=True)
-                tSrS[j + 1] = cute.math.exp2(a1, fastmath=True)
-        tPrP = cute.make_rmem_tensor(tPrP_shape, Float32)
-        tPrP_16 = cute.make_tensor(cute.recast_ptr(tPrP.iterator, dtype=self.dtype), tSrS.layout)
-        tPrP_16.store(tSrS.load().to(self.dtype))
+                p0 = cute.math.exp2(a0, fastmath=True)
+                p1 = cute.math.exp2(a1, fastmath=True)
+                if cutlass.const_expr(self.has_softcap):
+                    # Note [softcap gradient folded into P]: keep P(1 - tanh^2) for dS.
+                    p_vec[v], p_vec[v + 1] = p0, p1
+                    t0, t1 = tSrS[j], tSrS[j + 1]
+                    d0, d1 = cute.arch.fma_packed_f32x2((t0, t1), (-t0, -t1), (one, one))
+                    d0 = cute.arch.fmax(d0, Float32(0.0))  # a masked score: 1 - inf^2 -> 0
+                    d1 = cute.arch.fmax(d1, Float32(0.0))
+                    tSrS[j], tSrS[j + 1] = cute.arch.mul_packed_f32x2((p0, p1), (d0, d1))
+                else:
+                    tSrS[j], tSrS[j + 1] = p0, p1
+            if cutlass.const_expr(self.has_softcap):
+                p_g = cute.make_tensor(tPrP_16.iterator + g * STAT_VEC,
+                                       cute.make_layout(STAT_VEC))  # fmt: skip
+                p_g.store(p_vec.load().to(self.dtype))
+        if cutlass.const_expr(not self.has_softcap):
+            tPrP_16.store(tSrS.load().to(self.dtype))
         cute.copy(store_p, tPrP, tStP_t)
         cute.arch.fence_view_async_tmem_store()
         pipes["s"].consumer_release(state)
-        # dS^T = P^T (dP^T - delta[query]) by chunks of DS_CHUNK queries, 16-bit into sdS.
+        # dS^T = P^T (dP^T - delta[query]) by chunks of DS_CHUNK queries, 16-bit into sdS
+        # (softcap: tSrS holds P^T (1 - tanh^2)).
         pipes["dp"].consumer_wait(state)
         pipes["ds"].producer_acquire(ring_state(1, i, producer=True))
         chunks = hm // DS_CHUNK
@@ -946,11 +1136,15 @@ class FlashAttentionBackwardSm100(AttentionKernel):
 
     @cute.jit
     def reduce_dq(self, work: tuple, tma_dq: cute.CopyAtom, sdQ: cute.Tensor,
-                  tmem_ptr: cute.Pointer, pipes: dict, tidx: Int32, warp_idx: Int32):  # fmt: skip
+                  tmem_ptr: cute.Pointer, pipes: dict, window_left: Int32, tidx: Int32,
+                  warp_idx: Int32):  # fmt: skip
         """dQ warpgroup: per block, dQ (thread = query row) from TMEM in chunks of dq_chunk
         columns to sdQ (dq_stages buffers), one TMA reduce-add per chunk issued by warp 0
-        (docstring: named barrier DQ_STAGE). Use i of pipeline_dq."""
-        (_, _, _, m_block_min, n_steps, _, _, _, _, mdQ, _, _, _, _) = work
+        (docstring: named barrier DQ_STAGE). Use i of pipeline_dq. Deterministic: warp 0
+        takes the block's turn before its first reduce-add and passes it on after the last
+        (docstring: deterministic dQ)."""
+        (n_block, seqlen_q, seqlen_k, m_block_min, n_steps, _, _, _, _, mdQ, _, _, _, _,
+         mSem) = work  # fmt: skip
         tm, ch = self.tile_m, self.dq_chunk
         chunks = self.tile_hdim // ch
         gdQ = cute.local_tile(mdQ, (tm, ch), (None, None))
@@ -971,8 +1165,14 @@ class FlashAttentionBackwardSm100(AttentionKernel):
                     for s in range(self.dq_stages)]  # fmt: skip
         stage_bar = pipeline.NamedBarrier(barrier_id=int(Barrier.DQ_STAGE), num_threads=WARPGROUP)
         for i in cutlass.range(n_steps, unroll=1):
-            m_block = m_block_min + i
+            m_block = self.query_block(i, m_block_min, n_steps)
             state = ring_state(1, i, producer=False)
+            if cutlass.const_expr(self.deterministic):
+                if warp_idx == Role.DQ:
+                    # Before dQ(i) is in TMEM: the spin overlaps the MMAs of the block.
+                    wait_dq_turn(mSem, m_block,
+                                 dq_turn(m_block, n_block, seqlen_q, seqlen_k, window_left,
+                                         self.tile_m, self.tile_n, self.local))  # fmt: skip
             pipes["dq"].consumer_wait(state)
             for c in cutlass.range_constexpr(chunks):
                 stage = c % self.dq_stages  # chunks is even: stage c % 2 in every block
@@ -994,5 +1194,8 @@ class FlashAttentionBackwardSm100(AttentionKernel):
                 if warp_idx == Role.DQ:
                     cute.copy(tma_dq, tdQsdQ[None, stage], tdQgdQ[None, m_block, c])
                     cute.arch.cp_async_bulk_commit_group()
+            if cutlass.const_expr(self.deterministic):
+                if warp_idx == Role.DQ:
+                    pass_dq_turn(mSem, m_block)
         if warp_idx == Role.DQ:
             cute.arch.cp_async_bulk_wait_group(0)

@@ -229,17 +229,11 @@ def bwd_can_implement(config: BwdConfig) -> tuple[bool, str]:
         return False, "the TMEM plan needs more than 512 columns"
     if bwd_smem_bytes(config) > SMEM_CAPACITY[config.target]:
         return False, f"shared memory {bwd_smem_bytes(config)} bytes exceeds the target's"
-    not_yet = [
-        (config.local, "local (sliding window)"),
-        (config.has_softcap, "softcap"),
-        (config.deterministic, "deterministic"),
-        (config.det_coresident, "det_coresident"),
-        (config.seqused_q, "seqused_q"),
-        (config.seqused_k, "seqused_k"),
-    ]
-    for flag, name in not_yet:
-        if flag:
-            return False, f"{name} not implemented in the sm100 backward yet"
+    if config.det_coresident:
+        return False, (
+            "det_coresident (the sm80 kernel's coresident turn order) is not implemented in the "
+            "sm100 backward: its deterministic mode takes the chain order"
+        )
     return True, ""
 
 

@@ -17,12 +17,17 @@ from cutlass.cute.nvgpu.warp import LdMatrix8x8x16bOp, StMatrix8x8x16bOp
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from cute_fa.config import SMEM_CAPACITY, BwdConfig
-from cute_fa.dsl.copy import acc_to_smem, elem_ptr, row_store_copy, store_rows, transposed
+from cute_fa.dsl.copy import (
+    acc_to_smem,
+    row_store_copy,
+    store_rows,
+    transposed,
+    zero_rows_from,
+)
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import (
     Window,
     apply_mask,
-    first_key_block,
     query_block_range,
     rotated_query_block,
     visited_query_block,
@@ -36,12 +41,12 @@ from cute_fa.dsl.softmax import (
     score_scales,
     softcap_scores,
 )
+from cute_fa.dsl.turns import dq_turn, pass_dq_turn, wait_dq_turn
 
 from .fragments import (
     acc_as_rs_operand,
     convert_in_chunks,
     gemm_over_k,
-    zero_rows_from,
 )
 from .support import (
     SM90_BWD_DS_BUFFERS,
@@ -350,8 +355,9 @@ class FlashAttentionBackwardSm90(AttentionKernel):
     in ampere/flash_bwd.py: each dQaccum element gets its terms in ascending key block order)
       mdQsemaphore (batch, head, query block) int32, zeroed by the caller. Every CTA walks its
       query blocks downward (all four roles: ``query_block``). Only producer warp 1 touches the
-      semaphores; for query block m, with turn = n_block - first_key_block(m) (= n_block without
-      a window; with one, the first key block whose band reaches m), it
+      semaphores (``cute_fa/dsl/turns.py``, shared with the sm100 backward); for query block
+      m, with turn = n_block - first_key_block(m) (= n_block without a window; with one, the
+      first key block whose band reaches m), it
         1. before DQ_FULL of consumer 0 (so the spin overlaps the consumers' GEMMs of m): lane
            0 reads the semaphore (ld.acquire.gpu) until it equals turn; __syncwarp;
            fence.proxy.async.global (the reduce-adds below are async-proxy operations: ordered
@@ -875,7 +881,10 @@ class FlashAttentionBackwardSm90(AttentionKernel):
             m_block = self.query_block(i, m_block_min, m_block_max)
             if cutlass.const_expr(self.deterministic):
                 # Before the consumers' dQ is there: the spin overlaps their GEMMs.
-                self.wait_dq_turn(mdQsemaphore, m_block, n_block, mask_args)
+                turn = dq_turn(m_block, n_block, mask_args.seqlen_q, mask_args.seqlen_k,
+                               mask_args.window.left, self.tile_m, self.tile_n,
+                               self.local)  # fmt: skip
+                wait_dq_turn(mdQsemaphore, m_block, turn)
             for c in cutlass.range_constexpr(self.num_consumers):
                 dq_barrier(Barrier.DQ_FULL_WG1, c).arrive_and_wait()
                 # Consumer c's part: its column half of the block, or (dq_by_rows) its rows.
@@ -891,48 +900,8 @@ class FlashAttentionBackwardSm90(AttentionKernel):
                 if i < n_blocks - 1:
                     dq_barrier(Barrier.DQ_EMPTY_WG1, c).arrive()
             if cutlass.const_expr(self.deterministic):
-                self.pass_dq_turn(mdQsemaphore, m_block)
+                pass_dq_turn(mdQsemaphore, m_block)
         cute.arch.cp_async_bulk_wait_group(0)
-
-    @cute.jit
-    def wait_dq_turn(
-        self,
-        mdQsemaphore: cute.Tensor,
-        m_block: Int32,
-        n_block: Int32,
-        mask_args: MaskArgs,
-    ):
-        """Warp 1, deterministic mode: return once the key blocks before this one that visit
-        query block m_block have added their dQ (the semaphore counts them), with their
-        reduce-adds ordered before this warp's next ones (docstring: deterministic)."""
-        # The key blocks that visit m_block are first_key_block(m_block) .. its last one.
-        turn = n_block - first_key_block(
-            m_block, mask_args.seqlen_q, mask_args.seqlen_k, mask_args.window.left, self.tile_m,
-            self.tile_n, self.local,
-        )  # fmt: skip
-        if cute.arch.lane_idx() == 0:
-            sem = elem_ptr(mdQsemaphore, m_block).llvm_ptr
-            # Acquire loads (LDG.STRONG.GPU, CCTL.IVALL): no MEMBAR.ALL.GPU as with a fence.
-            count = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
-            while count != turn:
-                count = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
-        cute.arch.sync_warp()
-        # The next reduce-adds go through the async proxy: order them after the acquire.
-        cute.arch.fence_proxy("async.global")
-
-    @cute.jit
-    def pass_dq_turn(self, mdQsemaphore: cute.Tensor, m_block: Int32):
-        """Warp 1, deterministic mode: once both reduce-adds of query block m_block have
-        written dQaccum, add 1 to its semaphore (the release; docstring: deterministic)."""
-        # Without .read: the reduce-adds' writes are complete, not just their reads of sdQ.
-        cute.arch.cp_async_bulk_wait_group(0)
-        # The writes were made by the async proxy: order them before this warp's generic
-        # operations, then the whole warp before lane 0's release.
-        cute.arch.fence_proxy("async.global")
-        cute.arch.sync_warp()
-        if cute.arch.lane_idx() == 0:
-            sem = elem_ptr(mdQsemaphore, m_block).llvm_ptr
-            cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
 
     @cute.jit
     def consume(

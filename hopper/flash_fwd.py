@@ -15,7 +15,14 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from cute_fa.config import FwdConfig
-from cute_fa.dsl.copy import acc_to_smem, row_store_copy, store_rows, tma_views, transposed
+from cute_fa.dsl.copy import (
+    acc_to_smem,
+    row_store_copy,
+    store_rows,
+    tma_views,
+    transposed,
+    zero_rows_from,
+)
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import BlockRange, Window, apply_mask, block_range, split_block_range
 from cute_fa.dsl.pack_gqa import packed_row_views
@@ -33,7 +40,6 @@ from .fragments import (
     acc_as_rs_operand,
     convert_in_chunks,
     gemm_over_k,
-    zero_rows_from,
 )
 from .support import (
     SM90_FWD_REGS,

@@ -1,12 +1,12 @@
 """WGMMA helpers shared by the sm90 kernels: issuing one GEMM over the k slices of its fragments,
 a WGMMA accumulator reused, in 16 bits, as the register A operand of the next WGMMA (P V in
-the forward, P^T dO and dS^T Q in the backward), and zeroing the rows of a shared-memory tile."""
+the forward, P^T dO and dS^T Q in the backward).
+``zero_rows_from`` lives in cute_fa/dsl/copy.py (the sm100 backward zeroes rows too)."""
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
 from cutlass.cute.nvgpu import warpgroup
 
 
@@ -66,16 +66,3 @@ def acc_as_rs_operand(rP: cute.Tensor) -> cute.Tensor:
         ),
     )
     return cute.make_tensor(rP.iterator, layout)
-
-
-@cute.jit
-def zero_rows_from(tile: cute.Tensor, valid: Int32, first: Int32, threads: cutlass.Constexpr[int]):
-    """Zero rows [valid, rows) of a (rows, cols) shared-memory tile (any layout, swizzled too):
-    ``threads`` threads, this one numbered ``first``, take every threads-th element. Rows past
-    seqused are not inputs and may hold NaN, which 0 * NaN in a GEMM would spread. The caller
-    fences (fence.proxy.async: the WGMMAs read through the async proxy) and synchronizes the
-    threads before any GEMM reads the tile."""
-    cols = cute.size(tile.shape[1])
-    rows = cute.size(tile.shape[0])
-    for idx in cutlass.range(first, (rows - valid) * cols, threads, unroll=1):
-        tile[valid + idx // cols, idx % cols] = tile.element_type(0.0)

@@ -1,16 +1,18 @@
 """Compile-only checks of the sm100 backward main kernel on the CPU, with a SASS read.
 
-No Blackwell GPU and no simulator exist where this runs, and nothing dispatches to
-``FlashAttentionBackwardSm100`` yet: it is cross-compiled for sm_100a (and sm_103a) with the
-backward protocol's fake tensors (``bwd_fake_args``) and its cubin is read. What is checked: the
+No Blackwell GPU and no simulator exist where this runs: ``FlashAttentionBackwardSm100`` is
+cross-compiled for sm_100a (and sm_103a) with the backward protocol's fake tensors
+(``bwd_fake_args``) and its cubin is read. What is checked: the
 MMAs are tcgen05 (``UTCHMMA``, the count of the class docstring's formula; no ``HMMA`` /
 ``HGMMA``), S^T / dP^T / dQ / dK / dV leave TMEM by ``LDTM`` and P^T goes back by ``STTM`` (counts
 of the step copies), dQ leaves by TMA reduce-adds (``UTMAREDG``, one per 16-column chunk; no
 per-element atomics), TMEM is allocated and freed once, the warpgroups re-budget their registers
-(``USETMAXREG`` = the support table), one ``MUFU.EX2`` a score, and nothing goes to local
-memory. The pipeline arrival counts are asserted while tracing; this file checks the traced
-protocol against the docstring's table. ``bwd_can_implement`` accepts and rejects with reasons
-on the CPU without compiling.
+(``USETMAXREG`` = the support table), one ``MUFU.EX2`` a score (softcap: one ``MUFU.TANH``
+too), seqused's tail rows zeroed by the load warp (one ``STS.U16`` loop a tile, TMA loads of
+their own), and nothing goes to local memory. The pipeline arrival counts are asserted while
+tracing; this file checks the traced protocol against the docstring's table.
+``bwd_can_implement`` accepts and rejects with reasons on the CPU without compiling, and the
+window's mask bounds are checked against the mask's definition on Python ints.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from cute_fa.blackwell.support import (
 )
 
 from cute_fa.config import SMEM_CAPACITY, Sm90BwdTuning, Sm100BwdTuning, Sm100FwdTuning
+from cute_fa.dsl.mask import WINDOW_INF, query_block_mask_bounds
 
 EXHAUSTIVE = pytest.mark.exhaustive
 
@@ -56,7 +59,18 @@ def test_lazy_import_and_support_without_dsl_kernel() -> None:
 @pytest.mark.parametrize("d", SM100_BWD_HEAD_DIMS)
 @pytest.mark.parametrize("target", ["sm_100a", "sm_103a"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("flags", [{}, {"causal": True, "varlen_q": True, "varlen_k": True}])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {},
+        {"causal": True, "varlen_q": True, "varlen_k": True},
+        {"local": True, "has_softcap": True},
+        {"causal": True, "has_softcap": True, "seqused_q": True, "seqused_k": True},
+        {"local": True, "varlen_q": True, "varlen_k": True, "seqused_k": True},
+        {"deterministic": True},
+        {"deterministic": True, "causal": True, "varlen_q": True, "varlen_k": True},
+    ],
+)
 def test_sm100_bwd_can_implement_accepts(d: int, target: str, dtype: str, flags: dict) -> None:
     config = bwd_config(d, d, target=target, dtype=dtype, **flags)
     assert bwd_can_implement(config) == (True, "")
@@ -76,11 +90,7 @@ def test_sm100_bwd_can_implement_accepts(d: int, target: str, dtype: str, flags:
         ({"tuning": Sm100BwdTuning(tile_n=64)}, "tile"),
         ({"tuning": Sm90BwdTuning()}, "Sm100BwdTuning"),
         ({"tuning": Sm100FwdTuning()}, "Sm100BwdTuning"),
-        ({"local": True}, "local"),
-        ({"has_softcap": True}, "softcap"),
-        ({"deterministic": True}, "deterministic"),
-        ({"seqused_q": True}, "seqused_q"),
-        ({"seqused_k": True}, "seqused_k"),
+        ({"deterministic": True, "det_coresident": True}, "det_coresident"),
     ],
 )
 def test_sm100_bwd_can_implement_rejects_with_reason(changes: dict, needle: str) -> None:
@@ -91,8 +101,8 @@ def test_sm100_bwd_can_implement_rejects_with_reason(changes: dict, needle: str)
 def test_sm100_bwd_kernel_rejects_at_construction() -> None:
     from cute_fa.blackwell import FlashAttentionBackwardSm100
 
-    with pytest.raises(NotImplementedError, match="softcap"):
-        FlashAttentionBackwardSm100(bwd_config(128, 128, has_softcap=True))
+    with pytest.raises(NotImplementedError, match="det_coresident"):
+        FlashAttentionBackwardSm100(bwd_config(128, 128, deterministic=True, det_coresident=True))
 
 
 def test_sm100_bwd_tmem_plan_and_budget() -> None:
@@ -113,15 +123,53 @@ def test_sm100_bwd_tmem_plan_and_budget() -> None:
     assert 128 * (2 * compute + dq + other) <= 65536
 
 
+@pytest.mark.parametrize("causal, local", [(True, False), (False, True), (False, False)])
+def test_query_block_mask_bounds_never_skip_a_needed_mask(causal: bool, local: bool) -> None:
+    """The compute warps take the unmasked step for query blocks in [m_no_right, m_left) of a
+    key block (``query_block_mask_bounds``, plain arithmetic run here on Python ints): no
+    element of such a tile may lie outside the window (Note [bottom-right aligned masks]),
+    for random lengths and windows (negative sides and unbounded ones too). The bounds are
+    tight but for tiles cut by a length (those mask anyway or need no mask)."""
+    import random
+
+    rng = random.Random(5)
+    tm = tn = 128
+    loose = tiles = 0
+    for _ in range(400):
+        sq, sk = rng.randint(1, 900), rng.randint(1, 900)
+        left, right = (rng.choice([WINDOW_INF, rng.randint(-60, 500)]) for _ in range(2))
+        if not local:
+            left, right = WINDOW_INF, 0 if causal else WINDOW_INF
+        offset = sk - sq
+        for n in range(-(-sk // tn)):
+            m_no_right, m_left = query_block_mask_bounds(n, sq, sk, left, right, tm, tn, causal,
+                                                         local)  # fmt: skip
+            for m in range(-(-sq // tm)):
+                r0, r1 = m * tm, min((m + 1) * tm, sq) - 1
+                k0, k1 = n * tn, min((n + 1) * tn, sk) - 1
+                # The window's corners: the first row's last key, the last row's first key.
+                cut = k1 > r0 + offset + right or k0 < r1 + offset - left
+                unmasked = m_no_right <= m < m_left
+                assert not (unmasked and cut), (sq, sk, left, right, n, m)
+                tiles += 1
+                if not unmasked and not cut:
+                    assert (n + 1) * tn > sk or (m + 1) * tm > sq, (sq, sk, left, right, n, m)
+                    loose += 1
+    assert tiles > 5_000 and loose < tiles // 10
+
+
 VARLEN = {"varlen_q": True, "varlen_k": True}
-# (d, target, flags). Default run: four compiles (d 128; d 96 causal; d 64 fp16 causal varlen;
-# d 128 on sm_103a); the rest with -m exhaustive.
+SEQUSED = {"seqused_q": True, "seqused_k": True}
+WINDOW_SOFTCAP = {"local": True, "has_softcap": True}
+# (d, target, flags). Default run: six compiles (d 128; d 96 causal; d 64 fp16 causal varlen;
+# d 128 on sm_103a; d 128 window + softcap + seqused; d 128 deterministic); the rest with
+# -m exhaustive.
 COMPILE_CASES = [
     pytest.param(128, "sm_100a", {}, id="d128"),
     pytest.param(96, "sm_100a", {"causal": True}, id="d96-causal"),
     pytest.param(
         64, "sm_100a", {"dtype": "fp16", "causal": True, **VARLEN}, id="d64-fp16-causal-varlen"
-    ),  # fmt: skip
+    ),
     pytest.param(128, "sm_103a", {}, id="d128-sm103a"),
     pytest.param(128, "sm_100a", {"causal": True}, id="d128-causal", marks=EXHAUSTIVE),
     pytest.param(128, "sm_100a", VARLEN, id="d128-varlen", marks=EXHAUSTIVE),
@@ -129,6 +177,74 @@ COMPILE_CASES = [
     pytest.param(96, "sm_100a", {}, id="d96", marks=EXHAUSTIVE),
     pytest.param(64, "sm_100a", {}, id="d64", marks=EXHAUSTIVE),
     pytest.param(64, "sm_103a", {"causal": True}, id="d64-causal-sm103a", marks=EXHAUSTIVE),
+    pytest.param(128, "sm_100a", {**WINDOW_SOFTCAP, **SEQUSED}, id="d128-local-softcap-seqused"),
+    pytest.param(128, "sm_100a", {"local": True}, id="d128-local", marks=EXHAUSTIVE),
+    pytest.param(64, "sm_100a", {"local": True}, id="d64-local", marks=EXHAUSTIVE),
+    pytest.param(128, "sm_100a", {"has_softcap": True}, id="d128-softcap", marks=EXHAUSTIVE),
+    pytest.param(64, "sm_100a", {"has_softcap": True}, id="d64-softcap", marks=EXHAUSTIVE),
+    pytest.param(
+        128,
+        "sm_100a",
+        {"causal": True, "has_softcap": True},
+        id="d128-causal-softcap",
+        marks=EXHAUSTIVE,
+    ),
+    pytest.param(
+        64,
+        "sm_100a",
+        {"causal": True, "has_softcap": True},
+        id="d64-causal-softcap",
+        marks=EXHAUSTIVE,
+    ),
+    pytest.param(96, "sm_100a", WINDOW_SOFTCAP, id="d96-local-softcap", marks=EXHAUSTIVE),
+    pytest.param(
+        64,
+        "sm_100a",
+        {"dtype": "fp16", **WINDOW_SOFTCAP, **VARLEN, **SEQUSED},
+        id="d64-fp16-local-softcap-varlen-seqused",
+        marks=EXHAUSTIVE,
+    ),
+    pytest.param(128, "sm_100a", {"seqused_q": True}, id="d128-seqused-q", marks=EXHAUSTIVE),
+    pytest.param(
+        128,
+        "sm_100a",
+        {"causal": True, **VARLEN, "seqused_k": True},
+        id="d128-causal-varlen-seqused-k",
+        marks=EXHAUSTIVE,
+    ),
+    pytest.param(128, "sm_103a", WINDOW_SOFTCAP, id="d128-local-softcap-sm103a", marks=EXHAUSTIVE),
+    pytest.param(
+        128,
+        "sm_103a",
+        {"causal": True, "has_softcap": True, **SEQUSED},
+        id="d128-causal-softcap-seqused-sm103a",
+        marks=EXHAUSTIVE,
+    ),
+    pytest.param(
+        64, "sm_103a", {"local": True, **SEQUSED}, id="d64-local-seqused-sm103a", marks=EXHAUSTIVE
+    ),
+    pytest.param(128, "sm_100a", {"deterministic": True}, id="d128-deterministic"),
+    pytest.param(
+        128,
+        "sm_100a",
+        {"deterministic": True, "causal": True},
+        id="d128-causal-deterministic",
+        marks=EXHAUSTIVE,
+    ),
+    pytest.param(
+        64,
+        "sm_100a",
+        {"deterministic": True, **WINDOW_SOFTCAP, **VARLEN, **SEQUSED},
+        id="d64-det-local-softcap-varlen-seqused",
+        marks=EXHAUSTIVE,
+    ),
+    pytest.param(
+        96,
+        "sm_103a",
+        {"deterministic": True, "causal": True},
+        id="d96-causal-deterministic-sm103a",
+        marks=EXHAUSTIVE,
+    ),
 ]
 
 _SETMAXNREG = re.compile(r"USETMAXREG\.(DEALLOC|TRY_ALLOC)\.CTAPOOL\s+(?:U?P\w+,\s*)?(0x[0-9a-f]+)")
@@ -145,19 +261,38 @@ def test_sm100_bwd_compiles(d: int, target: str, flags: dict) -> None:
     # in the loop; one instruction a K phase of 16.
     assert counts["HMMA"] == 0 and counts["HGMMA"] == 0
     assert counts["UTCHMMA"] == 2 * (d // 16) + 2 * (d // 16) + 3 * (tile_m // 16)
-    # Copies of the compute step: masked and unmasked (a CTA whose keys cut seqlen_k), one
-    # (masked) with causal. Per copy: S^T in two 32-column loads, dP^T in two, P^T in one store;
+    # Copies of the compute step: masked and unmasked (a CTA whose keys cut seqlen_k; a window:
+    # the blocks that may cut an edge, in the same loop), one (masked) with causal. Per copy:
+    # S^T in two 32-column loads, dP^T in two, P^T in one store;
     # the dq warps load dQ in 16-column chunks, the epilogue dK and dV in 32 (d 96: 16).
     copies = 1 if config.causal else 2
     epi_chunk = 32 if (d // 2) % 32 == 0 else 16
     assert counts["STTM"] == copies
     assert counts["LDTM"] == 4 * copies + d // SM100_BWD_DQ_CHUNK + 2 * (d // 2 // epi_chunk)
-    # One exponential a score: 64 queries a thread in each copy.
+    # One exponential a score: 64 queries a thread in each copy; softcap one tanh too (its
+    # gradient folded into P: no MUFU.LG2, Note [softcap gradient folded into P]).
     assert len(re.findall(r"MUFU\.EX2", sass)) == copies * tile_m // 2
-    # dQ leaves by TMA reduce-adds, one per chunk; no per-element atomics.
+    assert len(re.findall(r"MUFU\.TANH", sass)) == (copies * tile_m // 2) * config.has_softcap
+    assert len(re.findall(r"MUFU\.LG2", sass)) == 0
+    # TMA loads: K, V, Q, dO (a box per 128-byte swizzle atom, d 96: 64-byte atoms), and
+    # seqused the tail tiles' own copies, K and V / Q and dO, each zeroed by one loop of
+    # 16-bit stores of the load warp.
+    tails = 2 * config.seqused_k + 2 * config.seqused_q
+    boxes = d // 64 if d % 64 == 0 else d // 32
+    assert counts["UTMALDG"] == boxes * (4 + tails)
+    assert len(re.findall(r"STS\.U16", sass)) == tails
+    # dQ leaves by TMA reduce-adds, one per chunk; no per-element atomics. Deterministic: dq
+    # warp 0's handshake (cute_fa/dsl/turns.py), a strong GPU-scope spin load and one release
+    # increment (its MEMBAR.ALL.GPU the only one: no fence.acq_rel); none without.
     assert counts["UTMAREDG"] == d // SM100_BWD_DQ_CHUNK
-    assert counts["RED"] == 0 and counts["REDG"] == 0 and counts["ATOMG"] == 0
-    assert counts["UTMALDG"] > 0
+    assert counts["RED"] == 0 and counts["ATOMG"] == 0
+    if config.deterministic:
+        assert re.findall(r"\bREDG\S*", sass) == ["REDG.E.ADD.S32.STRONG.GPU"]
+        assert len(re.findall(r"\bLDG\.E\.STRONG\.GPU", sass)) >= 1
+        assert len(re.findall(r"MEMBAR\.ALL\.GPU", sass)) == 1
+    else:
+        assert counts["REDG"] == 0
+        assert "MEMBAR.ALL.GPU" not in sass and "LDG.E.STRONG" not in sass
     # TMEM allocated (a retry loop: one or more FIND_AND_SET) and freed once.
     assert sass.count("UTCATOMSWS.FIND_AND_SET") >= 1
     assert sass.count("UTCATOMSWS.AND") == 1
@@ -186,6 +321,7 @@ def test_sm100_bwd_compiles(d: int, target: str, flags: dict) -> None:
     doc = type(kernel).__doc__
     for name in kernel.protocol:
         assert f"pipeline_{name} " in doc, name
+    assert "mbar_tail[0]" in doc and "mbar_tail[1]" in doc
 
 
 @pytest.mark.compile

@@ -206,10 +206,15 @@ def test_feature_matrix_is_generated_from_can_implement(monkeypatch):
         family = {"sm_90a": "sm90", "sm_100a": "sm100", "sm_103a": "sm100"}.get(target, "sm80")
         assert rows["backward, head_dim 128"][columns.index(target)] == family  # Note [backward
         assert rows["backward, causal"][columns.index(target)] == family  # dispatch]
-    # What the sm100 backward declines goes to the sm80 kernel on the same GPU.
-    for row in ("backward, sliding window", "backward, softcap", "backward, head_dim 256",
-                "backward, deterministic=True"):  # fmt: skip
-        assert rows[row][columns.index("sm_100a")] == "sm80", row
+    # The sm100 backward takes windows, softcap, seqused and deterministic=True (compile-only,
+    # self-checked); what it declines goes to the sm80 kernel on the same GPU.
+    for target in ("sm_100a", "sm_103a"):
+        for row in ("backward, sliding window", "backward, softcap",
+                    "backward, seqused_q / seqused_k", "backward, deterministic=True"):  # fmt: skip
+            assert rows[row][columns.index(target)] == "sm100", row
+        for row in ("backward, head_dim 256", "backward, softcap, head_dim 256"):
+            assert rows[row][columns.index(target)] == "sm80", row
+    assert rows["backward, seqused_q / seqused_k"][columns.index("sm_90a")] == "sm90"
     # The sm90 backward does deterministic dQ too (semaphores in its dQ writer warp).
     assert rows["backward, deterministic=True"][columns.index("sm_90a")] == "sm90"
     # 99 KiB of shared memory (sm86/sm89/sm120): d128 takes a 64-key tile, d256 fits none.
@@ -565,17 +570,20 @@ def test_sm100_backward_takes_what_it_implements_and_sm80_the_rest(monkeypatch):
     monkeypatch.delenv(settings.BWD_ARCH, raising=False)
     for target in ("sm_100a", "sm_103a"):
         for d in (64, 96, 128):
-            for flags in ({}, {"causal": True}, {"varlen_q": True, "varlen_k": True}):
+            for flags in ({}, {"causal": True}, {"varlen_q": True, "varlen_k": True},
+                          {"local": True}, {"has_softcap": True},
+                          {"causal": True, "has_softcap": True, "seqused_q": True},
+                          {"local": True, "varlen_q": True, "varlen_k": True,
+                           "seqused_k": True}, {"deterministic": True},
+                          {"deterministic": True, "causal": True}):  # fmt: skip
                 config = planning.bwd_config(target, "bf16", d, d, **flags)
                 assert config.arch == 100 and config.target == target, (d, flags)
-        for flags in ({"local": True}, {"has_softcap": True}, {"deterministic": True},
-                      {"varlen_q": True, "varlen_k": True, "seqused_k": True}):  # fmt: skip
-            assert planning.bwd_config(target, "bf16", 128, 128, **flags).arch == 80, flags
         assert planning.bwd_config(target, "bf16", 256, 256).arch == 80
+        assert planning.bwd_config(target, "bf16", 256, 256, has_softcap=True).arch == 80
     with pytest.raises(NotImplementedError, match="FlashAttentionBackwardSm100: head_dim 192"):
         planning.bwd_config("sm_100a", "bf16", 192, 128)
     monkeypatch.setenv(settings.BWD_ARCH, "100")
-    with pytest.raises(NotImplementedError, match="FlashAttentionBackwardSm100: softcap"):
-        planning.bwd_config("sm_100a", "bf16", 128, 128, has_softcap=True)
+    with pytest.raises(NotImplementedError, match="FlashAttentionBackwardSm100: head_dim 256"):
+        planning.bwd_config("sm_100a", "bf16", 256, 256)
     monkeypatch.setenv(settings.BWD_ARCH, "80")
     assert planning.bwd_config("sm_100a", "bf16", 128, 128).arch == 80

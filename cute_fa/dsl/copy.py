@@ -1,6 +1,7 @@
 """Copies every architecture's kernels make: an fp32 MMA accumulator to a 16-bit shared-memory
 tile, a shared-memory tile to global memory in 16-byte row-predicated stores, the address of
-one element (for atomics), and the transposed view of a tile."""
+one element (for atomics), the transposed view of a tile, and zeroing a tile's rows past
+seqused."""
 
 from __future__ import annotations
 
@@ -83,3 +84,16 @@ def tma_views(
     mK_t = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
     mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
     return mQ_t, mK_t, mVt
+
+
+@cute.jit
+def zero_rows_from(tile: cute.Tensor, valid: Int32, first: Int32, threads: cutlass.Constexpr[int]):
+    """Zero rows [valid, rows) of a (rows, cols) shared-memory tile (any layout, swizzled too):
+    ``threads`` threads, this one numbered ``first``, take every threads-th element. Rows past
+    seqused are not inputs and may hold NaN, which 0 * NaN in a GEMM would spread. The caller
+    fences (fence.proxy.async: WGMMA and tcgen05 MMAs read through the async proxy) and
+    synchronizes the threads before any GEMM reads the tile."""
+    cols = cute.size(tile.shape[1])
+    rows = cute.size(tile.shape[0])
+    for idx in cutlass.range(first, (rows - valid) * cols, threads, unroll=1):
+        tile[valid + idx // cols, idx % cols] = tile.element_type(0.0)

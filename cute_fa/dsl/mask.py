@@ -158,6 +158,47 @@ def query_block_range(
     return m_min, m_max
 
 
+class QueryMaskBounds(NamedTuple):
+    """``query_block_mask_bounds``: query blocks below ``m_no_right`` may cut the causal / right
+    window edge of the key block, blocks from ``m_left`` on its left window edge."""
+
+    m_no_right: Int32
+    m_left: Int32
+
+
+def query_block_mask_bounds(
+    n_block: Int32,
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    window_left: Int32,
+    window_right: Int32,
+    tile_m: int,
+    tile_n: int,
+    causal: bool,
+    local: bool,
+) -> QueryMaskBounds:
+    """Which query blocks of key block ``n_block`` need the causal / window mask: the
+    backward's dual of ``block_range``'s n_no_right / n_no_left (Note [bottom-right aligned
+    masks]). Query block m is whole on the right when its first row sees the block's last key
+    (m tile_m >= (n_block + 1) tile_n - 1 - offset - right), and whole on the left when its
+    last row does not pass the block's first key (a row r cuts key n_block tile_n when r >
+    n_block tile_n - offset + left). Without causal / local: (0, WINDOW_INF), no block cuts an
+    edge; the seqlen_k tail is the caller's (a key block that holds seqlen_k masks every
+    block). Plain arithmetic, no ``cute.jit``: the same code traces in a kernel and runs on
+    Python ints (tests); divisions only of non-negative values."""
+    offset = seqlen_k - seqlen_q
+    m_no_right = 0
+    m_left = WINDOW_INF
+    if causal or local:
+        right = 0 if causal else window_right
+        first_whole_row = (n_block + 1) * tile_n - 1 - offset - right
+        m_no_right = cute.ceil_div(cutlass.max(first_whole_row, 0), tile_m)
+    if local:
+        first_cut_row = n_block * tile_n - offset + window_left + 1
+        m_left = cutlass.max(first_cut_row, 0) // tile_m
+    return QueryMaskBounds(m_no_right, m_left)
+
+
 def visited_query_block(i: Int32, m_block_min: Int32, m_block_max: Int32, downward: bool) -> Int32:
     """The i-th query block a key block's CTA visits in ``query_block_range``: ascending from
     m_block_min, or ``downward`` from m_block_max - 1 (the backwards' deterministic mode, Note

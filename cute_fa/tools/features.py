@@ -78,6 +78,10 @@ def feature_rows() -> list[MatrixRow]:
         ("backward, sliding window", _base(local=True)),
         ("backward, softcap", _base(has_softcap=True)),
         ("backward, varlen", _base(varlen_q=True, varlen_k=True)),
+        (
+            "backward, seqused_q / seqused_k",
+            _base(varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True),
+        ),
     ]:
         rows.append(MatrixRow(label, request, backward=True))
     rows.append(MatrixRow("backward, deterministic=True", _base(), backward=True,
