@@ -258,9 +258,11 @@ STEP_ORDER_FEATURES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d,fields,feature", STEP_ORDER_FEATURES)
-def test_sm90_bwd_step_order_features(monkeypatch, d, fields, feature, causal):
+def _run_feature(monkeypatch, fields: dict, d: int, feature: str, causal: bool) -> list:
+    """One feature call through the public API (planning, autograd) with ``fields`` as a
+    ``cute_fa.tuning(sm90_bwd=...)`` override: "window", "softcap", "varlen", "seqused" (NaN
+    past seqused) or "varlen-det", with GQA; returns the configs of the backwards that ran,
+    after checking that the sm90 backward ran with every asked field."""
     from test_bwd_gpu import (
         LENS_K,
         LENS_Q,
@@ -278,8 +280,12 @@ def test_sm90_bwd_step_order_features(monkeypatch, d, fields, feature, causal):
         if feature == "window":
             window = (64, 0) if causal else (32, 32)
             run_bwd_and_check(2, 1000, 700, NHEADS, 2, d, window=window)
+            if fields.get("tile_m") == 80:  # query blocks of 80 rows over 2049
+                run_bwd_and_check(1, 2049, 2049, NHEADS, 2, d, window=(100, 37))
         elif feature == "softcap":
             run_bwd_and_check(2, 203, 1000, NHEADS, 2, d, causal=causal, softcap=15.0)
+        elif feature == "varlen":
+            run_varlen_bwd_and_check(LENS_Q, LENS_K, d, causal=causal)
         elif feature == "seqused":
             used_q = [min(a, u) for a, u in zip(LENS_Q, [10, 0, 250, 1, 100, 150, 0, 63],
                                                 strict=True)]  # fmt: skip
@@ -295,6 +301,13 @@ def test_sm90_bwd_step_order_features(monkeypatch, d, fields, feature, causal):
         assert config.arch == 90, config.name
         for field, value in fields.items():
             assert getattr(config.tuning, field) == value, config.name
+    return configs
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,fields,feature", STEP_ORDER_FEATURES)
+def test_sm90_bwd_step_order_features(monkeypatch, d, fields, feature, causal):
+    _run_feature(monkeypatch, fields, d, feature, causal)
 
 
 # 80 query rows a step at d 128 with dQ computed transposed (``Sm90BwdTuning(tile_m=80)``, a
@@ -348,36 +361,5 @@ M80_FEATURES = ["window", "varlen", "seqused", "varlen-det"]
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("feature", M80_FEATURES)
 def test_sm90_bwd_m80_features(monkeypatch, feature, causal):
-    from test_bwd_gpu import (
-        LENS_K,
-        LENS_Q,
-        NHEADS,
-        on_this_thread,
-        run_bwd_and_check,
-        run_varlen_bwd_and_check,
-        track_bwd_kernels,
-    )
-
-    if cute_fa.settings.forced_bwd_arch() == 80:
-        pytest.skip("CUTE_FA_BWD_ARCH=80 runs the sm80 backward")
-    ran = track_bwd_kernels(monkeypatch)
-    with cute_fa.tuning(sm90_bwd=M80), on_this_thread():
-        if feature == "window":
-            window = (64, 0) if causal else (100, 37)
-            run_bwd_and_check(2, 1000, 700, NHEADS, 2, 128, window=window)
-            run_bwd_and_check(1, 2049, 2049, NHEADS, 2, 128, window=window)
-        elif feature == "varlen":
-            run_varlen_bwd_and_check(LENS_Q, LENS_K, 128, causal=causal)
-        elif feature == "seqused":
-            used_q = [min(a, u) for a, u in zip(LENS_Q, [10, 0, 250, 1, 100, 150, 0, 63],
-                                                strict=True)]  # fmt: skip
-            used_k = [min(a, u) for a, u in zip(LENS_K, [290, 5, 64, 1, 0, 17, 0, 100],
-                                                strict=True)]  # fmt: skip
-            run_varlen_bwd_and_check(LENS_Q, LENS_K, 128, causal=causal, used_q=used_q,
-                                     used_k=used_k, nan_unused=True)  # fmt: skip
-        else:
-            run_varlen_bwd_and_check(LENS_Q, LENS_K, 128, causal=causal, deterministic=True)
-    configs = ran()
-    assert configs, "no backward ran"
-    for config in configs:
-        assert config.arch == 90 and config.tile_m == 80, config.name
+    for config in _run_feature(monkeypatch, M80, 128, feature, causal):
+        assert config.tile_m == 80, config.name
