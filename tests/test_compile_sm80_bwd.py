@@ -336,8 +336,11 @@ def test_bwd_config_uses_the_tile_table(monkeypatch) -> None:
         # On sm_90a the sm90 kernel serves every head dim with dv = d (Note [backward dispatch]).
         family = 90 if d in SM90_BWD_HEAD_DIMS else 80
         assert bwd_config("sm_90a", "bf16", d, d, causal=True).arch == family
-    with pytest.raises(NotImplementedError, match="head_dim"):
-        bwd_config("sm_90a", "bf16", 80, 80)
+    # A rounded head dim (Note [rounded head dims]): the sm80 kernel, the tile of d 96.
+    config = bwd_config("sm_90a", "bf16", 80, 80)
+    assert config.arch == 80 and config.tuning == sm80_bwd_tile(96, "sm_90a")
+    with pytest.raises(NotImplementedError, match="head_dim_v 128 with head_dim 64"):
+        bwd_config("sm_90a", "bf16", 64, 128)
 
 
 def test_coresident_order_is_chosen_where_a_head_fits_on_half_the_gpu(monkeypatch) -> None:
