@@ -19,7 +19,9 @@ def _ref_rows(q, k, v, window, softcap, scale_error):
     """Reference (out (sq, h, dv), lse (h, sq)) of one sequence at the inputs' precision."""
     scale = q.shape[-1] ** -0.5 * (1 + scale_error)
     if k.shape[0] == 0:
+        # (0 * the inputs keeps the zeros on their autograd graph, as the library's outputs are)
         out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+        out = out + 0 * (q.sum() + k.sum() + v.sum())
         return out, torch.full((q.shape[1], q.shape[0]), -torch.inf)
     o, lse = attention_ref(q[None], k[None], v[None], softmax_scale=scale, window_size=window,
                            softcap=softcap, upcast=False, reorder_ops=True)  # fmt: skip
