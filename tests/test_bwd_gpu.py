@@ -278,8 +278,9 @@ def test_bwd_fp16(d, causal, seqlen_q, seqlen_k):
     run_bwd_and_check(2, seqlen_q, seqlen_k, NHEADS, 2, d, dtype=torch.float16, causal=causal)
 
 
-# (head_dim, head_dim_v) = (192, 128): the sm90 backward only (the sm80 one needs dv = d;
-# CUTE_FA_BWD_ARCH=80 forces it, and then these calls must raise).
+# (head_dim, head_dim_v) = (192, 128): the sm90 backward on sm90 GPUs, the sm80 one elsewhere
+# and under CUTE_FA_BWD_ARCH=80 (tests/test_head_dims_gpu.py has (128, 64) and the rounded head
+# dims).
 _SM90 = (
     torch.cuda.is_available()
     and torch.cuda.get_device_capability()[0] == 9
@@ -292,15 +293,10 @@ DV_SEQLENS = [(1, 1), (113, 203), (1000, 1000), (17, 1000), (1000, 17)]
 @pytest.mark.parametrize("h_kv", [6, 2], ids=["mha", "gqa3"])
 @pytest.mark.parametrize("causal,window", MASKS)
 def test_bwd_d192_dv128(causal, window, h_kv, seqlen_q, seqlen_k):
-    if not _SM90:
-        with pytest.raises(NotImplementedError, match="head_dim_v"):
-            run_bwd_and_check(1, seqlen_q, seqlen_k, NHEADS, h_kv, 192, dv=128, causal=causal)
-        return
     run_bwd_and_check(2, seqlen_q, seqlen_k, NHEADS, h_kv, 192, dv=128, causal=causal,
                       window=window)  # fmt: skip
 
 
-@pytest.mark.skipif(not _SM90, reason="(192, 128): the sm90 backward")
 def test_bwd_d192_dv128_varlen_seqused_deterministic():
     used_q = [min(lq, u) for lq, u in zip(LENS_Q, [10, 0, 250, 1, 100, 150, 0, 63], strict=True)]
     used_k = [min(lk, u) for lk, u in zip(LENS_K, [290, 5, 64, 1, 0, 17, 0, 100], strict=True)]
