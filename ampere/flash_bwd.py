@@ -12,7 +12,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
-from cute_fa.dsl.copy import elem_ptr, transposed
+from cute_fa.dsl.copy import elem_ptr, transposed, widen_cols
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import (
     apply_mask,
@@ -28,9 +28,9 @@ from cute_fa.dsl.scheduler import bwd_block_coords, bwd_grid
 from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import lse_for_recompute, mn_view, score_scales, softcap_scores
 
-from .copy import gmem_tiled_copies, load_rows, smem_layout, store_acc, store_zeros
+from .copy import gmem_tiled_copies, load_rows, smem_layout, store_acc, store_zeros, zero_tile_cols
 from .mma import gemm
-from .support import bwd_can_implement, bwd_q_stages, dq_accum_offset
+from .support import bwd_can_implement, bwd_q_stages, dq_accum_offset, tile_dims
 
 
 def warp_rows(rows: int, cols: int, num_warps: int, preferred: int) -> int:
@@ -111,13 +111,20 @@ class FlashAttentionBackwardSm80(AttentionKernel):
       GQA: the CTA of query head h reads K/V head h // (h / h_kv) and writes dK/dV for head h;
       the caller sums each group.
     Warps (num_warps, all identical)
-      Three tiled MMAs over the same threads: S and dP (tile_m x tile_n), dK and dV
-      (tile_n x d), dQ (tile_m x d); ``warp_rows`` picks each one's warp grid for the fewest
+      Tiled MMAs over the same threads: S and dP (tile_m x tile_n), dK (tile_n x d) and dV
+      (tile_n x dv), dQ (tile_m x d); ``warp_rows`` picks each one's warp grid for the fewest
       ldmatrix bytes (e.g. d128, 64 x 128 tiles, 8 warps: 2 x 4, 4 x 2, 2 x 4).
-    Shared memory: sK, sV (tile_n x d, loaded once); q_stages (2 where shared memory holds
-      them, else 1; ``support.bwd_q_stages``) of sQ, sdO (tile_m x d) and sLSE, sdPsum (tile_m
-      fp32) for one query block each; sP, sdS (tile_m x tile_n, 16-bit), the operands that
-      other warps read transposed. At the end sK / sV stage dK / dV for 128-bit stores.
+    Shared memory: sK (tile_n x d), sV (tile_n x dv), loaded once; q_stages (2 where shared
+      memory holds them, else 1; ``support.bwd_q_stages``) of sQ (tile_m x d), sdO (tile_m x
+      dv) and sLSE, sdPsum (tile_m fp32) for one query block each; sP, sdS (tile_m x tile_n,
+      16-bit), the operands that other warps read transposed. At the end sK / sV stage dK / dV
+      for 128-bit stores.
+    Head dims (Note [rounded head dims] in cute_fa/config.py): d and dv are the tile head dims
+      (tile_hdim, tile_hdimv); the tensors' own may be smaller multiples of 8 (or dv != d, the
+      pairs of ``support``). Global views are widened to the tiles' columns, loads skip the
+      pieces past the tensors' columns (zeroed once in every smem tile, so S, dP, dQ and dK
+      get exact zeros from them), dK / dV stores write only the tensors' columns and the dQ
+      accumulator is tile_hdim wide (its padded columns get no atomics: they stay 0).
     Per query block m (cp.async groups, one per block):
       2 stages: wait for block m's group (the only one in flight); barrier (every warp is done
         with block m - 1, so its stage and sP, sdS are free); issue Q, dO, LSE, delta of block
@@ -160,6 +167,19 @@ class FlashAttentionBackwardSm80(AttentionKernel):
 
     def __init__(self, config):
         super().__init__(config)
+        self.head_dim, self.head_dim_v = config.head_dim, config.head_dim_v
+        self.tile_hdim, self.tile_hdimv = tile_dims(config)  # Note [rounded head dims]
+        # Column limits of the loads and stores: None where a tile is exactly the tensor's.
+        self.cols_qk = None if self.head_dim == self.tile_hdim else self.head_dim
+        self.cols_vo = None if self.head_dim_v == self.tile_hdimv else self.head_dim_v
+        # k-slices (16 columns) of S = Q K^T and dP = dO V^T that hold any column: the rest
+        # are zeros.
+        self.qk_slices = None if self.cols_qk is None else -(-self.head_dim // 16)
+        self.vo_slices = None if self.cols_vo is None else -(-self.head_dim_v // 16)
+        # One g2s / r2g copy serves both sides: its threads a row follow the smem atom's width.
+        assert (self.tile_hdim % 64 == 0) == (self.tile_hdimv % 64 == 0), (
+            "the K and V tile head dims need swizzle atoms of one width"
+        )
         self.q_stages = bwd_q_stages(config)
         self.deterministic = config.deterministic
         self.coresident = config.det_coresident
@@ -191,19 +211,22 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         mdQsemaphore: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
-        tm, tn, d = self.tile_m, self.tile_n, self.tile_hdim
+        tm, tn, d, dv = self.tile_m, self.tile_n, self.tile_hdim, self.tile_hdimv
         stages = self.q_stages
         sQ_layout = smem_layout(self.dtype, tm, d, stages)
+        sdO_layout = smem_layout(self.dtype, tm, dv, stages)
         sK_layout = smem_layout(self.dtype, tn, d)
+        sV_layout = smem_layout(self.dtype, tn, dv)
         sP_layout = smem_layout(self.dtype, tm, tn)
         sLSE_layout = cute.make_layout((tm, stages))
 
         @cute.struct
         class SharedStorage:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)],
+                                   1024]  # fmt: skip
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * stages], 128]
@@ -212,8 +235,12 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         copy_g2s, copy_r2g = gmem_tiled_copies(self.dtype, self.num_threads, d)
         w = self.num_warps
         mma_sdp = tiled_mma(self.dtype, tm, tn, w, 2)
-        mma_dkv = tiled_mma(self.dtype, tn, d, w, 4)
+        mma_dk = tiled_mma(self.dtype, tn, d, w, 4)
+        mma_dv = tiled_mma(self.dtype, tn, dv, w, 4)
         mma_dq = dq_tiled_mma(self.dtype, tm, d, w)
+        # Global views as wide as the tiles (Note [rounded head dims]); dQaccum already is.
+        mQ, mK, mdK = widen_cols(mQ, d), widen_cols(mK, d), widen_cols(mdK, d)
+        mV, mdO, mdV = widen_cols(mV, dv), widen_cols(mdO, dv), widen_cols(mdV, dv)
 
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
 
@@ -226,8 +253,8 @@ class FlashAttentionBackwardSm80(AttentionKernel):
             mQ, mK, mV, mdO, mLSE, mdPsum, mdQaccum, mdK, mdV,
             softmax_scale, score_scale, scale_log2, window_left, window_right,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mdQsemaphore,
-            sQ_layout, sK_layout, sP_layout, sLSE_layout, copy_g2s, copy_r2g, mma_sdp, mma_dkv,
-            mma_dq, SharedStorage,
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sP_layout, sLSE_layout, copy_g2s,
+            copy_r2g, mma_sdp, mma_dk, mma_dv, mma_dq, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------
@@ -256,19 +283,22 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         mSeqUsedK: cute.Tensor | None,
         mdQsemaphore: cute.Tensor | None,
         sQ_layout: cute.ComposedLayout,
+        sdO_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,
         sLSE_layout: cute.Layout,
         copy_g2s: cute.TiledCopy,
         copy_r2g: cute.TiledCopy,
         mma_sdp: cute.TiledMma,
-        mma_dkv: cute.TiledMma,
+        mma_dk: cute.TiledMma,
+        mma_dv: cute.TiledMma,
         mma_dq: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head, batch = bwd_block_coords(self.deterministic, self.causal, self.coresident)
-        tm, tn, d = self.tile_m, self.tile_n, self.tile_hdim
+        tm, tn, d, dv = self.tile_m, self.tile_n, self.tile_hdim, self.tile_hdimv
         offset_q, seqlen_q, offset_k, seqlen_k = seqlen_info(
             batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK
         )
@@ -292,7 +322,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
                 cute.domain_offset((offset_k, 0), mdK[kb, None, head, None]), (tn, d), (n_block, 0)
             )
             gdV = cute.local_tile(
-                cute.domain_offset((offset_k, 0), mdV[kb, None, head, None]), (tn, d), (n_block, 0)
+                cute.domain_offset((offset_k, 0), mdV[kb, None, head, None]), (tn, dv), (n_block, 0)
             )
             keys_left = seqlen_k - n_block * tn
 
@@ -302,16 +332,16 @@ class FlashAttentionBackwardSm80(AttentionKernel):
                 self.local,
             )  # fmt: skip
             if m_block_max <= m_block_min:
-                store_zeros(gdK, keys_left, copy_r2g, tidx)
-                store_zeros(gdV, keys_left, copy_r2g, tidx)
+                store_zeros(gdK, keys_left, copy_r2g, tidx, self.cols_qk)
+                store_zeros(gdV, keys_left, copy_r2g, tidx, self.cols_vo)
             else:
                 smem = cutlass.memory.SmemAllocator()
                 storage = smem.allocate(SharedStorage)
                 smem_tiles = BwdSmem(
                     storage.sK.get_tensor(sK_layout),
-                    storage.sV.get_tensor(sK_layout),
+                    storage.sV.get_tensor(sV_layout),
                     storage.sQ.get_tensor(sQ_layout),
-                    storage.sdO.get_tensor(sQ_layout),
+                    storage.sdO.get_tensor(sdO_layout),
                     storage.sP.get_tensor(sP_layout),
                     storage.sdS.get_tensor(sP_layout),
                     storage.sLSE.get_tensor(sLSE_layout),
@@ -321,7 +351,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
                     q_rows, mK_cur, mV_cur, gdK, gdV, smem_tiles, n_block, keys_left,
                     seqlen_q, seqlen_k, m_block_min, m_block_max, softmax_scale, score_scale,
                     scale_log2, window_left, window_right, copy_g2s, copy_r2g,
-                    mma_sdp, mma_dkv, mma_dq, tidx,
+                    mma_sdp, mma_dk, mma_dv, mma_dq, tidx,
                 )  # fmt: skip
 
     @cute.jit
@@ -347,25 +377,37 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         copy_g2s: cute.TiledCopy,
         copy_r2g: cute.TiledCopy,
         mma_sdp: cute.TiledMma,
-        mma_dkv: cute.TiledMma,
+        mma_dk: cute.TiledMma,
+        mma_dv: cute.TiledMma,
         mma_dq: cute.TiledMma,
         tidx: Int32,
     ):
         """Load K, V once; loop over the query blocks; write dK, dV."""
-        tn, d = self.tile_n, self.tile_hdim
+        tn, d, dv = self.tile_n, self.tile_hdim, self.tile_hdimv
         sK, sV = smem_tiles.sK, smem_tiles.sV
         barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_threads)
+        # The padded columns of a rounded head dim: zero once, no load writes them (Note
+        # [rounded head dims]); the first block's barrier orders these stores before any read.
+        if cutlass.const_expr(self.cols_qk is not None):
+            zero_tile_cols(copy_g2s, sK, self.cols_qk, tidx)
+            for stage in cutlass.range_constexpr(self.q_stages):
+                zero_tile_cols(copy_g2s, smem_tiles.sQ[None, None, stage], self.cols_qk, tidx)
+        if cutlass.const_expr(self.cols_vo is not None):
+            zero_tile_cols(copy_g2s, sV, self.cols_vo, tidx)
+            for stage in cutlass.range_constexpr(self.q_stages):
+                zero_tile_cols(copy_g2s, smem_tiles.sdO[None, None, stage], self.cols_vo, tidx)
         thr_g2s = copy_g2s.get_slice(tidx)
-        tKVcKV = thr_g2s.partition_S(cute.make_identity_tensor((tn, d)))
+        tKcK = thr_g2s.partition_S(cute.make_identity_tensor((tn, d)))
+        tVcV = thr_g2s.partition_S(cute.make_identity_tensor((tn, dv)))
         load_rows(copy_g2s, thr_g2s.partition_S(cute.local_tile(mK, (tn, d), (n_block, 0))),
-                  thr_g2s.partition_D(sK), tKVcKV, keys_left, True)  # fmt: skip
-        load_rows(copy_g2s, thr_g2s.partition_S(cute.local_tile(mV, (tn, d), (n_block, 0))),
-                  thr_g2s.partition_D(sV), tKVcKV, keys_left, True)  # fmt: skip
+                  thr_g2s.partition_D(sK), tKcK, keys_left, True, self.cols_qk)  # fmt: skip
+        load_rows(copy_g2s, thr_g2s.partition_S(cute.local_tile(mV, (tn, dv), (n_block, 0))),
+                  thr_g2s.partition_D(sV), tVcV, keys_left, True, self.cols_vo)  # fmt: skip
         cute.arch.cp_async_commit_group()
 
-        thr_dkv = mma_dkv.get_slice(tidx)
-        acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, d)), Float32)
-        acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, d)), Float32)
+        acc_dK = cute.make_rmem_tensor(mma_dk.get_slice(tidx).partition_shape_C((tn, d)), Float32)
+        acc_dV = cute.make_rmem_tensor(mma_dv.get_slice(tidx).partition_shape_C((tn, dv)),
+                                       Float32)  # fmt: skip
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
 
@@ -395,7 +437,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
                 i % self.q_stages, n_block,
                 seqlen_q, seqlen_k,
                 score_scale, scale_log2, window_left, window_right, copy_g2s,
-                mma_sdp, mma_dkv, mma_dq, acc_dK, acc_dV, barrier, tidx,
+                mma_sdp, mma_dk, mma_dv, mma_dq, acc_dK, acc_dV, barrier, tidx,
             )  # fmt: skip
             if cutlass.const_expr(self.local or (self.causal and self.has_softcap)):
                 # (Causal softcap: with a second body d128 spills 17 LDL / STL instead of 0.)
@@ -423,8 +465,8 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         if cutlass.const_expr(self.q_stages == 2):
             barrier.arrive_and_wait()
         acc_dK.store(acc_dK.load() * softmax_scale)
-        store_acc(acc_dK, mma_dkv, sK, gdK, keys_left, copy_r2g, barrier, tidx)
-        store_acc(acc_dV, mma_dkv, sV, gdV, keys_left, copy_r2g, barrier, tidx)
+        store_acc(acc_dK, mma_dk, sK, gdK, keys_left, copy_r2g, barrier, tidx, self.cols_qk)
+        store_acc(acc_dV, mma_dv, sV, gdV, keys_left, copy_r2g, barrier, tidx, self.cols_vo)
 
     @cute.jit
     def query_block(self, i: Int32, walk: Walk) -> Int32:
@@ -458,7 +500,8 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         window_right: Int32,
         copy_g2s: cute.TiledCopy,
         mma_sdp: cute.TiledMma,
-        mma_dkv: cute.TiledMma,
+        mma_dk: cute.TiledMma,
+        mma_dv: cute.TiledMma,
         mma_dq: cute.TiledMma,
         acc_dK: cute.Tensor,
         acc_dV: cute.Tensor,
@@ -526,8 +569,8 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tm, tn)), Float32)
         acc_S.fill(0.0)
         acc_dP.fill(0.0)
-        self.mma_ss(mma_sdp, acc_S, sQ, sK, ldsm, ldsm, tidx)
-        self.mma_ss(mma_sdp, acc_dP, sdO, sV, ldsm, ldsm, tidx)
+        self.mma_ss(mma_sdp, acc_S, sQ, sK, ldsm, ldsm, tidx, self.qk_slices)
+        self.mma_ss(mma_sdp, acc_dP, sdO, sV, ldsm, ldsm, tidx, self.vo_slices)
         if cutlass.const_expr(self.deterministic):
             if late:
                 if has_prev:  # the atomics of m_prev went out a whole product ago
@@ -561,9 +604,9 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         barrier.arrive_and_wait()
 
         # dV += P^T dO, dK += dS^T Q, dQ = dS K.
-        self.mma_ss(mma_dkv, acc_dV, transposed(sP), transposed(sdO),
+        self.mma_ss(mma_dv, acc_dV, transposed(sP), transposed(sdO),
                     ldsm_t, ldsm_t, tidx)  # fmt: skip
-        self.mma_ss(mma_dkv, acc_dK, transposed(sdS), transposed(sQ),
+        self.mma_ss(mma_dk, acc_dK, transposed(sdS), transposed(sQ),
                     ldsm_t, ldsm_t, tidx)  # fmt: skip
         thr_dq = mma_dq.get_slice(tidx)
         acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, d)), Float32)
@@ -587,7 +630,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         # Rows past seqlen_q (dS = 0) are skipped. Adding their zeros would be as right (the
         # padding of the note), but without the predicate the compiler schedules the atomics
         # into the dQ product and the d64 128 x 128 tile spills (0 -> 9 LDL/STL, 20 % slower
-        # causal on the H200).
+        # causal on the H200). So are the padded columns of a rounded head dim (K's are 0).
         # (Two unrolled loops: one of 64 would make the DSL warn about compile time.)
         tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((tm, d)))
         values = cute.size(acc_dQ)
@@ -595,7 +638,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         for j in cutlass.range_constexpr(values // chunk):
             for k in cutlass.range_constexpr(chunk):
                 i = j * chunk + k
-                if tdQcdQ[i][0] < rows_left:
+                if self.dq_value_kept(tdQcdQ[i], rows_left):
                     cute.arch.atomic_add(
                         elem_ptr(block, i * self.num_threads + tidx).llvm_ptr, acc_dQ[i]
                     )
@@ -604,6 +647,14 @@ class FlashAttentionBackwardSm80(AttentionKernel):
                 self.release_dq_turn(q_rows.semaphores, m_block, tidx)
         if cutlass.const_expr(self.q_stages == 1):
             barrier.arrive_and_wait()  # the next block's load reuses this one's stage
+
+    @cute.jit
+    def dq_value_kept(self, coord, rows_left: Int32) -> cutlass.Boolean:
+        """Whether a dQ value at ``coord`` (row, column) of the block goes to dQaccum: its row
+        below ``rows_left`` and, for a rounded head dim, its column below head_dim."""
+        if cutlass.const_expr(self.cols_qk is None):
+            return coord[0] < rows_left
+        return (coord[0] < rows_left) & (coord[1] < self.cols_qk)
 
     @cute.jit
     def release_dq_turn(self, semaphores: cute.Tensor, m_block: Int32, tidx: Int32):
@@ -630,16 +681,17 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         """Issue cp.async of Q, dO (rows past seqlen_q zero-filled, so they contribute nothing),
         LSE and delta (rows past seqlen_q not loaded) of query block ``m_block`` into ``stage``.
         The caller commits the group."""
-        tm, d = self.tile_m, self.tile_hdim
+        tm = self.tile_m
         mQ, mdO, mLSE, mdPsum = q_rows.mQ, q_rows.mdO, q_rows.mLSE, q_rows.mdPsum
         rows_left = seqlen_q - m_block * tm
         thr_g2s = copy_g2s.get_slice(tidx)
-        tQcQ = thr_g2s.partition_S(cute.make_identity_tensor((tm, d)))
-        for src, dst in ((mQ, smem_tiles.sQ), (mdO, smem_tiles.sdO)):
-            gX = cute.local_tile(src, (tm, d), (m_block, 0))
+        for src, dst, cols, width in ((mQ, smem_tiles.sQ, self.cols_qk, self.tile_hdim),
+                                      (mdO, smem_tiles.sdO, self.cols_vo, self.tile_hdimv)):
+            gX = cute.local_tile(src, (tm, width), (m_block, 0))
             sX = dst[None, None, stage]
-            load_rows(copy_g2s, thr_g2s.partition_S(gX), thr_g2s.partition_D(sX), tQcQ, rows_left,
-                      True)  # fmt: skip
+            tXcX = thr_g2s.partition_S(cute.make_identity_tensor((tm, width)))
+            load_rows(copy_g2s, thr_g2s.partition_S(gX), thr_g2s.partition_D(sX), tXcX, rows_left,
+                      True, cols)  # fmt: skip
         if tidx < cutlass.min(tm, rows_left):
             atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
             one = cute.make_layout(1)
@@ -660,9 +712,10 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         atom_A: cute.CopyAtom,
         atom_B: cute.CopyAtom,
         tidx: Int32,
+        k_slices: cutlass.Constexpr[int | None] = None,
     ):
         """acc += A @ B with both operands read from shared memory by ldmatrix (.trans atoms
-        for transposed views)."""
+        for transposed views); ``k_slices``: only that many 16-wide k-slices (``gemm``)."""
         thr_mma = tiled_mma.get_slice(tidx)
         tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB))
@@ -671,7 +724,8 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         thr_A = s2r_A.get_slice(tidx)
         thr_B = s2r_B.get_slice(tidx)
         gemm(tiled_mma, acc, tCrA, tCrB, thr_A.partition_S(sA), thr_A.retile(tCrA),
-             thr_B.partition_S(sB), thr_B.retile(tCrB), s2r_A, s2r_B)  # fmt: skip
+             thr_B.partition_S(sB), thr_B.retile(tCrB), s2r_A, s2r_B,
+             k_slices=k_slices)  # fmt: skip
 
 
 # Note [deterministic dQ]

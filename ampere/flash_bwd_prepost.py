@@ -20,6 +20,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.runtime import make_fake_stream
 
 from cute_fa.config import DTYPES
+from cute_fa.dsl.copy import widen_cols
 from cute_fa.dsl.fake import DTYPE, fake_accum, fake_int32_vector, fake_lse, fake_qkv
 from cute_fa.dsl.seqlen import seqlen_info
 
@@ -37,7 +38,9 @@ class BwdPreConfig:
     arch: int
     target: str
     dtype: str
-    head_dim: int  # of Q and K: the dQ accumulator's row
+    # The dQ accumulator's columns: Q's head dim, or for the sm80 backward its tile head dim
+    # (Note [rounded head dims] in cute_fa/config.py).
+    head_dim: int
     head_dim_v: int  # of O and dO: the rows delta sums
     has_dlse: bool = False  # delta -= dLSE (the gradient flowing into the returned LSE)
 
@@ -62,15 +65,23 @@ class BwdPostConfig:
     ``tile_m`` = 0: dQaccum is row-major (the sm90 backward's). ``tile_m`` > 0: it is in the
     fragment order of the sm80 backward's dQ MMA for (tile_m, num_warps), and ``varlen_q`` says
     whether sequences are packed (Note [dQ accumulator in fragment order] in
-    ``ampere/support.py``)."""
+    ``ampere/support.py``); ``acc_head_dim`` is then its columns, the main kernel's tile head
+    dim when that rounds ``head_dim`` up (Note [rounded head dims] in cute_fa/config.py; 0:
+    ``head_dim``)."""
 
     arch: int
     target: str
     dtype: str
-    head_dim: int
+    head_dim: int  # of dQ
     tile_m: int = 0
     num_warps: int = 0
     varlen_q: bool = False
+    acc_head_dim: int = 0
+
+    @property
+    def acc_cols(self) -> int:
+        """Columns of dQaccum."""
+        return self.acc_head_dim or self.head_dim
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -82,8 +93,10 @@ class BwdPostConfig:
     @property
     def name(self) -> str:
         order = f"_frag{self.tile_m}w{self.num_warps}" if self.tile_m else ""
+        acc = f"_acc{self.acc_cols}" if self.acc_cols != self.head_dim else ""
         varlen = "_varlen" if self.varlen_q else ""
-        return f"bwdpost_sm{self.arch}_{self.target}_{self.dtype}_d{self.head_dim}{order}{varlen}"
+        return (f"bwdpost_sm{self.arch}_{self.target}_{self.dtype}_d{self.head_dim}{order}{acc}"
+                f"{varlen}")  # fmt: skip
 
 
 def _check_dim(dim: int, what: str) -> str:
@@ -270,6 +283,9 @@ class FlashAttentionBackwardPostprocessSm80:
         self.config = config
         self.dtype = DTYPE[config.dtype]
         self.head_dim = config.head_dim
+        self.acc_cols = config.acc_cols
+        # dQ's column limit where the accumulator is wider (None: as wide).
+        self.cols = None if self.acc_cols == self.head_dim else self.head_dim
         self.fragments = config.tile_m > 0
         if self.fragments:
             self.tile_m, self.num_threads = config.tile_m, 32 * config.num_warps
@@ -283,13 +299,18 @@ class FlashAttentionBackwardPostprocessSm80:
         reason = _check_dim(config.head_dim, "head_dim")
         if reason:
             return False, reason
-        if config.tile_m == 0 and (config.num_warps or config.varlen_q):
-            return False, "num_warps and varlen_q only go with a fragment order (tile_m > 0)"
-        if config.tile_m and (config.head_dim % 16 or config.tile_m % 16 or config.num_warps <= 0):
+        if config.tile_m == 0 and (config.num_warps or config.varlen_q or config.acc_head_dim):
+            return False, (
+                "num_warps, varlen_q and acc_head_dim only go with a fragment order (tile_m > 0)"
+            )
+        acc = config.acc_cols
+        if config.tile_m and (acc % 16 or config.tile_m % 16 or config.num_warps <= 0):
             return False, (
                 f"fragment order needs head_dim and tile_m multiples of 16 and warps, got "
-                f"{config.head_dim}, {config.tile_m}, {config.num_warps} warps"
+                f"{acc}, {config.tile_m}, {config.num_warps} warps"
             )
+        if acc < config.head_dim or acc > MAX_HEAD_DIM:
+            return False, f"acc_head_dim {acc} must hold head_dim {config.head_dim}, up to 256"
         return True, ""
 
     @staticmethod
@@ -298,7 +319,7 @@ class FlashAttentionBackwardPostprocessSm80:
         mdQ (b, s, h, d), softmax_scale: Float32, mCuSeqlensQ (sequences + 1,) int32 or None,
         max_seqlen_q: Int32, stream. Varlen: b = 1, s = total_q."""
         return (
-            fake_accum(config.head_dim),
+            fake_accum(config.acc_cols),
             fake_qkv(DTYPE[config.dtype], config.head_dim),
             Float32(1.0),
             fake_int32_vector() if config.varlen_q else None,
@@ -316,10 +337,10 @@ class FlashAttentionBackwardPostprocessSm80:
         max_seqlen_q: Int32,
         stream: cuda.CUstream,
     ):
-        copy_dq = _row_copy(self.dtype, self.num_threads, self.head_dim, 8, 8)
+        copy_dq = _row_copy(self.dtype, self.num_threads, self.acc_cols, 8, 8)
         if cutlass.const_expr(self.fragments):
-            mma_dq = dq_tiled_mma(self.dtype, self.tile_m, self.head_dim, self.num_threads // 32)
-            sdQ_layout = smem_layout(self.dtype, self.tile_m, self.head_dim)
+            mma_dq = dq_tiled_mma(self.dtype, self.tile_m, self.acc_cols, self.num_threads // 32)
+            sdQ_layout = smem_layout(self.dtype, self.tile_m, self.acc_cols)
             batch = mdQ.shape[0]
             rows = mdQ.shape[1]
             if cutlass.const_expr(mCuSeqlensQ is not None):
@@ -378,7 +399,7 @@ class FlashAttentionBackwardPostprocessSm80:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
-        tile_m, d = self.tile_m, self.head_dim
+        tile_m, d = self.tile_m, self.acc_cols
         varlen = mCuSeqlensQ is not None
         # The sequence's rows from cu_seqlens alone (no seqused: the rows past it get zeros).
         offset_q, seqlen_q, _, _ = seqlen_info(batch, mdQ, mdQ, mCuSeqlensQ, None, None, None)
@@ -399,11 +420,12 @@ class FlashAttentionBackwardPostprocessSm80:
             )
             cute.autovec_copy(mine, cute.make_tensor(acc.iterator, cute.make_layout(values)))
             acc.store(acc.load() * softmax_scale)
+            # dQ viewed as wide as the accumulator; only its own columns are stored.
             gdQ = cute.local_tile(
-                cute.domain_offset((offset_q, 0), mdQ[qb, None, head, None]),
+                cute.domain_offset((offset_q, 0), widen_cols(mdQ, d)[qb, None, head, None]),
                 (tile_m, d), (m_block, 0),
             )  # fmt: skip
             smem = cutlass.memory.SmemAllocator()
             sdQ = smem.allocate_tensor(self.dtype, sdQ_layout, byte_alignment=1024)
             barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_threads)
-            store_acc(acc, mma_dq, sdQ, gdQ, rows_left, copy_dq, barrier, tidx)
+            store_acc(acc, mma_dq, sdQ, gdQ, rows_left, copy_dq, barrier, tidx, self.cols)

@@ -9,16 +9,17 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.nvgpu import warp
 
-from cute_fa.dsl.copy import acc_to_smem, store_rows
+from cute_fa.dsl.copy import acc_to_smem, col_predicate, copy_cols, store_rows, widen_cols
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import Window, apply_mask, block_range, split_block_range
 from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import OnlineSoftmax, mn_view, score_scales, softcap_scores
 
+from .copy import gmem_tiled_copies, smem_layout, store_zeros, zero_tile_cols
 from .mma import acc_as_A_operand, gemm
-from .support import fwd_can_implement
+from .support import fwd_can_implement, tile_dims
 
 
 class MmaFragments(NamedTuple):
@@ -48,15 +49,16 @@ class SmemToReg(NamedTuple):
 
 
 class KVLoads(NamedTuple):
-    """cp.async of the K and V tiles: the copy, each tile's global and smem partitions, and the
-    row identity that predicates the seqlen_k tail."""
+    """cp.async of the K and V tiles: the copy, each tile's global and smem partitions, and
+    their identities (rows: the seqlen_k tail; columns: a rounded head dim's tail)."""
 
     copy_g2s: cute.TiledCopy
     tKgK: cute.Tensor
     tKsK: cute.Tensor
     tVgV: cute.Tensor
     tVsV: cute.Tensor
-    tKVcKV: cute.Tensor
+    tKcK: cute.Tensor
+    tVcV: cute.Tensor
     thr_g2s: cute.ThrCopy  # paged K/V: partitions each gathered row
     pages: cute.Tensor | None  # paged K/V: the sequence's row of the page table
 
@@ -82,8 +84,13 @@ class FlashAttentionForwardSm80(AttentionKernel):
       Sliced-Q: warp w owns query rows [16 w, 16 w + 16) of the tile (per MMA M repetition); K and
       V tiles are shared by all warps; a row's max and sum stay inside one quad of one warp, so no
       inter-warp reduction exists anywhere.
-    Shared memory: sQ (tile_m x d), sK and sV (tile_n x d), swizzled (no ldmatrix bank conflicts);
-      sO reuses sQ for the epilogue.
+    Shared memory: sQ (tile_m x d), sK (tile_n x d) and sV (tile_n x dv), swizzled (no ldmatrix
+      bank conflicts); sO (tile_m x dv, dv <= d) reuses sQ for the epilogue.
+    Head dims (Note [rounded head dims] in cute_fa/config.py): d and dv above are the tile head
+      dims (tile_hdim, tile_hdimv: 64, 96, 128, 192 or 256); the tensors' own (head_dim,
+      head_dim_v) may be smaller multiples of 8. Global views are widened to the tile's columns
+      (``widen_cols``), loads skip the 16-byte pieces past the tensor's columns, whose smem
+      columns each CTA zeroes once before its first load, and O's stores write only its own.
     Pipeline (cp.async groups; every wait is followed by a CTA barrier):
       prologue: Q and K[n_max - 1] -> commit
       per key block n (from n_max - 1 down to n_min):
@@ -123,6 +130,17 @@ class FlashAttentionForwardSm80(AttentionKernel):
 
     def __init__(self, config) -> None:
         super().__init__(config)
+        self.head_dim, self.head_dim_v = config.head_dim, config.head_dim_v
+        self.tile_hdim, self.tile_hdimv = tile_dims(config)  # Note [rounded head dims]
+        # Column limits of the loads and stores: None where a tile is exactly the tensor's.
+        self.cols_qk = None if self.head_dim == self.tile_hdim else self.head_dim
+        self.cols_vo = None if self.head_dim_v == self.tile_hdimv else self.head_dim_v
+        # k-slices (16 columns) of Q K^T that hold any of Q's columns: the rest are zeros.
+        self.qk_slices = None if self.cols_qk is None else -(-self.head_dim // 16)
+        # One g2s / r2g copy serves both sides: its threads a row follow the smem atom's width.
+        assert (self.tile_hdim % 64 == 0) == (self.tile_hdimv % 64 == 0), (
+            "the K and V tile head dims need swizzle atoms of one width"
+        )
         self.split_kv = config.split_kv  # fp32 O and LSE of one key split (class docstring)
         self.page_size = config.page_size  # paged K/V: keys a page (class docstring)
 
@@ -151,42 +169,24 @@ class FlashAttentionForwardSm80(AttentionKernel):
     ):
         # Shared memory: 8-row swizzled atoms, 64 (or 32) columns wide, so ldmatrix and the
         # 128-bit cp.async writes are both bank-conflict free.
-        kblock = 64 if self.tile_hdim % 64 == 0 else 32
-        atom = cute.make_composed_layout(
-            cute.make_swizzle(3 if kblock == 64 else 2, 3, 3),
-            0,
-            cute.make_layout((8, kblock), stride=(kblock, 1)),
-        )
-        sQ_layout = cute.tile_to_shape(atom, (self.tile_m, self.tile_hdim), (0, 1))
-        sKV_layout = cute.tile_to_shape(atom, (self.tile_n, self.tile_hdim), (0, 1))
+        d, dv = self.tile_hdim, self.tile_hdimv
+        sQ_layout = smem_layout(self.dtype, self.tile_m, d)
+        sK_layout = smem_layout(self.dtype, self.tile_n, d)
+        sV_layout = smem_layout(self.dtype, self.tile_n, dv)
+        sO_layout = smem_layout(self.dtype, self.tile_m, dv)  # over sQ (dv <= d)
 
         @cute.struct
         class SharedStorage:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
-        # Global <-> shared copies: 16 bytes a thread, a row of kblock columns per kblock/8 threads.
-        elems = 128 // self.dtype.width
-        threads_per_row = kblock // elems
-        thr_layout = cute.make_layout(
-            (self.num_threads // threads_per_row, threads_per_row), stride=(threads_per_row, 1)
-        )
-        val_layout = cute.make_layout((1, elems))
-        copy_g2s = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(
-                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                self.dtype,
-                num_bits_per_copy=128,
-            ),
-            thr_layout,
-            val_layout,
-        )
-        copy_r2g = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
-            thr_layout,
-            val_layout,
-        )
+        # Global <-> shared copies: 16 bytes a thread, a row of 64 (or 32) columns per 8 (or 4)
+        # threads (the same for the K and the V side: ``__init__``).
+        copy_g2s, copy_r2g = gmem_tiled_copies(self.dtype, self.num_threads, d)
+        # Global views as wide as the tiles (Note [rounded head dims]).
+        mQ, mK = widen_cols(mQ, d), widen_cols(mK, d)
+        mV, mO = widen_cols(mV, dv), widen_cols(mO, dv)
         tiled_mma = cute.make_tiled_mma(
             warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)),
             (self.num_threads // 32, 1, 1),
@@ -205,7 +205,8 @@ class FlashAttentionForwardSm80(AttentionKernel):
             mQ, mK, mV, mO, mLSE,
             score_scale, scale_log2, window_left, window_right,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable,
-            sQ_layout, sKV_layout, copy_g2s, copy_r2g, tiled_mma, SharedStorage,
+            sQ_layout, sK_layout, sV_layout, sO_layout, copy_g2s, copy_r2g, tiled_mma,
+            SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------
@@ -229,7 +230,9 @@ class FlashAttentionForwardSm80(AttentionKernel):
         mSeqUsedK: cute.Tensor | None,
         mPageTable: cute.Tensor | None,
         sQ_layout: cute.ComposedLayout,
-        sKV_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
         copy_g2s: cute.TiledCopy,
         copy_r2g: cute.TiledCopy,
         tiled_mma: cute.TiledMma,
@@ -283,10 +286,11 @@ class FlashAttentionForwardSm80(AttentionKernel):
                 smem = cutlass.memory.SmemAllocator()
                 storage = smem.allocate(SharedStorage)
                 sQ = storage.sQ.get_tensor(sQ_layout)
-                sK = storage.sK.get_tensor(sKV_layout)
-                sV = storage.sV.get_tensor(sKV_layout)
+                sK = storage.sK.get_tensor(sK_layout)
+                sV = storage.sV.get_tensor(sV_layout)
+                sO = cute.make_tensor(sQ.iterator, sO_layout)
                 self.attend(
-                    mQ_cur, mK_cur, mV_cur, mO_cur, mLSE_cur, sQ, sK, sV,
+                    mQ_cur, mK_cur, mV_cur, mO_cur, mLSE_cur, sQ, sK, sV, sO,
                     m_block, rows_left, seqlen_q, seqlen_k,
                     n_block_min, n_block_max, n_block_no_right, n_block_no_left,
                     score_scale, scale_log2, window_left, window_right,
@@ -304,6 +308,7 @@ class FlashAttentionForwardSm80(AttentionKernel):
         sQ: cute.Tensor,
         sK: cute.Tensor,
         sV: cute.Tensor,
+        sO: cute.Tensor,
         m_block: Int32,
         rows_left: Int32,
         seqlen_q: Int32,
@@ -325,15 +330,15 @@ class FlashAttentionForwardSm80(AttentionKernel):
         """Main loop of one query block over its key blocks, then the epilogue. Paged K/V:
         mK / mV are the (num_pages, page_size, d) pages of this K/V head, ``pages`` the
         sequence's page-table row."""
-        tile_m, tile_n, d = self.tile_m, self.tile_n, self.tile_hdim
+        tile_m, tile_n, d, dv = self.tile_m, self.tile_n, self.tile_hdim, self.tile_hdimv
         barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_threads)
         gQ = cute.local_tile(mQ, (tile_m, d), (m_block, 0))
         gK, gV = mK, mV  # paged: rows are gathered one at a time (``load_kv``)
         if cutlass.const_expr(not self.page_size):
             gK = cute.local_tile(mK, (tile_n, d), (None, 0))  # (tile_n, d, n_blocks)
-            gV = cute.local_tile(mV, (tile_n, d), (None, 0))
+            gV = cute.local_tile(mV, (tile_n, dv), (None, 0))
         # V^T view of sV for the B operand of P @ V (read with ldmatrix.trans).
-        sVt = cute.composition(sV, cute.make_layout((d, tile_n), stride=(tile_n, 1)))
+        sVt = cute.composition(sV, cute.make_layout((dv, tile_n), stride=(tile_n, 1)))
 
         thr_g2s = copy_g2s.get_slice(tidx)
         tQgQ = thr_g2s.partition_S(gQ)
@@ -345,13 +350,21 @@ class FlashAttentionForwardSm80(AttentionKernel):
             tVgV = thr_g2s.partition_S(gV)
         tKsK = thr_g2s.partition_D(sK)
         tVsV = thr_g2s.partition_D(sV)
-        tKVcKV = thr_g2s.partition_S(cute.make_identity_tensor((tile_n, d)))
+        tKcK = thr_g2s.partition_S(cute.make_identity_tensor((tile_n, d)))
+        tVcV = thr_g2s.partition_S(cute.make_identity_tensor((tile_n, dv)))
+        # The padded columns of a rounded head dim: zero once, no load writes them (Note
+        # [rounded head dims]); the prologue's barrier orders these stores before any read.
+        if cutlass.const_expr(self.cols_qk is not None):
+            zero_tile_cols(copy_g2s, sQ, self.cols_qk, tidx)
+            zero_tile_cols(copy_g2s, sK, self.cols_qk, tidx)
+        if cutlass.const_expr(self.cols_vo is not None):
+            zero_tile_cols(copy_g2s, sV, self.cols_vo, tidx)
 
         thr_mma = tiled_mma.get_slice(tidx)
         tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
         tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK))
         tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
-        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((tile_m, d)), Float32)
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((tile_m, dv)), Float32)
         acc_O.fill(0.0)
         tScS = mn_view(thr_mma.partition_C(cute.make_identity_tensor((tile_m, tile_n))))
 
@@ -374,8 +387,8 @@ class FlashAttentionForwardSm80(AttentionKernel):
         # skipped: they are masked to -inf).
         for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
             if tQcQ[0, m, 0][0] < rows_left:
-                cute.copy(copy_g2s, tQgQ[None, m, None], tQsQ[None, m, None])
-        g2s = KVLoads(copy_g2s, tKgK, tKsK, tVgV, tVsV, tKVcKV, thr_g2s, pages)
+                copy_cols(copy_g2s, tQgQ, tQsQ, tQcQ, m, self.cols_qk)
+        g2s = KVLoads(copy_g2s, tKgK, tKsK, tVgV, tVsV, tKcK, tVcV, thr_g2s, pages)
         self.load_kv(g2s, False, n_block_max - 1, seqlen_k, True, False)
         cute.arch.cp_async_commit_group()
 
@@ -408,26 +421,30 @@ class FlashAttentionForwardSm80(AttentionKernel):
         lse = cute.make_rmem_tensor(cute.size(tScS.shape[0]), Float32)
         softmax.finalize(acc_O, lse)
         if cutlass.const_expr(not self.split_kv):
-            sO = sQ
             acc_to_smem(acc_O, tiled_mma, sO, tidx)
         if tidx % 4 == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = tScS[r, 0][0]
                 if row < rows_left:
                     mLSE[m_block * tile_m + row] = lse[r]
-        gO = cute.local_tile(mO, (tile_m, d), (m_block, 0))
+        gO = cute.local_tile(mO, (tile_m, dv), (m_block, 0))
         if cutlass.const_expr(self.split_kv):
             # fp32 partial O straight from the accumulator (no 16-bit staging in sQ).
-            # One row predicate a thread's row (tScS's rows are O's rows).
+            # One row predicate a thread's row (tScS's rows are O's rows); a rounded head dim
+            # predicates the columns too.
             tOgO = mn_view(thr_mma.partition_C(gO))
+            tOcO = mn_view(thr_mma.partition_C(cute.make_identity_tensor((tile_m, dv))))
             acc_mn = mn_view(acc_O)
             for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
                 if tScS[r, 0][0] < rows_left:
                     for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
-                        tOgO[r, c] = acc_mn[r, c]
+                        if cutlass.const_expr(self.cols_vo is None):
+                            tOgO[r, c] = acc_mn[r, c]
+                        elif tOcO[0, c][1] < self.cols_vo:
+                            tOgO[r, c] = acc_mn[r, c]
         else:
             barrier.arrive_and_wait()
-            store_rows(sO, gO, rows_left, copy_r2g, tidx)
+            store_rows(sO, gO, rows_left, copy_r2g, tidx, self.cols_vo)
 
     @cute.jit
     def step(
@@ -456,7 +473,7 @@ class FlashAttentionForwardSm80(AttentionKernel):
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
         acc_S.fill(0.0)
         gemm(mma.tiled_mma, acc_S, mma.tSrQ, mma.tSrK, s2r.tSsQ, s2r.tSrQ_view, s2r.tSsK,
-             s2r.tSrK_view, s2r.s2r_Q, s2r.s2r_K)  # fmt: skip
+             s2r.tSrK_view, s2r.s2r_Q, s2r.s2r_K, k_slices=self.qk_slices)  # fmt: skip
         if cutlass.const_expr(self.has_softcap):
             softcap_scores(acc_S, score_scale)
 
@@ -493,40 +510,43 @@ class FlashAttentionForwardSm80(AttentionKernel):
         skipped (and zero-filled with ``zero_fill``). Only the first visited block can hold such
         rows. Paged K/V: each of this thread's rows is gathered from its page (key j: page
         ``pages[j // page_size]``, row ``j % page_size``), 16 bytes a copy as the dense tile."""
-        tXcX = g2s.tKVcKV
         tXgX, tXsX = (g2s.tVgV, g2s.tVsV) if cutlass.const_expr(is_v) else (g2s.tKgK, g2s.tKsK)
+        tXcX = g2s.tVcV if cutlass.const_expr(is_v) else g2s.tKcK
+        cols = self.cols_vo if cutlass.const_expr(is_v) else self.cols_qk
         if cutlass.const_expr(not predicate and not self.page_size):
             # The dense unpredicated tile in one copy: one base address, the rows at constant
-            # offsets (a copy a row here costs registers and spills at d64, see docs/log).
-            cute.copy(g2s.copy_g2s, tXgX[None, None, None, n_block], tXsX)
+            # offsets (a copy a row here costs registers and spills at d64, see docs/log); a
+            # rounded head dim's column tail by a predicate a 16-byte piece.
+            pred = None if cutlass.const_expr(cols is None) else col_predicate(tXcX, cols)
+            cute.copy(g2s.copy_g2s, tXgX[None, None, None, n_block], tXsX, pred=pred)
         else:
             rows_left = seqlen_k - n_block * self.tile_n
             for n in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
                 row = tXcX[0, n, 0][0]
                 if cutlass.const_expr(predicate):
                     if row < rows_left:
-                        self.copy_kv_row(g2s, tXgX, tXsX, n, n_block, row)
+                        self.copy_kv_row(g2s, tXgX, tXsX, tXcX, n, n_block, row, cols)
                     elif cutlass.const_expr(zero_fill):
                         tXsX[None, n, None].fill(0)
                 else:
-                    self.copy_kv_row(g2s, tXgX, tXsX, n, n_block, row)
+                    self.copy_kv_row(g2s, tXgX, tXsX, tXcX, n, n_block, row, cols)
 
     @cute.jit
-    def copy_kv_row(self, g2s: KVLoads, tXgX: cute.Tensor, tXsX: cute.Tensor, n, n_block: Int32,
-                    row):  # fmt: skip
+    def copy_kv_row(self, g2s: KVLoads, tXgX: cute.Tensor, tXsX: cute.Tensor, tXcX: cute.Tensor,
+                    n, n_block: Int32, row, cols: cutlass.Constexpr[int | None]):  # fmt: skip
         """This thread's part of tile row ``row`` (its row index ``n``) of key block
         ``n_block``: from the dense tile, or paged, from the key's page (a (tile_n, d) view of
-        that one global row, row stride 0, partitioned as the dense tile is)."""
+        that one global row, row stride 0, partitioned as the dense tile is); with ``cols``
+        (a rounded head dim) only the pieces of columns below it."""
         if cutlass.const_expr(self.page_size):
             key = n_block * self.tile_n + row
             src = tXgX[g2s.pages[key // self.page_size], key % self.page_size, None]
             rows = cute.make_tensor(
-                src.iterator, cute.make_layout((self.tile_n, self.tile_hdim), stride=(0, 1))
+                src.iterator, cute.make_layout((self.tile_n, cute.size(src.shape)), stride=(0, 1))
             )
-            cute.copy(g2s.copy_g2s, g2s.thr_g2s.partition_S(rows)[None, n, None],
-                      tXsX[None, n, None])  # fmt: skip
+            copy_cols(g2s.copy_g2s, g2s.thr_g2s.partition_S(rows), tXsX, tXcX, n, cols)
         else:
-            cute.copy(g2s.copy_g2s, tXgX[None, n, None, n_block], tXsX[None, n, None])
+            copy_cols(g2s.copy_g2s, tXgX[None, None, None, n_block], tXsX, tXcX, n, cols)
 
     @cute.jit
     def store_empty(
@@ -540,29 +560,16 @@ class FlashAttentionForwardSm80(AttentionKernel):
     ):
         """A query block that sees no key: O = 0 and LSE = -inf for its rows (split-KV: fp32 O
         of a split with no key block, a thread an element at a time)."""
-        gO = cute.local_tile(mO, (self.tile_m, self.tile_hdim), (m_block, 0))
+        gO = cute.local_tile(mO, (self.tile_m, self.tile_hdimv), (m_block, 0))
         if cutlass.const_expr(self.split_kv):
-            d = self.tile_hdim
-            for i in cutlass.range(cute.ceil_div(self.tile_m * d, self.num_threads), unroll=1):
+            dv = self.head_dim_v  # O's own columns (the view is tile_hdimv wide)
+            for i in cutlass.range(cute.ceil_div(self.tile_m * dv, self.num_threads), unroll=1):
                 idx = tidx + i * self.num_threads
-                if idx // d < cutlass.min(rows_left, self.tile_m):
-                    gO[idx // d, idx % d] = Float32(0.0)
+                if idx // dv < cutlass.min(rows_left, self.tile_m):
+                    gO[idx // dv, idx % dv] = Float32(0.0)
         else:
-            self.store_empty_rows(gO, rows_left, copy_r2g, tidx)
+            store_zeros(gO, rows_left, copy_r2g, tidx, self.cols_vo)
         for i in cutlass.range_constexpr(cute.ceil_div(self.tile_m, self.num_threads)):
             row = tidx + i * self.num_threads
             if row < cutlass.min(rows_left, self.tile_m):
                 mLSE[m_block * self.tile_m + row] = -Float32.inf
-
-    @cute.jit
-    def store_empty_rows(self, gO: cute.Tensor, rows_left: Int32, copy_r2g: cute.TiledCopy,
-                         tidx: Int32):  # fmt: skip
-        """16-bit zeros in the rows of ``gO`` below ``rows_left``, 16 bytes a thread."""
-        thr_r2g = copy_r2g.get_slice(tidx)
-        tOgO = thr_r2g.partition_D(gO)
-        tOcO = thr_r2g.partition_D(cute.make_identity_tensor((self.tile_m, self.tile_hdim)))
-        tOrO = cute.make_fragment_like(tOgO, self.dtype)
-        tOrO.fill(0.0)
-        for m in cutlass.range_constexpr(cute.size(tOgO.shape[1])):
-            if tOcO[0, m, 0][0] < rows_left:
-                cute.copy(copy_r2g, tOrO[None, m, None], tOgO[None, m, None])

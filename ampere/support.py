@@ -10,26 +10,61 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from cute_fa.config import SMEM_CAPACITY, BwdConfig, FwdConfig
+from cute_fa.config import (
+    SM80_HEAD_DIM_PAIRS,
+    SM80_TILE_HEAD_DIMS,
+    SMEM_CAPACITY,
+    BwdConfig,
+    FwdConfig,
+    tile_head_dim,
+)
 
-SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+# The head dims the sm80 kernels take: every multiple of 8 up to 256, each run on the tile of
+# the next of SM80_TILE_HEAD_DIMS (Note [rounded head dims] in cute_fa/config.py).
+MAX_HEAD_DIM = SM80_TILE_HEAD_DIMS[-1]
+SUPPORTED_HEAD_DIMS = tuple(range(8, MAX_HEAD_DIM + 1, 8))
+
+
+def head_dims_reason(head_dim: int, head_dim_v: int) -> str:
+    """Why the sm80 kernels cannot take (head_dim, head_dim_v), or "" when they can: each a
+    multiple of 8 up to 256, and equal or one of SM80_HEAD_DIM_PAIRS."""
+    for dim, name in ((head_dim, "head_dim"), (head_dim_v, "head_dim_v")):
+        if dim not in SUPPORTED_HEAD_DIMS:
+            return f"{name} {dim} is not a positive multiple of 8 up to {MAX_HEAD_DIM}"
+    if head_dim_v != head_dim and (head_dim, head_dim_v) not in SM80_HEAD_DIM_PAIRS:
+        return (
+            f"head_dim_v {head_dim_v} with head_dim {head_dim} is not supported on sm80 "
+            f"(head_dim_v == head_dim, or the pairs {SM80_HEAD_DIM_PAIRS})"
+        )
+    return ""
+
+
+def tile_dims(config: FwdConfig | BwdConfig) -> tuple[int, int]:
+    """(tile head dim of Q and K, of V and O) of a config the sm80 kernels take."""
+    return tile_head_dim(config.head_dim), tile_head_dim(config.head_dim_v)
+
+
+def fwd_smem_bytes(config: FwdConfig) -> int:
+    """Shared memory of the sm80 forward: sQ (tile_m x tile d; O is staged there, dv <= d),
+    sK (tile_n x tile d) and sV (tile_n x tile dv), 16-bit."""
+    d, dv = tile_dims(config)
+    return (config.tile_m * d + config.tile_n * (d + dv)) * 2
 
 
 def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
     """(True, "") when FlashAttentionForwardSm80 implements ``config``, else (False, why)."""
     if config.arch != 80:
         return False, f"config is for sm{config.arch}, this kernel is sm80"
-    if config.head_dim not in SUPPORTED_HEAD_DIMS:
-        return False, f"head_dim {config.head_dim} not in {SUPPORTED_HEAD_DIMS}"
-    if config.head_dim_v != config.head_dim:
-        return False, "head_dim_v != head_dim is not supported on sm80"
+    why = head_dims_reason(config.head_dim, config.head_dim_v)
+    if why:
+        return False, why
     if config.pack_gqa:
         return False, "pack_gqa is not implemented by the sm80 forward yet"
     if config.tile_m % (16 * config.num_warps) != 0:
         return False, f"tile_m {config.tile_m} is not a multiple of 16 * num_warps"
     if config.tile_n % 16 != 0:
         return False, f"tile_n {config.tile_n} is not a multiple of 16"
-    smem = (config.tile_m + 2 * config.tile_n) * config.head_dim * 2
+    smem = fwd_smem_bytes(config)
     if smem > SMEM_CAPACITY.get(config.target, 0):
         return False, f"tile needs {smem} B of shared memory, more than {config.target} has"
     return True, ""
@@ -37,9 +72,11 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
 
 def bwd_smem_bytes(config: BwdConfig, q_stages: int) -> int:
     """Shared memory of the sm80 backward: sK, sV; ``q_stages`` of (sQ, sdO, LSE, delta); sP,
-    sdS (16-bit tiles, fp32 rows)."""
-    tm, tn, d = config.tile_m, config.tile_n, config.head_dim
-    return (2 * tn * d + q_stages * 2 * tm * d + 2 * tm * tn) * 2 + q_stages * 2 * tm * 4
+    sdS (16-bit tiles of the tile head dims, fp32 rows)."""
+    tm, tn = config.tile_m, config.tile_n
+    d, dv = tile_dims(config)
+    tiles = tn * (d + dv) + q_stages * tm * (d + dv) + 2 * tm * tn
+    return tiles * 2 + q_stages * 2 * tm * 4
 
 
 def bwd_q_stages(config: BwdConfig) -> int:
@@ -52,10 +89,9 @@ def bwd_can_implement(config: BwdConfig) -> tuple[bool, str]:
     """(True, "") when FlashAttentionBackwardSm80 implements ``config``, else (False, why)."""
     if config.arch != 80:
         return False, f"config is for sm{config.arch}, this kernel is sm80"
-    if config.head_dim not in SUPPORTED_HEAD_DIMS:
-        return False, f"head_dim {config.head_dim} not in {SUPPORTED_HEAD_DIMS}"
-    if config.head_dim_v != config.head_dim:
-        return False, "head_dim_v != head_dim is not supported on sm80"
+    why = head_dims_reason(config.head_dim, config.head_dim_v)
+    if why:
+        return False, why
     if config.num_warps % 4 != 0:
         return False, "num_warps must be a multiple of 4"
     w = config.num_warps
@@ -63,8 +99,11 @@ def bwd_can_implement(config: BwdConfig) -> tuple[bool, str]:
         return False, f"tile {config.tile_m}x{config.tile_n} does not fit {w} warps"
     if config.tile_n % 64 != 0:
         return False, "tile_n must be a multiple of 64"
-    if config.head_dim % (16 * w // 4) != 0:
-        return False, f"head_dim {config.head_dim} does not split over {w // 4} warps"
+    for dim, tile, name in zip((config.head_dim, config.head_dim_v), tile_dims(config),
+                               ("head_dim", "head_dim_v"), strict=True):  # fmt: skip
+        if tile % (16 * w // 4) != 0:
+            shown = f"{dim}" if dim == tile else f"{dim} (tile {tile})"
+            return False, f"{name} {shown} does not split over {w // 4} warps"
     smem = bwd_smem_bytes(config, q_stages=1)
     if smem > SMEM_CAPACITY.get(config.target, 0):
         return False, f"tiles need {smem} B of shared memory, more than {config.target} has"

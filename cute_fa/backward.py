@@ -4,8 +4,9 @@ compiled kernels from ``cute_fa.compile``.
 
 Launch sequence (all on torch's current CUDA stream, no host sync unless noted):
   1. preprocess: ``delta = rowsum(dO * O) - dLSE`` (fp32, (b, h, sq)) and ``dQaccum = 0``
-     (fp32, (b, h, sq, d); for the sm80 main kernel padded to whole query blocks and in its
-     fragment order, Note [dQ accumulator in fragment order] in ``ampere/support.py``);
+     (fp32, (b, h, sq, d); for the sm80 main kernel padded to whole query blocks and its tile
+     head dim, and in its fragment order, Note [dQ accumulator in fragment order] in
+     ``ampere/support.py``);
      Note [gradient of the LSE] says why dLSE folds into delta;
   2. main kernel (the backward protocol, ``cute_fa.dsl.fake.bwd_fake_args``): dK, dV per query
      head, dK already scaled by softmax_scale; dQ (unscaled) added into dQaccum with atomics
@@ -49,7 +50,7 @@ from . import selftest, settings, tuned
 from .ampere.support import dq_accum_rows
 from .checks import DTYPE_NAMES, check_values, kernel_window, resolve_window
 from .compile import bwd_cache, bwd_post_cache, bwd_pre_cache
-from .config import target_for_capability
+from .config import dq_accum_head_dim, target_for_capability
 from .device import capability, sm_count, tuned_table
 from .planning import bwd_config, coresident_fits, post_config, pre_config
 
@@ -260,7 +261,9 @@ def _launch(
     fragments = config.arch == 80
     packed_blocks = fragments and varlen_q
     acc_rows = dq_accum_rows(rows, num_seqs, config.tile_m, varlen_q) if fragments else rows
-    dq_accum = torch.empty((batch4, nheads, acc_rows, head_dim), dtype=torch.float32, device=device)
+    # (sm80: as wide as the kernel's tile head dim, Note [rounded head dims] in config.py)
+    acc_cols = dq_accum_head_dim(config.arch, head_dim)
+    dq_accum = torch.empty((batch4, nheads, acc_rows, acc_cols), dtype=torch.float32, device=device)
     pre(out4, dout4, dlse3, delta, dq_accum)
 
     # dK, dV per query head. Keys the kernel never visits (past seqused_k) must read as 0.

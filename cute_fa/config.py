@@ -390,6 +390,64 @@ class FwdConfig(_Key):
         return self._name("fwd", extra)
 
 
+# Head dims the sm80 kernels' tiles are built for (their smem layouts, MMA shapes and the tile
+# tables below); every other multiple of 8 up to 256 runs the tile of the next one up (Note
+# [rounded head dims]).
+SM80_TILE_HEAD_DIMS = (64, 96, 128, 192, 256)
+# (head_dim, head_dim_v) pairs with dv != d that the sm80 kernels take (Q and K of one head dim,
+# V and O of another; both exact tile head dims): the tile tables are those of head_dim.
+SM80_HEAD_DIM_PAIRS = ((128, 64), (192, 128))
+
+
+def tile_head_dim(head_dim: int) -> int:
+    """The sm80 kernels' tile head dim for ``head_dim`` (a multiple of 8 from 8 to 256): the
+    smallest of SM80_TILE_HEAD_DIMS that holds it (Note [rounded head dims])."""
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int):
+        raise ValueError(f"head_dim must be an int, got {head_dim!r}")
+    if head_dim <= 0 or head_dim % 8 or head_dim > SM80_TILE_HEAD_DIMS[-1]:
+        raise NotImplementedError(
+            f"head_dim {head_dim} is not a positive multiple of 8 up to {SM80_TILE_HEAD_DIMS[-1]}"
+        )
+    return next(t for t in SM80_TILE_HEAD_DIMS if t >= head_dim)
+
+
+# Note [rounded head dims]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# The sm80 kernels take every head dim d that is a multiple of 8 up to 256 (Stable Diffusion's 40
+# / 80 / 160, Phi-2's 80, ...): 8 16-bit elements are one 16-byte chunk, so a row of d elements
+# is whole cp.async chunks and its stride keeps 16-byte alignment. A kernel builds its tiles for
+# the tile head dim tile_head_dim(d) (64 for 8-64, 96 for 72-96, 128 for 104-128, 192 for
+# 136-192, 256 for 200-256): shared-memory layouts, MMA shapes and the tuned tiles are those of
+# that head dim. The user's tensors are read and written as they are (no copy, no padding):
+# - loads of Q, K, V (and dO in the backward) skip the 16-byte chunks of columns >= d (a
+#   predicate a chunk, beside the row predicate of the sequence tails), and those columns of
+#   the shared-memory tiles are zeroed once when a CTA starts (no load ever writes them): Q K^T
+#   over the padded columns adds exact zeros, dO V^T likewise;
+# - P V (and dK, dV, dQ) compute padded output columns that are never stored: the stores of O,
+#   dQ, dK and dV write the first d (dv) columns only (LSE and delta are per row);
+# - the backward's fp32 dQ accumulator (an internal buffer, zeroed by the preprocess) has
+#   tile_head_dim(d) columns, in the dQ MMA's fragment order (Note [dQ accumulator in
+#   fragment order] in ampere/support.py); its padded columns stay 0 and the postprocess writes
+#   d columns of dQ.
+# The compile key keeps the real head dim (its name shows it, d40) and the kernel derives the
+# tile head dim; tile tables are looked up by the tile head dim. The work of the padded columns
+# is spent (d 72 computes as d 96): a kernel with exact tiles would pay only where a head dim is
+# common enough to tune for.
+# (head_dim, head_dim_v) pairs (SM80_HEAD_DIM_PAIRS, both exact tile head dims): the K side (Q,
+# K, dQ, dK) and the V side (V, O, dO, dV) each have their own tile head dim.
+
+
+def sm80_tile_dims(head_dim: int, head_dim_v: int) -> tuple[int, int]:
+    """(tile head dim of Q and K, of V and O) of an sm80 kernel (Note [rounded head dims])."""
+    return tile_head_dim(head_dim), tile_head_dim(head_dim_v)
+
+
+def dq_accum_head_dim(arch: int, head_dim: int) -> int:
+    """Columns of the backward's fp32 dQ accumulator: the sm80 kernel's tile head dim (Note
+    [rounded head dims]), the head dim for the other families."""
+    return tile_head_dim(head_dim) if arch == 80 else head_dim
+
+
 # Tuned forward tiles of the sm80 (FA2-design) kernel: head_dim -> (tile_m, tile_n, num_warps).
 # Each entry's reason is beside it; the performance log in docs/performance.md has the numbers.
 # Shared memory per CTA = (tile_m + 2 * tile_n) * head_dim * 2 bytes (Q, K, V tiles).
@@ -426,17 +484,17 @@ SM80_FWD_TILES_CAUSAL = {256: (64, 64, 4)}
 
 
 def sm80_fwd_tile(head_dim: int, target: str, causal: bool = False) -> Tiles:
-    """The sm80 forward kernel's tile for a head dim and target."""
+    """The sm80 forward kernel's tile for a head dim (the table's entry of its tile head dim,
+    Note [rounded head dims]) and target."""
     big_smem = SMEM_CAPACITY.get(target, 0) >= 160 * 1024
-    if causal and big_smem and head_dim in SM80_FWD_TILES_CAUSAL:
-        return Tiles(*SM80_FWD_TILES_CAUSAL[head_dim])
+    try:
+        tile_d = tile_head_dim(head_dim)
+    except NotImplementedError as e:
+        raise NotImplementedError(f"the sm80 forward kernel: {e}") from None
+    if causal and big_smem and tile_d in SM80_FWD_TILES_CAUSAL:
+        return Tiles(*SM80_FWD_TILES_CAUSAL[tile_d])
     table = SM80_FWD_TILES if big_smem else SM80_FWD_TILES_SMALL_SMEM
-    if head_dim not in table:
-        raise NotImplementedError(
-            f"head_dim={head_dim} is not supported by the sm80 forward kernel "
-            f"(supported: {sorted(table)})"
-        )
-    return Tiles(*table[head_dim])
+    return Tiles(*table[tile_d])
 
 
 @dataclass(frozen=True)
@@ -500,15 +558,15 @@ SM80_BWD_TILES_LARGE_SMEM = {64: (128, 128, 8)}
 
 
 def sm80_bwd_tile(head_dim: int, target: str) -> Tiles:
-    """The sm80 backward kernel's tile."""
-    if head_dim not in SM80_BWD_TILES:
-        raise NotImplementedError(
-            f"head_dim={head_dim} is not supported by the sm80 backward kernel "
-            f"(supported: {sorted(SM80_BWD_TILES)})"
-        )
+    """The sm80 backward kernel's tile (the table's entry of the tile head dim, Note [rounded
+    head dims])."""
+    try:
+        tile_d = tile_head_dim(head_dim)
+    except NotImplementedError as e:
+        raise NotImplementedError(f"the sm80 backward kernel: {e}") from None
     big_smem = SMEM_CAPACITY.get(target, 0) >= 160 * 1024
-    if big_smem and head_dim in SM80_BWD_TILES_LARGE_SMEM:
-        return Tiles(*SM80_BWD_TILES_LARGE_SMEM[head_dim])
-    if not big_smem and head_dim in SM80_BWD_TILES_SMALL_SMEM:
-        return Tiles(*SM80_BWD_TILES_SMALL_SMEM[head_dim])
-    return Tiles(*SM80_BWD_TILES[head_dim])
+    if big_smem and tile_d in SM80_BWD_TILES_LARGE_SMEM:
+        return Tiles(*SM80_BWD_TILES_LARGE_SMEM[tile_d])
+    if not big_smem and tile_d in SM80_BWD_TILES_SMALL_SMEM:
+        return Tiles(*SM80_BWD_TILES_SMALL_SMEM[tile_d])
+    return Tiles(*SM80_BWD_TILES[tile_d])

@@ -39,6 +39,7 @@ from .config import (
     FwdConfig,
     Tiles,
     TuningError,
+    dq_accum_head_dim,
     sm80_bwd_tile,
     sm80_fwd_tile,
     target_for_capability,
@@ -503,12 +504,14 @@ def coresident_fits(config: BwdConfig, max_seqlen_k: int, sm_count: int) -> bool
 
 def pre_config(config: BwdConfig, has_dlse: bool):
     """Compile key of the preprocess kernel that goes with a main-kernel config (the sm80
-    kernel for every main kernel)."""
+    kernel for every main kernel); its head_dim is the dQ accumulator's columns (the sm80
+    main kernel's tile head dim, Note [rounded head dims] in cute_fa/config.py)."""
     from .ampere.flash_bwd_prepost import BwdPreConfig
 
     return BwdPreConfig(
-        arch=80, target=config.target, dtype=config.dtype, head_dim=config.head_dim,
-        head_dim_v=config.head_dim_v, has_dlse=has_dlse,
+        arch=80, target=config.target, dtype=config.dtype,
+        head_dim=dq_accum_head_dim(config.arch, config.head_dim), head_dim_v=config.head_dim_v,
+        has_dlse=has_dlse,
     )  # fmt: skip
 
 
@@ -521,6 +524,9 @@ def post_config(config: BwdConfig):
     fragments = {}
     if config.arch == 80:
         fragments = dict(tile_m=config.tile_m, num_warps=config.num_warps, varlen_q=config.varlen_q)
+        acc = dq_accum_head_dim(config.arch, config.head_dim)
+        if acc != config.head_dim:  # a rounded head dim (Note [rounded head dims])
+            fragments["acc_head_dim"] = acc
     return BwdPostConfig(
         arch=80, target=config.target, dtype=config.dtype, head_dim=config.head_dim, **fragments
     )

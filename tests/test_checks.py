@@ -105,9 +105,19 @@ def test_head_dim_v_invalid():
         flash_attn_func(*qkv(d=64, dv=12))
 
 
-@pytest.mark.parametrize("d,dv", [(80, 80), (32, 32), (64, 128), (160, 160)])
-def test_head_dim_supported_by_no_kernel(d, dv):
-    with pytest.raises(NotImplementedError, match=f"head_dim={d}"):
+@pytest.mark.parametrize("d,dv", [(64, 128), (40, 64), (128, 96), (256, 128)])
+def test_head_dims_supported_by_no_kernel(d, dv):
+    """Pairs of head dims no kernel takes raise NotImplementedError naming both (every
+    multiple of 8 up to 256 alone is taken: Note [rounded head dims])."""
+    with pytest.raises(NotImplementedError, match=f"head_dim={d}, head_dim_v={dv}"):
+        flash_attn_func(*qkv(d=d, dv=dv))
+
+
+@pytest.mark.parametrize("d,dv", [(8, 8), (40, 40), (80, 80), (160, 160), (248, 248), (128, 64)])
+def test_rounded_head_dims_pass_the_checks(d, dv):
+    """Every multiple of 8 up to 256 (and the sm80 pairs) passes the checks and planning on any
+    machine: CPU tensors fail only at the device check."""
+    with pytest.raises(ValueError, match="cute_fa runs on CUDA GPUs"):
         flash_attn_func(*qkv(d=d, dv=dv))
 
 

@@ -11,6 +11,11 @@ LDGSTS (cp.async), no HGMMA, at most 255 registers; its spills (LDL + STL instru
 are printed (``pytest -rP`` shows them) and held to ``SPILL_BUDGET``: the 8-warp tiles sit at
 the 255-register cap, and d96/d128 with many features spill a few words (4-8 LDL+STL).
 
+Rounded head dims (multiples of 8 that are no tile head dim: the tiles of the next one, Note
+[rounded head dims] in cute_fa/config.py) and (d, dv) = (128, 64), (192, 128) compile over the
+same flag sets, with budgets by tile head dim; their pre/postprocess keys carry the dQ
+accumulator's width (the tile head dim) beside dQ's.
+
 The default run compiles a representative set; the rest is marked ``exhaustive``
 (``python -m pytest -m exhaustive``).
 """
@@ -271,14 +276,15 @@ def _main_kernel_class():
     return FlashAttentionBackwardSm80
 
 
-def _main_config(d: int, target: str, dtype: str = "bf16", **flags) -> BwdConfig:
+def _main_config(d: int, target: str, dtype: str = "bf16", dv: int | None = None,
+                 **flags) -> BwdConfig:  # fmt: skip
     return BwdConfig(
-        arch=80, target=target, dtype=dtype, head_dim=d, head_dim_v=d,
+        arch=80, target=target, dtype=dtype, head_dim=d, head_dim_v=dv or d,
         tuning=sm80_bwd_tile(d, target), **flags,
     )  # fmt: skip
 
 
-def _check_main(config: BwdConfig) -> None:
+def _check_main(config: BwdConfig, budget: int | None = None) -> None:
     from cute_fa.dsl.fake import bwd_fake_args
 
     cls = _main_kernel_class()
@@ -304,7 +310,8 @@ def _check_main(config: BwdConfig) -> None:
         fence = r"MEMBAR[^\n]*\n[^\n]*ERRBAR[^\n]*\n[^\n]*CGAERRBAR[^\n]*\n[^\n]*CCTL"
         assert not re.search(fence, info["sass_text"]), "fence.acq_rel in the SASS"
     tile = (config.head_dim, config.tile_m, config.tile_n, config.num_warps)
-    budget = SPILL_BUDGET_BY_TILE.get(tile, SPILL_BUDGET[config.head_dim])
+    if budget is None:
+        budget = SPILL_BUDGET_BY_TILE.get(tile, SPILL_BUDGET[config.head_dim])
     assert spills <= budget, f"{spills} LDL/STL (stack {info['stack']} B), budget {budget}"
 
 
@@ -318,6 +325,109 @@ def _check_main(config: BwdConfig) -> None:
 )
 def test_main_kernel_compiles_for_sm90a(d: int, flags: str) -> None:
     _check_main(_main_config(d, "sm_90a", **MAIN_FLAG_SETS[flags]))
+
+
+# Rounded head dims (Note [rounded head dims] in cute_fa/config.py) and (d, dv) pairs: the tiles
+# of the next tile head dim; budgets by tile head dim (measured for sm_90a, CUDA 12 ptxas:
+# docs/log/sm80.md, 2026-12-05). The 128 x 128 tile of d <= 64 with a window and softcap spills
+# 94-114 (d 64 itself: 104; not in MAIN_CASES); at d 200-248 the deterministic and coresident
+# flag sets 3-22 (d 256 with a window, deterministic: 16).
+ROUNDED_DIMS = (8, 32, 40, 72, 80, 104, 112, 136, 160, 200, 224, 248)
+ROUNDED_SPILL_BUDGET: dict[int, int] = {64: 128, 96: 8, 128: 16, 192: 8, 256: 32}
+ROUNDED_MAIN_DEFAULT = {
+    (40, "plain"), (80, "causal_softcap_varlen"), (160, "local_seqused"),
+    (224, "causal_softcap_varlen"), (112, "deterministic_local_varlen"),
+}  # fmt: skip
+ROUNDED_FLAG_SETS = [f for f in MAIN_FLAG_SETS if f != "coresident_varlen"]
+PAIRS = ((128, 64), (192, 128))
+PAIR_MAIN_DEFAULT = {((128, 64), "causal_softcap_varlen"),
+                     ((192, 128), "deterministic_local_varlen")}  # fmt: skip
+
+
+def _rounded_budget(config: BwdConfig) -> int:
+    from cute_fa.config import tile_head_dim
+
+    return ROUNDED_SPILL_BUDGET[tile_head_dim(config.head_dim)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize(
+    "d,flags",
+    [
+        pytest.param(d, f, id=f"d{d}-{f}",
+                     marks=() if (d, f) in ROUNDED_MAIN_DEFAULT else EXHAUSTIVE)
+        for d in ROUNDED_DIMS for f in ROUNDED_FLAG_SETS
+    ],
+)  # fmt: skip
+def test_main_kernel_of_rounded_head_dims_compiles(d: int, flags: str) -> None:
+    config = _main_config(d, "sm_90a", **MAIN_FLAG_SETS[flags])
+    _check_main(config, _rounded_budget(config))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize(
+    "d,dv,flags",
+    [
+        pytest.param(d, dv, f, id=f"d{d}x{dv}-{f}",
+                     marks=() if ((d, dv), f) in PAIR_MAIN_DEFAULT else EXHAUSTIVE)
+        for d, dv in PAIRS for f in ROUNDED_FLAG_SETS
+    ],
+)  # fmt: skip
+def test_main_kernel_of_head_dim_pairs_compiles(d: int, dv: int, flags: str) -> None:
+    """(d, dv): sK, sQ of d columns, sV, sdO of dv; dK and dV by tiled MMAs of their own."""
+    _check_main(_main_config(d, "sm_90a", dv=dv, **MAIN_FLAG_SETS[flags]))
+
+
+@pytest.mark.compile
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("target", ["sm_80", "sm_86", "sm_100a"])
+def test_main_kernel_of_rounded_head_dims_compiles_for_other_targets(target: str) -> None:
+    for d in (40, 112):
+        config = _main_config(d, target, causal=True, varlen_q=True, varlen_k=True)
+        _check_main(config, _rounded_budget(config))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d,acc,varlen_q", [
+    (40, 64, False), (80, 96, True), pytest.param(224, 256, True, marks=EXHAUSTIVE),
+    pytest.param(8, 64, False, marks=EXHAUSTIVE),
+])  # fmt: skip
+def test_prepost_of_rounded_head_dims_compile(d: int, acc: int, varlen_q: bool) -> None:
+    """A rounded head dim: the preprocess zeroes all ``acc`` columns of dQaccum (the main
+    kernel's tile head dim) and sums d columns of O * dO; the postprocess reads the fragments
+    of the ``acc``-wide block and writes d columns of dQ, 16 bytes a store."""
+    pre = BwdPreConfig(80, "sm_90a", "bf16", acc, d)
+    info = inspect_cubin(_cubin(Pre(pre), Pre.fake_args(pre), pre.target))
+    _check_elementwise(info)
+    post = BwdPostConfig(80, "sm_90a", "bf16", d, 64, 8, varlen_q, acc_head_dim=acc)
+    assert post.name.endswith(f"_d{d}_frag64w8_acc{acc}" + ("_varlen" if varlen_q else ""))
+    info = inspect_cubin(_cubin(Post(post), Post.fake_args(post), post.target))
+    counts, sass = info["sass_counts"], info["sass_text"]
+    assert counts["HMMA"] == 0 and counts["LDL"] + counts["STL"] == 0
+    values = 64 * acc // 256  # fragment values a thread
+    metadata = 2 if varlen_q else 0
+    assert _count(sass, r"LDG\.E(?!\.)") == values + metadata
+    assert _count(sass, r"STG\.E(?!\.128)") == 0 and _count(sass, r"STG\.E\.128") > 0
+
+
+def test_prepost_keys_of_a_rounded_head_dim() -> None:
+    """The preprocess of a rounded head dim zeroes the tile head dim's columns (its key's
+    head_dim); the postprocess's key carries both widths, and the kernel checks them."""
+    from cute_fa.planning import post_config, pre_config
+
+    config = BwdConfig(80, "sm_90a", "bf16", 40, 40, Tiles(128, 128, 8))
+    pre = pre_config(config, False)
+    assert (pre.head_dim, pre.head_dim_v, pre.name) == (64, 40, "bwdpre_sm80_sm_90a_bf16_d64x40")
+    post = post_config(config)
+    assert (post.head_dim, post.acc_cols, post.tile_m) == (40, 64, 128)
+    assert post_config(config.replace(head_dim=64, head_dim_v=64)).acc_head_dim == 0
+    assert Post.can_implement(post) == (True, "")
+    ok, why = Post.can_implement(post.replace(acc_head_dim=32))
+    assert not ok and "acc_head_dim 32 must hold head_dim 40" in why
+    ok, why = Post.can_implement(post.replace(tile_m=0, num_warps=0))
+    assert not ok and "acc_head_dim" in why
+    sm90 = config.replace(arch=90, head_dim=64, head_dim_v=64, tuning=Sm90BwdTuning(64, 128))
+    assert pre_config(sm90, False).head_dim == 64 and post_config(sm90).acc_cols == 64
 
 
 @pytest.mark.compile
@@ -336,8 +446,11 @@ def test_bwd_config_uses_the_tile_table(monkeypatch) -> None:
         # On sm_90a the sm90 kernel serves every head dim with dv = d (Note [backward dispatch]).
         family = 90 if d in SM90_BWD_HEAD_DIMS else 80
         assert bwd_config("sm_90a", "bf16", d, d, causal=True).arch == family
-    with pytest.raises(NotImplementedError, match="head_dim"):
-        bwd_config("sm_90a", "bf16", 80, 80)
+    # A rounded head dim (Note [rounded head dims]): the sm80 kernel, the tile of d 96.
+    config = bwd_config("sm_90a", "bf16", 80, 80)
+    assert config.arch == 80 and config.tuning == sm80_bwd_tile(96, "sm_90a")
+    with pytest.raises(NotImplementedError, match="head_dim_v 128 with head_dim 64"):
+        bwd_config("sm_90a", "bf16", 64, 128)
 
 
 def test_coresident_order_is_chosen_where_a_head_fits_on_half_the_gpu(monkeypatch) -> None:

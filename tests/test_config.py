@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cute_fa.config import (
+    SM80_TILE_HEAD_DIMS,
     BwdConfig,
     FwdConfig,
     Sm90BwdTuning,
@@ -14,18 +15,44 @@ from cute_fa.config import (
     TuningError,
     capability_for_target,
     check_field_types,
+    dq_accum_head_dim,
     sm80_bwd_tile,
     sm80_fwd_tile,
+    tile_head_dim,
 )
 
 
 def test_sm80_backward_tile_of_an_unknown_head_dim_is_named():
     with pytest.raises(NotImplementedError) as info:
-        sm80_bwd_tile(80, "sm_80")
+        sm80_bwd_tile(84, "sm_80")
     assert str(info.value) == (
-        "head_dim=80 is not supported by the sm80 backward kernel "
-        "(supported: [64, 96, 128, 192, 256])"
+        "the sm80 backward kernel: head_dim 84 is not a positive multiple of 8 up to 256"
     )
+    with pytest.raises(NotImplementedError, match="the sm80 forward kernel: head_dim 264"):
+        sm80_fwd_tile(264, "sm_80")
+
+
+def test_tile_head_dim_rounds_up_to_the_next_tile():
+    """Note [rounded head dims]: every multiple of 8 up to 256 takes the smallest tile head dim
+    that holds it, and its tiles are that head dim's."""
+    expect = {8: 64, 32: 64, 40: 64, 64: 64, 72: 96, 80: 96, 96: 96, 104: 128, 112: 128,
+              128: 128, 136: 192, 160: 192, 192: 192, 200: 256, 224: 256, 248: 256, 256: 256}
+    for d in range(8, 257, 8):
+        t = tile_head_dim(d)
+        assert t in SM80_TILE_HEAD_DIMS and d <= t
+        assert all(u < d for u in SM80_TILE_HEAD_DIMS if u < t)
+        assert t == expect.get(d, t)
+        for target in ("sm_80", "sm_86", "sm_90a"):
+            for causal in (False, True):
+                assert sm80_fwd_tile(d, target, causal) == sm80_fwd_tile(t, target, causal)
+            assert sm80_bwd_tile(d, target) == sm80_bwd_tile(t, target)
+        assert dq_accum_head_dim(80, d) == t and dq_accum_head_dim(90, d) == d
+    for bad in (0, 4, 12, 260, 264, -8):
+        with pytest.raises(NotImplementedError, match=f"head_dim {bad} is not"):
+            tile_head_dim(bad)
+    for bad in (64.0, True, "64"):
+        with pytest.raises(ValueError, match="must be an int"):
+            tile_head_dim(bad)
 
 
 def test_sm80_backward_tile_of_an_unknown_target_is_the_small_one():

@@ -10,11 +10,14 @@ from cute_fa import checks, planning, settings
 from cute_fa.config import (
     SM80_FWD_TILES,
     SM80_FWD_TILES_SMALL_SMEM,
+    SMEM_CAPACITY,
     TARGETS,
     FwdConfig,
+    sm80_bwd_tile,
     sm80_fwd_tile,
+    tile_head_dim,
 )
-from cute_fa.planning import FwdRequest
+from cute_fa.planning import FwdRequest, supported_capabilities
 from cute_fa.tools import cli, precompile
 
 
@@ -104,12 +107,13 @@ def test_try_plan_gives_every_familys_reason_or_none(monkeypatch):
     monkeypatch.delenv(settings.FWD_ARCH, raising=False)
     cls, config, reasons = planning.try_plan((9, 0), req())
     assert (cls, config.arch, reasons) == (planning.SM90_FWD, 90, "")
-    assert planning.try_plan((9, 0), req(head_dim=80, head_dim_v=80)) == (
+    assert planning.try_plan((9, 0), req(head_dim=64, head_dim_v=128)) == (
         None,
         None,
-        "FlashAttentionForwardSm90: head_dim 80 not in (64, 96, 128, 192, 256) (sm90 forward); "
-        "FlashAttentionForwardSm80: head_dim=80 is not supported by the sm80 forward kernel "
-        "(supported: [64, 96, 128, 192, 256])",
+        "FlashAttentionForwardSm90: head_dim_v 128 with head_dim 64 is not supported by the sm90 "
+        "forward (pairs ((64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128))); "
+        "FlashAttentionForwardSm80: head_dim_v 128 with head_dim 64 is not supported on sm80 "
+        "(head_dim_v == head_dim, or the pairs ((128, 64), (192, 128)))",
     )
 
 
@@ -151,16 +155,63 @@ def test_unknown_capability_is_rejected():
 
 
 def test_unsupported_feature_names_feature_and_arch():
-    with pytest.raises(NotImplementedError, match=r"head_dim=80.*on sm_90a \(compute capability"):
-        planning.fwd_plan((9, 0), req(head_dim=80, head_dim_v=80))
-    with pytest.raises(NotImplementedError, match=r"head_dim_v=128.*sm_80.*head_dim_v != head_dim"):
-        planning.fwd_plan((8, 0), req(head_dim=192, head_dim_v=128))
+    with pytest.raises(NotImplementedError,
+                       match=r"head_dim=64, head_dim_v=128.*on sm_90a \(compute capability"):
+        planning.fwd_plan((9, 0), req(head_dim=64, head_dim_v=128))
+    with pytest.raises(NotImplementedError,
+                       match=r"head_dim_v=96.*sm_80.*head_dim_v 96 with head_dim 128"):
+        planning.fwd_plan((8, 0), req(head_dim=128, head_dim_v=96))
 
 
 def test_implementable_somewhere():
     planning.check_fwd_implementable_somewhere(req())
+    planning.check_fwd_implementable_somewhere(req(head_dim=72, head_dim_v=72))
     with pytest.raises(NotImplementedError, match="on any GPU"):
-        planning.check_fwd_implementable_somewhere(req(head_dim=72, head_dim_v=72))
+        planning.check_fwd_implementable_somewhere(req(head_dim=72, head_dim_v=64))
+
+
+@pytest.mark.parametrize("d", [8, 32, 40, 72, 80, 112, 160, 224, 248])
+@pytest.mark.parametrize("causal", [False, True])
+def test_rounded_head_dims_run_the_sm80_kernels_everywhere(d, causal, monkeypatch):
+    """Note [rounded head dims]: the sm90 and sm100 kernels take none of these head dims, so
+    every GPU runs the sm80 forward and backward (tiles of the next tile head dim)."""
+    monkeypatch.delenv(settings.FWD_ARCH, raising=False)
+    monkeypatch.delenv(settings.BWD_ARCH, raising=False)
+    request = req(head_dim=d, head_dim_v=d, causal=causal)
+    for capability in supported_capabilities():
+        target = TARGETS[capability]
+        cls, config = planning.fwd_plan(capability, request)
+        assert cls is planning.SM80_FWD and config.head_dim == d and config.target == target
+        assert config.tuning == sm80_fwd_tile(tile_head_dim(d), target, causal)
+        assert f"_d{d}_" in config.name
+        if SMEM_CAPACITY[target] < 160 * 1024 and tile_head_dim(d) > 128:
+            with pytest.raises(NotImplementedError, match="shared memory"):
+                planning.bwd_config(target, "bf16", d, d, causal=causal)
+            continue
+        bwd = planning.bwd_config(target, "bf16", d, d, causal=causal)
+        assert bwd.arch == 80 and bwd.head_dim == d and bwd.tuning == sm80_bwd_tile(d, target)
+        assert planning.pre_config(bwd, False).head_dim == tile_head_dim(d)
+        post = planning.post_config(bwd)
+        assert (post.head_dim, post.acc_cols) == (d, tile_head_dim(d))
+        assert post.acc_head_dim == (0 if d == tile_head_dim(d) else tile_head_dim(d))
+
+
+def test_head_dim_pairs_of_the_sm80_kernels(monkeypatch):
+    """(128, 64) runs the sm80 kernels on every GPU, forward and backward; (192, 128) the sm90
+    kernels on Hopper and the sm80 ones elsewhere (sm100: its own forward)."""
+    monkeypatch.delenv(settings.FWD_ARCH, raising=False)
+    monkeypatch.delenv(settings.BWD_ARCH, raising=False)
+    for capability in supported_capabilities():
+        target = TARGETS[capability]
+        cls, config = planning.fwd_plan(capability, req(head_dim=128, head_dim_v=64))
+        assert cls is planning.SM80_FWD and "_bf16_d128x64_" in config.name
+        assert planning.bwd_config(target, "bf16", 128, 64).arch == 80
+        cls, _ = planning.fwd_plan(capability, req(head_dim=192, head_dim_v=128))
+        want = {9: planning.SM90_FWD, 10: planning.SM100_FWD}.get(capability[0], planning.SM80_FWD)
+        assert cls is want, capability
+        bwd = planning.bwd_config(target, "bf16", 192, 128)
+        assert bwd.arch == (90 if capability[0] == 9 else 80)
+        assert planning.post_config(bwd).acc_head_dim == 0
 
 
 def test_new_shapes_give_the_same_compile_key():
@@ -201,7 +252,13 @@ def test_feature_matrix_is_generated_from_can_implement(monkeypatch):
         assert rows["bf16, head_dim 256"][columns.index(target)] == "sm80"
         assert rows["sliding window (local)"][columns.index(target)] == "sm100"
         assert rows["bf16, head_dim 64"][columns.index(target)] == "sm100"
-    assert all(cell.startswith("-(") for cell in rows["bf16, head_dim 80"])
+    # Rounded head dims and the (128, 64) pair: the sm80 kernels everywhere (Note [rounded head
+    # dims]); the backward of a tile head dim above 128 fits no 99 KiB GPU.
+    for row in ("bf16, head_dim 80", "bf16, head_dim 160", "head_dim 128, head_dim_v 64",
+                "backward, head_dim 80", "backward, head_dim 128, head_dim_v 64"):  # fmt: skip
+        assert rows[row] == ["sm80"] * len(columns), row
+    small = [SMEM_CAPACITY[c] < 160 * 1024 for c in columns]
+    assert [c.startswith("-(") for c in rows["backward, head_dim 160"]] == small
     for target in ("sm_80", "sm_90a", "sm_100a", "sm_103a"):
         family = {"sm_90a": "sm90", "sm_100a": "sm100", "sm_103a": "sm100"}.get(target, "sm80")
         assert rows["backward, head_dim 128"][columns.index(target)] == family  # Note [backward
@@ -222,7 +279,7 @@ def test_feature_matrix_is_generated_from_can_implement(monkeypatch):
     assert rows["backward, head_dim 256"][columns.index("sm_86")].startswith("-(")
     served = [cell.startswith("sm") for cell in rows["backward, deterministic=True"]]
     assert served == [cell.startswith("sm") for cell in rows["backward, head_dim 128"]]
-    assert any("head_dim=80" in note for note in notes)
+    assert any("head_dim_v 128 with head_dim 64 is not supported on sm80" in n for n in notes)
 
 
 def test_features_command(capsys):
@@ -242,8 +299,11 @@ def test_precompile_plan():
     config = task.config
     assert task.kind == "fwd" and isinstance(config, FwdConfig) and config.target == "sm_90a"
     assert config.causal and config.varlen_q and config.varlen_k
-    task, reason = by_label["fwd bf16 d80 plain"]
-    assert task is None and "head_dim=80" in reason
+    task, _ = by_label["fwd bf16 d80 plain"]  # a rounded head dim (Note [rounded head dims])
+    assert task.config.head_dim == 80 and task.config.arch == 80
+    plans = precompile.precompile_configs("sm80", "sm_90a", [84], ["bf16"], ["plain"])
+    [(task, label, reason)] = plans
+    assert task is None and label == "fwd bf16 d84 plain" and "head_dim 84" in reason
 
 
 def test_precompile_command_fills_the_cache(monkeypatch, tmp_path, capsys):
@@ -259,11 +319,11 @@ def test_precompile_command_fills_the_cache(monkeypatch, tmp_path, capsys):
         fake_compile, lambda c, sym: c, lambda b, sym: b, directory=tmp_path, disk=True
     )
     monkeypatch.setattr(compile, "_fwd_cache", fake)
-    argv = ["precompile", "--target", "sm_80", "--head-dims", "64,80", "--dtypes", "bf16"]
+    argv = ["precompile", "--target", "sm_80", "--head-dims", "64,84", "--dtypes", "bf16"]
     argv += ["--mode", "fwd"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert len(compiled) == 2 and "skip  fwd bf16 d80 plain" in out
+    assert len(compiled) == 2 and "skip  fwd bf16 d84 plain" in out
     assert len(list(tmp_path.glob("*.bin"))) == 2
     assert cli.main(argv) == 0  # everything is on disk now
     assert len(compiled) == 2 and "hit" in capsys.readouterr().out
@@ -580,8 +640,10 @@ def test_sm100_backward_takes_what_it_implements_and_sm80_the_rest(monkeypatch):
                 assert config.arch == 100 and config.target == target, (d, flags)
         assert planning.bwd_config(target, "bf16", 256, 256).arch == 80
         assert planning.bwd_config(target, "bf16", 256, 256, has_softcap=True).arch == 80
-    with pytest.raises(NotImplementedError, match="FlashAttentionBackwardSm100: head_dim 192"):
-        planning.bwd_config("sm_100a", "bf16", 192, 128)
+    # (192, 128): the sm100 backward declines it, the sm80 one takes it.
+    assert planning.bwd_config("sm_100a", "bf16", 192, 128).arch == 80
+    with pytest.raises(NotImplementedError, match="FlashAttentionBackwardSm100: head_dim 64"):
+        planning.bwd_config("sm_100a", "bf16", 64, 128)
     monkeypatch.setenv(settings.BWD_ARCH, "100")
     with pytest.raises(NotImplementedError, match="FlashAttentionBackwardSm100: head_dim 256"):
         planning.bwd_config("sm_100a", "bf16", 256, 256)

@@ -6,7 +6,8 @@ needs a CUDA GPU; not part of the default run or of ``-m gpu``).
 
 Each run draws ``CUTE_FA_FUZZ_CASES`` calls (default 2000) from one seed (``CUTE_FA_FUZZ_SEED``;
 default the date as YYYYMMDD, so that every xdist worker collects the same cases; printed in
-the header). A call draws: head dims (64, 96, 128, 192, 256 and (192, 128)), dtype, batch,
+the header). A call draws: head dims (64, 96, 128, 192, 256, the rounded 40, 80, 112, 160, and
+(192, 128), (128, 64)), dtype, batch,
 query and key lengths 0-4096 (log-uniform, so most are short and odd), query heads per K/V
 head (1, 2, 3, 4, 8), the mask (none, causal, a window with either side unbounded, negative or
 wide), softcap, the layout (dense, cu_seqlens, seqused_q / seqused_k, paged K/V with pages of
@@ -47,7 +48,10 @@ pytestmark = [
 SEED, CASES, FAMILIES = fuzz_settings()
 LSE_ATOL = 1e-4
 DEVICE = "cuda"  # tests/test_fuzz_harness.py runs the harness on the CPU against the reference
-DIMS = [(64, 64), (96, 96), (128, 128), (192, 192), (192, 128), (256, 256)]
+# (The rounded head dims 40, 80, 112, 160 and the pair (128, 64) run the sm80 kernels on every
+# GPU: Note [rounded head dims] in cute_fa/config.py.)
+DIMS = [(64, 64), (96, 96), (128, 128), (192, 192), (192, 128), (256, 256), (40, 40), (80, 80),
+        (112, 112), (160, 160), (128, 64)]
 PAGE_SIZES = [8, 16, 48, 64, 128, 256]
 
 

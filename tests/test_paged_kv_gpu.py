@@ -18,7 +18,6 @@ import pytest
 import torch
 from gpu_support import (  # noqa: F401
     cu_seqlens,
-    needs_sm90_forward,
     randn_cuda,
     run_planned,
     seed,
@@ -131,14 +130,14 @@ def test_paged_fwd_varlen_q_softcap_split(page_size, pack_gqa, num_splits):
             _check_rows(out[rows], lse[:, rows], q[rows], ks[i], vs[i], True, (None, None), 15.0)
 
 
-@pytest.mark.parametrize(
-    "d, dv", [(64, 64), (96, 96), pytest.param(192, 128, marks=needs_sm90_forward), (256, 256)]
-)
+@pytest.mark.parametrize("d, dv", [(64, 64), (96, 96), (192, 128), (256, 256), (40, 40),
+                                   (128, 64)])  # fmt: skip
 def test_paged_fwd_head_dims(d, dv):
     """Every tile shape (sm90: d 192: 112 keys a block, boxes of gcd(page, 112); d 256: 64;
-    d 96 with pages of 8: the sm80 forward's row gather)."""
+    d 96 and (192, 128) with pages of 8: the sm80 forward's row gather; a rounded head dim and
+    (128, 64): the sm80 forward)."""
     lens_k = [700, 65, 1]
-    for page_size in (8, 16, 64) if dv == d else (16, 64):  # (192, 128): sm90 only
+    for page_size in (8, 16, 64):
         k_pages, v_pages, table, ks, vs = _paged_cache(lens_k, page_size, 2, d, dv)
         q = randn_cuda(3, 5, 4, d)
         used = torch.tensor(lens_k, dtype=torch.int32, device="cuda")

@@ -414,7 +414,7 @@ def test_needs_a_cuda_device() -> None:
         (dict(seqused_k=torch.ones(4)), TypeError, "seqused_k must be torch.int32"),
         (dict(nheads=12, nheads_kv=8), ValueError, "multiple of nheads_kv"),
         (dict(headdim=12), ValueError, "headdim must be a positive multiple of 8"),
-        (dict(headdim=80), NotImplementedError, "head_dim=80"),
+        (dict(headdim=64, headdim_v=128), NotImplementedError, "head_dim=64, head_dim_v=128"),
         (dict(max_seqlen_q=-1), ValueError, "max_seqlen_q must be >= 0"),
         (dict(max_seqlen_k=1.5), TypeError, "max_seqlen_k must be an int"),
         (dict(num_splits="2"), TypeError, "num_splits must be an int"),

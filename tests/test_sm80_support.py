@@ -32,11 +32,23 @@ def test_forward_reasons():
     assert support.fwd_can_implement(fwd(arch=90)) == (
         False, "config is for sm90, this kernel is sm80"
     )  # fmt: skip
-    assert support.fwd_can_implement(fwd(head_dim=80)) == (
-        False, "head_dim 80 not in (64, 96, 128, 192, 256)"
+    # every multiple of 8 up to 256 (Note [rounded head dims]), and the pairs
+    for d in (8, 40, 80, 112, 160, 248):
+        assert support.fwd_can_implement(fwd(head_dim=d)) == (True, ""), d
+    assert support.fwd_can_implement(fwd(head_dim=192, head_dim_v=128)) == (True, "")
+    assert support.fwd_can_implement(fwd(head_dim=128, head_dim_v=64)) == (True, "")
+    assert support.fwd_can_implement(fwd(head_dim=84)) == (
+        False, "head_dim 84 is not a positive multiple of 8 up to 256"
     )  # fmt: skip
-    assert support.fwd_can_implement(fwd(head_dim=192, head_dim_v=128)) == (
-        False, "head_dim_v != head_dim is not supported on sm80"
+    assert support.fwd_can_implement(fwd(head_dim=264)) == (
+        False, "head_dim 264 is not a positive multiple of 8 up to 256"
+    )  # fmt: skip
+    assert support.fwd_can_implement(fwd(head_dim=64, head_dim_v=12)) == (
+        False, "head_dim_v 12 is not a positive multiple of 8 up to 256"
+    )  # fmt: skip
+    assert support.fwd_can_implement(fwd(head_dim=64, head_dim_v=128)) == (
+        False, "head_dim_v 128 with head_dim 64 is not supported on sm80 (head_dim_v == "
+        "head_dim, or the pairs ((128, 64), (192, 128)))"
     )  # fmt: skip
     # 48 rows over 4 warps: not 16 rows a warp (48 is a multiple of 16 / 4, not of 16 * 4)
     assert support.fwd_can_implement(fwd(tiles=(48, 64, 4))) == (
@@ -49,11 +61,18 @@ def test_backward_reasons():
     assert support.bwd_can_implement(bwd(arch=90)) == (
         False, "config is for sm90, this kernel is sm80"
     )  # fmt: skip
-    assert support.bwd_can_implement(bwd(head_dim=80)) == (
-        False, "head_dim 80 not in (64, 96, 128, 192, 256)"
+    for d in (8, 40, 80, 112):
+        assert support.bwd_can_implement(bwd(head_dim=d)) == (True, ""), d
+    assert support.bwd_can_implement(bwd(Tiles(64, 64, 8), head_dim=192, head_dim_v=128)) == (
+        True, ""
     )  # fmt: skip
-    assert support.bwd_can_implement(bwd(head_dim=192, head_dim_v=128)) == (
-        False, "head_dim_v != head_dim is not supported on sm80"
+    assert support.bwd_can_implement(bwd(head_dim=128, head_dim_v=64)) == (True, "")
+    assert support.bwd_can_implement(bwd(head_dim=84)) == (
+        False, "head_dim 84 is not a positive multiple of 8 up to 256"
+    )  # fmt: skip
+    assert support.bwd_can_implement(bwd(head_dim=96, head_dim_v=64)) == (
+        False, "head_dim_v 64 with head_dim 96 is not supported on sm80 (head_dim_v == "
+        "head_dim, or the pairs ((128, 64), (192, 128)))"
     )  # fmt: skip
     assert support.bwd_can_implement(bwd(Tiles(64, 96, 4))) == (
         False, "tile_n must be a multiple of 64"
@@ -65,6 +84,10 @@ def test_backward_reasons():
     # ... 16 warps (four of 16 columns: d 96 does not split)
     assert support.bwd_can_implement(bwd(Sm100FwdTuning(256, 128), head_dim=96)) == (
         False, "head_dim 96 does not split over 4 warps"
+    )  # fmt: skip
+    # ... and a rounded head dim names its tile head dim
+    assert support.bwd_can_implement(bwd(Sm100FwdTuning(256, 128), head_dim=80)) == (
+        False, "head_dim 80 (tile 96) does not split over 4 warps"
     )  # fmt: skip
     # a warp count that is not a whole number of warpgroups: no tuning class has one
     odd = SimpleNamespace(arch=80, head_dim=128, head_dim_v=128, num_warps=6)
@@ -112,15 +135,31 @@ def test_backward_shared_memory():
     )
 
 
-def test_backward_q_stages():
+def test_backward_q_stages(monkeypatch):
     # d 64 at 128 x 128 on sm_80: two stages and 1 KiB of barriers fill its 163 KiB exactly
     large = bwd(Tiles(128, 128, 8), head_dim=64)
     assert support.bwd_smem_bytes(large, 2) + 1024 == 163 * 1024
     assert support.bwd_q_stages(large) == 2
     assert support.bwd_q_stages(bwd(Tiles(128, 128, 8), head_dim=64, target="sm_86")) == 1
     assert support.bwd_q_stages(bwd(head_dim=128)) == 2  # 161 KiB
-    assert support.bwd_q_stages(bwd(head_dim=129)) == 2  # 163 KiB exactly
-    assert support.bwd_q_stages(bwd(head_dim=130)) == 1
+    # one byte less than that exact fit: one stage
+    monkeypatch.setitem(support.SMEM_CAPACITY, "sm_test", 163 * 1024 - 1)
+    assert support.bwd_q_stages(bwd(Tiles(128, 128, 8), head_dim=64, target="sm_test")) == 1
+    # rounded head dims take the shared memory of their tile head dim
+    for d in (8, 40, 56):
+        config = bwd(Tiles(128, 128, 8), head_dim=d)
+        assert support.bwd_smem_bytes(config, 2) == support.bwd_smem_bytes(large, 2)
+
+
+def test_head_dim_pairs_shared_memory():
+    """(d, dv): K-side tiles of d columns, V-side of dv (Note [rounded head dims])."""
+    pair = bwd(head_dim=128, head_dim_v=64)  # 64 x 128 tiles
+    tiles = 128 * (128 + 64) + 2 * 64 * (128 + 64) + 2 * 64 * 128
+    assert support.bwd_smem_bytes(pair, 2) == tiles * 2 + 2 * 2 * 64 * 4
+    assert support.fwd_smem_bytes(fwd(head_dim=192, head_dim_v=128)) == (
+        (128 * 192 + 64 * (192 + 128)) * 2
+    )
+    assert support.fwd_smem_bytes(fwd(head_dim=40)) == support.fwd_smem_bytes(fwd(head_dim=64))
 
 
 @pytest.mark.parametrize("varlen", [False, True])

@@ -1,7 +1,9 @@
 """Copies every architecture's kernels make: an fp32 MMA accumulator to a 16-bit shared-memory
 tile, a shared-memory tile to global memory in 16-byte row-predicated stores, the address of
 one element (for atomics), the transposed view of a tile, and zeroing a tile's rows past
-seqused."""
+seqused; and the column tail of a tile wider than its tensor (Note [rounded head dims] in
+cute_fa/config.py): the widened view, the predicated copy of a row's 16-byte chunks, the zeroing
+of the columns past the tensor's."""
 
 from __future__ import annotations
 
@@ -49,11 +51,17 @@ def acc_to_smem(acc: cute.Tensor, tiled_mma, sX: cute.Tensor, tidx: Int32):
 
 @cute.jit
 def store_rows(
-    sX: cute.Tensor, gX: cute.Tensor, rows_left: Int32, copy_r2g: cute.TiledCopy, tidx: Int32
+    sX: cute.Tensor,
+    gX: cute.Tensor,
+    rows_left: Int32,
+    copy_r2g: cute.TiledCopy,
+    tidx: Int32,
+    cols: cutlass.Constexpr[int | None] = None,
 ):
     """Copy the shared-memory tile ``sX`` to the global tile ``gX`` (same static shape) through
     registers, ``copy_r2g`` deciding each thread's 16-byte pieces; rows at or past ``rows_left``
-    are not written (they belong to no sequence, or to the next one)."""
+    are not written (they belong to no sequence, or to the next one), nor, with ``cols``, the
+    pieces of columns at or past ``cols`` (a tile wider than its tensor, ``widen_cols``)."""
     thr_r2g = copy_r2g.get_slice(tidx)
     tXsX = thr_r2g.partition_S(sX)
     tXgX = thr_r2g.partition_D(gX)
@@ -63,7 +71,63 @@ def store_rows(
     cute.autovec_copy(tXsX, tXrX)
     for m in cutlass.range_constexpr(cute.size(tXgX.shape[1])):
         if tXcX[0, m, 0][0] < rows_left:
-            cute.copy(copy_r2g, tXrX[None, m, None], tXgX[None, m, None])
+            copy_cols(copy_r2g, tXrX, tXgX, tXcX, m, cols)
+
+
+def widen_cols(t: cute.Tensor, cols: int) -> cute.Tensor:
+    """``t`` (its last mode the columns, static) viewed ``cols`` columns wide, strides kept: the
+    tile-shaped view a kernel partitions when its tile is wider than the tensor's rows (Note
+    [rounded head dims] in cute_fa/config.py). No data moves; the kernel never touches the
+    columns past the tensor's own (``copy_cols`` skips them)."""
+    if cute.size(t.shape[-1]) == cols:
+        return t
+    shape = (*t.shape[:-1], cols)
+    return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=t.stride))
+
+
+@cute.jit
+def copy_cols(
+    atom: cute.TiledCopy,
+    tXsrc: cute.Tensor,
+    tXdst: cute.Tensor,
+    tXcX: cute.Tensor,
+    m: cutlass.Constexpr[int],
+    cols: cutlass.Constexpr[int | None],
+):
+    """Copy row ``m`` of a thread's (V, M, K) partitions, ``tXcX`` its identity partition; with
+    ``cols``, each 16-byte piece (a K index) only where its columns lie below ``cols`` (the
+    column tail of a tile wider than its tensor)."""
+    if cutlass.const_expr(cols is None):
+        cute.copy(atom, tXsrc[None, m, None], tXdst[None, m, None])
+    else:
+        for k in cutlass.range_constexpr(cute.size(tXsrc.shape[2])):
+            if tXcX[0, m, k][1] < cols:
+                cute.copy(atom, tXsrc[None, m, k], tXdst[None, m, k])
+
+
+@cute.jit
+def col_predicate(tXcX: cute.Tensor, cols: cutlass.Constexpr[int]) -> cute.Tensor:
+    """Predicate of a thread's (V, M, K) copy partition (``tXcX`` its identity partition) for
+    ``cute.copy(..., pred=)``: each 16-byte piece whose columns lie below ``cols``, the same for
+    every row (a (1, M, K) Boolean tensor of K values, rows broadcast)."""
+    num_k = cute.size(tXcX.shape[2])
+    pred = cute.make_rmem_tensor(
+        cute.make_layout((1, cute.size(tXcX.shape[1]), num_k), stride=(0, 0, 1)), cutlass.Boolean
+    )
+    for k in cutlass.range_constexpr(num_k):
+        pred[0, 0, k] = tXcX[0, 0, k][1] < cols
+    return pred
+
+
+@cute.jit
+def zero_cols(tXsX: cute.Tensor, tXcX: cute.Tensor, cols: cutlass.Constexpr[int]):
+    """Zero a thread's 16-byte pieces of a partitioned (V, M, K) shared-memory tile whose
+    columns lie at or past ``cols`` (``tXcX`` its identity partition): the padded columns of a
+    tile wider than its tensor, which no predicated load writes (Note [rounded head dims])."""
+    for m in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
+        for k in cutlass.range_constexpr(cute.size(tXsX.shape[2])):
+            if tXcX[0, m, k][1] >= cols:
+                tXsX[None, m, k].fill(0)
 
 
 def transposed(t: cute.Tensor) -> cute.Tensor:

@@ -12,7 +12,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
-from ..config import FwdConfig
+from ..config import FwdConfig, dq_accum_head_dim
 
 DTYPE = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
@@ -114,9 +114,10 @@ def bwd_fake_args(config) -> tuple:
       mdO  (b, sq, h, dv)        (last dim contiguous)
       mLSE (b, h, sq) fp32       the forward's LSE (natural log); -inf for rows seeing no key
       mdPsum (b, h, sq) fp32     delta = rowsum(dO * O), from the preprocess kernel
-      mdQaccum (b, h, sq, d) fp32, zeroed before the launch; the kernel atomically adds
-               dS @ K (unscaled) into it (sm90: TMA reduce-adds, which clip at sq rows); the
-               postprocess multiplies by softmax_scale and casts
+      mdQaccum (b, h, sq, d) fp32 (sm80: sq padded to whole query blocks and d to the tile
+               head dim, Note [rounded head dims]), zeroed before the launch; the kernel adds
+               dS @ K (unscaled) into it atomically (sm90: TMA reduce-adds, which clip at sq
+               rows); the postprocess multiplies by softmax_scale and casts
       mdK  (b, sk, h, d)         one slice per *query* head (GQA: the caller sums groups)
       mdV  (b, sk, h, dv)        the same; dK is written already multiplied by softmax_scale
       softmax_scale, softcap, window_left, window_right (as the forward),
@@ -135,7 +136,7 @@ def bwd_fake_args(config) -> tuple:
         fake_qkv(dtype, config.head_dim_v),
         fake_lse(),
         fake_lse(),
-        fake_accum(config.head_dim),
+        fake_accum(dq_accum_head_dim(config.arch, config.head_dim)),
         fake_qkv(dtype, config.head_dim),
         fake_qkv(dtype, config.head_dim_v),
         cutlass.Float32(1.0),

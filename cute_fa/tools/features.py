@@ -32,10 +32,12 @@ def _base(**changes) -> FwdRequest:
 
 def feature_rows() -> list[MatrixRow]:
     rows = []
-    for d in (32, 64, 80, 96, 128, 160, 192, 256):
+    for d in (32, 40, 64, 80, 96, 112, 128, 160, 192, 224, 256):
         rows.append(MatrixRow(f"bf16, head_dim {d}", _base(head_dim=d, head_dim_v=d)))
     rows.append(MatrixRow("fp16, head_dim 128", _base(dtype="fp16")))
     rows.append(MatrixRow("head_dim 192, head_dim_v 128", _base(head_dim=192, head_dim_v=128)))
+    rows.append(MatrixRow("head_dim 128, head_dim_v 64", _base(head_dim=128, head_dim_v=64)))
+    rows.append(MatrixRow("head_dim 64, head_dim_v 128", _base(head_dim=64, head_dim_v=128)))
     rows += [
         MatrixRow("causal", _base(causal=True)),
         MatrixRow("sliding window (local)", _base(local=True)),
@@ -70,9 +72,12 @@ def feature_rows() -> list[MatrixRow]:
     )
     for label, request in [
         ("backward, head_dim 64", _base(head_dim=64, head_dim_v=64)),
+        ("backward, head_dim 80", _base(head_dim=80, head_dim_v=80)),
         ("backward, head_dim 128", _base()),
+        ("backward, head_dim 160", _base(head_dim=160, head_dim_v=160)),
         ("backward, head_dim 256", _base(head_dim=256, head_dim_v=256)),
         ("backward, head_dim 192, head_dim_v 128", _base(head_dim=192, head_dim_v=128)),
+        ("backward, head_dim 128, head_dim_v 64", _base(head_dim=128, head_dim_v=64)),
         ("backward, softcap, head_dim 256", _base(head_dim=256, head_dim_v=256, has_softcap=True)),
         ("backward, causal", _base(causal=True)),
         ("backward, sliding window", _base(local=True)),
