@@ -111,7 +111,8 @@ def test_try_plan_gives_every_familys_reason_or_none(monkeypatch):
         None,
         None,
         "FlashAttentionForwardSm90: head_dim_v 128 with head_dim 64 is not supported by the sm90 "
-        "forward (pairs ((64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128))); "
+        "forward (pairs ((64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128), "
+        "(128, 64))); "
         "FlashAttentionForwardSm80: head_dim_v 128 with head_dim 64 is not supported on sm80 "
         "(head_dim_v == head_dim, or the pairs ((128, 64), (192, 128)))",
     )
@@ -197,15 +198,17 @@ def test_rounded_head_dims_run_the_sm80_kernels_everywhere(d, causal, monkeypatc
 
 
 def test_head_dim_pairs_of_the_sm80_kernels(monkeypatch):
-    """(128, 64) runs the sm80 kernels on every GPU, forward and backward; (192, 128) the sm90
-    kernels on Hopper and the sm80 ones elsewhere (sm100: its own forward)."""
+    """(128, 64) and (192, 128) run the sm90 kernels on Hopper, forward and backward, and the sm80
+    ones elsewhere (sm100: its own forward of (192, 128))."""
     monkeypatch.delenv(settings.FWD_ARCH, raising=False)
     monkeypatch.delenv(settings.BWD_ARCH, raising=False)
     for capability in supported_capabilities():
         target = TARGETS[capability]
+        hopper = capability[0] == 9
         cls, config = planning.fwd_plan(capability, req(head_dim=128, head_dim_v=64))
-        assert cls is planning.SM80_FWD and "_bf16_d128x64_" in config.name
-        assert planning.bwd_config(target, "bf16", 128, 64).arch == 80
+        assert cls is (planning.SM90_FWD if hopper else planning.SM80_FWD), capability
+        assert "_bf16_d128x64_" in config.name
+        assert planning.bwd_config(target, "bf16", 128, 64).arch == (90 if hopper else 80)
         cls, _ = planning.fwd_plan(capability, req(head_dim=192, head_dim_v=128))
         want = {9: planning.SM90_FWD, 10: planning.SM100_FWD}.get(capability[0], planning.SM80_FWD)
         assert cls is want, capability
@@ -252,11 +255,14 @@ def test_feature_matrix_is_generated_from_can_implement(monkeypatch):
         assert rows["bf16, head_dim 256"][columns.index(target)] == "sm80"
         assert rows["sliding window (local)"][columns.index(target)] == "sm100"
         assert rows["bf16, head_dim 64"][columns.index(target)] == "sm100"
-    # Rounded head dims and the (128, 64) pair: the sm80 kernels everywhere (Note [rounded head
-    # dims]); the backward of a tile head dim above 128 fits no 99 KiB GPU.
-    for row in ("bf16, head_dim 80", "bf16, head_dim 160", "head_dim 128, head_dim_v 64",
-                "backward, head_dim 80", "backward, head_dim 128, head_dim_v 64"):  # fmt: skip
+    # Rounded head dims: the sm80 kernels everywhere (Note [rounded head dims]); the (128, 64)
+    # pair: the sm90 kernels on Hopper, the sm80 ones elsewhere; the backward of a tile head dim
+    # above 128 fits no 99 KiB GPU.
+    for row in ("bf16, head_dim 80", "bf16, head_dim 160", "backward, head_dim 80"):
         assert rows[row] == ["sm80"] * len(columns), row
+    hopper = ["sm90" if c.startswith("sm_90") else "sm80" for c in columns]
+    for row in ("head_dim 128, head_dim_v 64", "backward, head_dim 128, head_dim_v 64"):
+        assert rows[row] == hopper, row
     small = [SMEM_CAPACITY[c] < 160 * 1024 for c in columns]
     assert [c.startswith("-(") for c in rows["backward, head_dim 160"]] == small
     for target in ("sm_80", "sm_90a", "sm_100a", "sm_103a"):
