@@ -212,7 +212,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
         (the MMA's commits arrive on its smem; the CTA stays until they have).
       Declined (``support.fwd_pair_can_implement``): head dims other than (128, 128) and
       (192, 128); seqused_k (the V-tail zeroing waits on a barrier of the load warp's own CTA,
-      and the pair's TMA completes on the even CTA's).
+      and the pair's TMA completes on the even CTA's); softcap (the softmax warps spill).
     Not yet: d 256 / (192, 192), a persistent scheduler, TMA store of O, the order tuning of
       FA4 (S load in chunks, the correction's rescale overlapping its epilogue).
     """

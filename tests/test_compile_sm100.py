@@ -105,7 +105,8 @@ def test_sm100_pair_can_implement_accepts(d: int, dv: int, target: str) -> None:
         (64, 64, {}, "cta_pair at head_dim 64"),
         (96, 96, {}, "cta_pair at head_dim 96"),
         (128, 128, {"seqused_k": True}, "cta_pair with seqused_k"),
-        (128, 128, {"has_softcap": True}, "cta_pair with softcap at d 128"),
+        (128, 128, {"has_softcap": True}, "cta_pair with softcap"),
+        (192, 128, {"has_softcap": True}, "cta_pair with softcap"),
     ],
 )
 def test_sm100_pair_declines_with_reason(d: int, dv: int, flags: dict, needle: str) -> None:
@@ -127,7 +128,7 @@ def test_sm100_pair_declines_with_reason(d: int, dv: int, flags: dict, needle: s
         (128, 128, {"seqused_q": True}, 4096, False),
         (128, 128, {"varlen_k": True}, 4096, True),  # dense Q rows: FA4 takes it
         (128, 128, {"has_softcap": True}, 4096, False),  # declined (spills): single CTA
-        (192, 128, {"has_softcap": True}, 4096, True),
+        (192, 128, {"has_softcap": True}, 4096, False),
         (64, 64, {}, 4096, False),
         (96, 96, {}, 4096, False),
     ],
@@ -212,15 +213,15 @@ COMPILE_CASES = [
 _SETMAXNREG = re.compile(r"USETMAXREG\.(DEALLOC|TRY_ALLOC)\.CTAPOOL\s+(?:U?P\w+,\s*)?(0x[0-9a-f]+)")
 
 
-# The CTA pair's matrix (exhaustive): FA4's head dims x features x both targets (d 128 with
-# softcap is declined: the softmax warps spill).
+# The CTA pair's matrix (exhaustive): FA4's head dims x features x both targets (softcap is
+# declined: the softmax warps spill, test_sm100_pair_declines_with_reason).
 PAIR_FEATURES = {
     "plain": {},
     "causal": {"causal": True},
     "local": {"local": True},
     "varlen": {**VARLEN, "seqused_q": True},
     "gqa-pack4": {"pack_gqa": 4},
-    "softcap": {"has_softcap": True},
+    "gqa-pack8-local": {"pack_gqa": 8, "local": True},
 }
 PAIR_MATRIX = [
     pytest.param(d, dv, target, {"cta_pair": True, **flags},
@@ -228,7 +229,6 @@ PAIR_MATRIX = [
     for d, dv in SM100_FWD_PAIR_HEAD_DIM_PAIRS
     for name, flags in PAIR_FEATURES.items()
     for target in ("sm_100a", "sm_103a")
-    if not (d == 128 and name == "softcap")
 ]  # fmt: skip
 
 
