@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 import cuda.bindings.driver as cuda
@@ -37,6 +38,7 @@ from .support import (
     SM100_FWD_TILE_Q,
     TMEM_COLUMNS,
     fwd_can_implement,
+    fwd_ctas,
     fwd_kv_stages,
     fwd_regs,
     fwd_tmem_columns,
@@ -69,6 +71,15 @@ class Barrier(enum.IntEnum):
     TMEM_FREE = 2  # correction warps (128 threads): every TMEM read done, warp 8 frees
 
 
+# The CTA pair (Sm100FwdTuning.cta_pair): a cluster of two CTAs along the grid's x. The cluster
+# is the pair, so the multicast masks of the pair's commits (both CTAs: 0b11) and the rank whose
+# barriers the consumers release (the even CTA: 0) are constants (the DSL's pipelines compute
+# them at run time, values that lived through every role and went to local memory).
+PAIR_CLUSTER = (2, 1, 1)
+PAIR_MASK = 0b11
+PAIR_LEADER = 0
+
+
 class FlashAttentionForwardSm100(AttentionKernel):
     """Exact attention forward, FA4 design (sm_100a / sm_103a; cross-compiled only).
 
@@ -83,9 +94,10 @@ class FlashAttentionForwardSm100(AttentionKernel):
 
     Grid and work split
       One CTA a tile of tile_m = 256 query rows of one (head, batch): two Q tiles of 128 rows
-      (the M of a tcgen05 MMA, and the 128 lanes of TMEM); grid = (ceil(max_seqlen_q / 256),
-      heads, batch), causal grids in reverse (longest rows first). Key blocks of tile_n = 128
-      from the last one the CTA sees down to the first (``block_range`` over the 256 rows).
+      (the M of a tcgen05 MMA, and the 128 lanes of TMEM; the CTA pair: below); grid =
+      (ceil(max_seqlen_q / 256), heads, batch), causal grids in reverse (longest rows first).
+      Key blocks of tile_n = 128 from the last one the CTA sees down to the first
+      (``block_range`` over the 256 rows).
     Warp roles (16 warps; setmaxnreg per role, ``support.fwd_regs``: 128 * (2 * 192 + 80 + 48)
     = 65536; with softcap at dv 128 the correction warps take 88 and the rest 40)
       warps 0-3   softmax0: Q tile 0; thread t owns query row t (TMEM lane t).  192 registers
@@ -171,9 +183,38 @@ class FlashAttentionForwardSm100(AttentionKernel):
       runtime loop (``gemm``), so each phase's descriptor is formed at issue from the tile's
       base: unrolled, ptxas hoisted the 2 x 12 descriptors out of the key loop and the
       48-register MMA warp spilled them (43 LDL / 23 STL).
-    Not yet: d 256 / (192, 192), 2-CTA
-      MMA, a persistent scheduler, TMA store of O, the order tuning of FA4 (S load in chunks,
-      the correction's rescale overlapping its epilogue).
+    The CTA pair (``Sm100FwdTuning.cta_pair``; FA4's 2-CTA forward, ``use_2cta_instrs``):
+      a cluster of two CTAs (grid x: 2 CTAs per 512 query rows; rank = x % 2) runs every
+      GEMM as one cta_group::2 tcgen05 MMA of M = 256 issued by the even CTA's MMA thread
+      (the odd CTA's MMA warp idles). The pair's MMA i covers rows [(2 m + i) 256, + 256):
+      the even CTA's Q tile i is the first 128 of them, the odd CTA's the rest
+      (``q_row0``); each CTA's smem holds its 128 rows of Q_i, half of each K tile's keys
+      (64) and half of each V tile's columns (dv / 2), so a K/V stage costs half (6 stages at
+      d 128, 5 at (192, 128): FA4's). Each CTA's TMEM holds its 128 rows of S_i, P_i and O_i
+      in the plan above (the 2-CTA accumulator's half is a CTA's 128 lanes), so the softmax,
+      correction and epilogue warps work as in one CTA on their own rows. Both CTAs see the
+      key blocks of the pair's 512 rows (``tile_work``). Changes to the protocol:
+      - pipeline_q / pipeline_kv: each CTA's load warp waits on its own empty barrier and
+        issues 2-CTA TMA loads of its halves; the bytes of both complete on the even CTA's
+        full barrier, which only the even CTA's load warp arms (1 arrival + both CTAs'
+        bytes); the MMA's release is a tcgen05.commit multicast to both CTAs' empty barriers.
+      - pipeline_s_i / pipeline_o_i: the commit is multicast to both CTAs' full barriers; the
+        softmax / correction threads of both CTAs release on the even CTA's empty barrier:
+        2 x 128 arrivals. The correction's final O release (no MMA waits for it) is left
+        out, so no arrival is left in flight to the other CTA.
+      - pipeline_stats_i, pipeline_epi: within each CTA, as above.
+      - the multicast masks (0b11) and the release target (rank 0) are constants: the cluster
+        is the pair.
+      - barrier init: a cluster barrier (arrive relaxed + wait) instead of __syncthreads.
+      - TMEM: warp 8 of each CTA allocates with cta_group::2; the release waits for the
+        other CTA's warp 8 (``mbar_tmem_dealloc``, the DSL's TmemAllocator handshake).
+      - the load warp of each CTA waits, last, for the release of every K/V stage's last use
+        (the MMA's commits arrive on its smem; the CTA stays until they have).
+      Declined (``support.fwd_pair_can_implement``): head dims other than (128, 128) and
+      (192, 128); seqused_k (the V-tail zeroing waits on a barrier of the load warp's own CTA,
+      and the pair's TMA completes on the even CTA's); softcap (the softmax warps spill).
+    Not yet: d 256 / (192, 192), a persistent scheduler, TMA store of O, the order tuning of
+      FA4 (S load in chunks, the correction's rescale overlapping its epilogue).
     """
 
     arch = 100
@@ -182,6 +223,11 @@ class FlashAttentionForwardSm100(AttentionKernel):
         super().__init__(config)
         self.tile_q = SM100_FWD_TILE_Q  # rows of one Q tile (TMEM lanes)
         self.q_tiles = SM100_FWD_Q_TILES
+        # CTAs of one MMA (2: the CTA pair, cta_group::2), the MMA's M (both CTAs' Q tile i),
+        # and the query rows of one grid step along x (a CTA, or a pair).
+        self.ctas = fwd_ctas(config)
+        self.mma_m = self.ctas * self.tile_q
+        self.pair_rows = self.ctas * self.tile_m
         self.num_threads = WARP * 16
         self.kv_stages = fwd_kv_stages(config)
         self.regs_softmax, self.regs_correction, self.regs_other = fwd_regs(config)
@@ -233,8 +279,10 @@ class FlashAttentionForwardSm100(AttentionKernel):
         mQ_t, mK_t, mVt = tma_views(mQ_rows, mK, mV)
 
         tiled_mma_qk, tiled_mma_pv = self.make_tiled_mmas()
-        mma_tiler_qk = (tile_q, tile_n, d)
-        mma_tiler_pv = (tile_q, dv, tile_n)
+        # The MMA's M: a CTA's Q tile, or the pair's two (each CTA's smem holds its half of
+        # every operand: its 128 rows of Q, half of K's keys, half of V's columns).
+        mma_tiler_qk = (self.mma_m, tile_n, d)
+        mma_tiler_pv = (self.mma_m, dv, tile_n)
         sQ_layout = sm100_utils.make_smem_layout_a(tiled_mma_qk, mma_tiler_qk, self.dtype,
                                                    self.q_tiles)  # fmt: skip
         sK_layout = sm100_utils.make_smem_layout_b(tiled_mma_qk, mma_tiler_qk, self.dtype,
@@ -244,6 +292,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
         # K[j] and V[j] share the ring: V's stages take K's stage stride (a K tile is at least a
         # V tile: dv <= d).
         k_tile = cute.cosize(cute.select(sK_layout.outer, mode=[0, 1, 2]))
+        assert cute.cosize(cute.select(sV_layout0.outer, mode=[0, 1, 2])) <= k_tile
         sV_layout = cute.make_composed_layout(
             sV_layout0.inner, 0,
             cute.append(cute.select(sV_layout0.outer, mode=[0, 1, 2]),
@@ -257,19 +306,29 @@ class FlashAttentionForwardSm100(AttentionKernel):
         )
         assert cute.cosize(sO_layout) <= cute.cosize(sQ_layout)
 
-        load = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
+        # The pair: 2-CTA TMA loads (each CTA's half lands in its own smem, the bytes complete
+        # on the even CTA's full barrier), the cluster's shape for the atoms.
+        load = cpasync.CopyBulkTensorTileG2SOp(self.cta_group)
+        cluster = () if cutlass.const_expr(self.ctas == 1) else (
+            self.cta_layout_vmnk(tiled_mma_qk).shape,)  # fmt: skip
         tma_q, mQ_tma = cute.nvgpu.make_tiled_tma_atom_A(
-            load, mQ_t, cute.select(sQ_layout, mode=[0, 1, 2]), mma_tiler_qk, tiled_mma_qk
-        )
+            load, mQ_t, cute.select(sQ_layout, mode=[0, 1, 2]), mma_tiler_qk, tiled_mma_qk,
+            *cluster,
+        )  # fmt: skip
         tma_k, mK_tma = cute.nvgpu.make_tiled_tma_atom_B(
-            load, mK_t, cute.select(sK_layout, mode=[0, 1, 2]), mma_tiler_qk, tiled_mma_qk
-        )
+            load, mK_t, cute.select(sK_layout, mode=[0, 1, 2]), mma_tiler_qk, tiled_mma_qk,
+            *cluster,
+        )  # fmt: skip
         tma_v, mV_tma = cute.nvgpu.make_tiled_tma_atom_B(
-            load, mVt, cute.select(sV_layout, mode=[0, 1, 2]), mma_tiler_pv, tiled_mma_pv
-        )
+            load, mVt, cute.select(sV_layout, mode=[0, 1, 2]), mma_tiler_pv, tiled_mma_pv,
+            *cluster,
+        )  # fmt: skip
+        # Bytes a full barrier expects: one CTA's tile, or both halves of the pair's.
         self.tx_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2]))
         self.tx_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
         self.tx_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1, 2]))
+        if cutlass.const_expr(self.ctas == 2):
+            self.tx_q, self.tx_k, self.tx_v = (2 * self.tx_q, 2 * self.tx_k, 2 * self.tx_v)
 
         @cute.struct
         class SharedStorage:
@@ -281,6 +340,9 @@ class FlashAttentionForwardSm100(AttentionKernel):
             mbar_epi: cute.struct.MemRange[cutlass.Int64, 2 * self.q_tiles]
             # seqused_k: the load warp's own barrier for the first visited V tile (load).
             mbar_v_tail: cutlass.Int64
+            if cutlass.const_expr(self.ctas == 2):
+                # The pair's TMEM release: each CTA's allocator warp arrives on the other's.
+                mbar_tmem_dealloc: cutlass.Int64
             tmem_addr: Int32
             # Row statistics softmax -> correction: (row, field, Q tile); field 0: the rescale
             # factor of a block, or the final row sum; field 1: the final row max.
@@ -294,27 +356,58 @@ class FlashAttentionForwardSm100(AttentionKernel):
             batch = cute.size(mCuSeqlensQ.shape[0]) - 1
         grid = (cute.ceil_div(max_seqlen_q * self.packed_heads, self.tile_m),
                 cute.size(mQ_rows.shape[2]), batch)  # fmt: skip
+        launch = {}
+        if cutlass.const_expr(self.ctas == 2):
+            # Two CTAs (a cluster) per pair_rows query rows.
+            grid = (cute.ceil_div(max_seqlen_q * self.packed_heads, self.pair_rows) * self.ctas,
+                    cute.size(mQ_rows.shape[2]), batch)  # fmt: skip
+            launch = {"cluster": PAIR_CLUSTER}
         self.kernel(
             mQ_tma, mK_tma, mV_tma, mQ, mK, mO_rows, mLSE_rows, tma_q, tma_k, tma_v, scale_log2,
             score_scale, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
             sQ_layout, sK_layout, sV_layout, tP_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
             SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
-                 min_blocks_per_mp=1)  # fmt: skip
+                 min_blocks_per_mp=1, **launch)  # fmt: skip
 
-    def make_tiled_mmas(self) -> tuple[cute.TiledMma, cute.TiledMma]:
+    @property
+    def cta_group(self) -> tcgen05.CtaGroup:
+        return tcgen05.CtaGroup.TWO if self.ctas == 2 else tcgen05.CtaGroup.ONE
+
+    def make_tiled_mmas(self, ctas: int | None = None) -> tuple[cute.TiledMma, cute.TiledMma]:
         """(S = Q K^T: both operands K-major in smem; O = P V: P K-major from TMEM, V^T
-        MN-major in smem), one CTA, fp32 accumulators in TMEM."""
+        MN-major in smem), fp32 accumulators in TMEM; of ``ctas`` CTAs (default: the kernel's;
+        1 for the per-CTA TMEM views of the softmax and correction warps: a CTA's half of a
+        2-CTA accumulator of M = 256 is its 128 lanes, the layout of a 1-CTA M = 128 one)."""
+        ctas = self.ctas if ctas is None else ctas
+        group = tcgen05.CtaGroup.TWO if ctas == 2 else tcgen05.CtaGroup.ONE
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K, K, Float32, tcgen05.CtaGroup.ONE,
-            (self.tile_q, self.tile_n),
+            self.dtype, self.dtype, K, K, Float32, group, (ctas * self.tile_q, self.tile_n),
         )  # fmt: skip
         tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K, MN, Float32, tcgen05.CtaGroup.ONE,
-            (self.tile_q, self.tile_hdimv), tcgen05.OperandSource.TMEM,
+            self.dtype, self.dtype, K, MN, Float32, group, (ctas * self.tile_q, self.tile_hdimv),
+            tcgen05.OperandSource.TMEM,
         )  # fmt: skip
         return tiled_mma_qk, tiled_mma_pv
+
+    def cta_layout_vmnk(self, tiled_mma_qk: cute.TiledMma) -> cute.Layout:
+        """The pair's cluster as (CTA in the MMA, m, n, k)."""
+        return cute.tiled_divide(cute.make_layout(PAIR_CLUSTER), (tiled_mma_qk.thr_id.shape,))
+
+    def pair_rank(self):
+        """This CTA's rank in its pair (0: the even CTA, which issues the pair's MMAs); 0
+        without the pair."""
+        if cutlass.const_expr(self.ctas == 1):
+            return 0
+        return cute.arch.block_idx()[0] % self.ctas
+
+    def q_row0(self, m_block, i, cta):
+        """First query row of this CTA's Q tile ``i``: the pair's MMA i covers rows
+        [(m_block q_tiles + i) 256, + 256), the even CTA the first 128 of them (FA4's order)."""
+        if cutlass.const_expr(self.ctas == 1):
+            return m_block * self.tile_m + i * self.tile_q
+        return ((m_block * self.q_tiles + i) * self.ctas + cta) * self.tile_q
 
     # ------------------------------------------------------------------------------------------
     # Device side
@@ -353,20 +446,36 @@ class FlashAttentionForwardSm100(AttentionKernel):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        pipes = self._pipelines(storage)
+        pipes = self._pipelines(storage, tiled_mma_qk)
         if cutlass.const_expr(self.config.seqused_k):
             if warp_idx == Role.LOAD:
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_init(storage.mbar_v_tail.ptr, 1)
+        pair = {}
+        if cutlass.const_expr(self.ctas == 2):
+            # cta_group::2 allocation: warp 8 of each CTA allocates; the release waits for the
+            # other CTA's warp 8 (mbar_tmem_dealloc, initialized here).
+            pair = dict(is_two_cta=True,
+                        two_cta_tmem_dealloc_mbar_ptr=storage.mbar_tmem_dealloc.ptr)  # fmt: skip
         tmem = TmemAllocator(
             storage.tmem_addr.ptr,
             barrier_for_retrieve=pipeline.NamedBarrier(
                 barrier_id=int(Barrier.TMEM_ALLOC), num_threads=WARP * 13
             ),
             allocator_warp_id=int(Role.CORRECTION),
+            **pair,
         )
         cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        if cutlass.const_expr(self.ctas == 2):
+            # The other CTA's barriers are initialized before anything arrives on them.
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
+        # The softmax and correction warps' TMEM views: a CTA's own 128 lanes.
+        view_qk, view_pv = tiled_mma_qk, tiled_mma_pv
+        if cutlass.const_expr(self.ctas == 2):
+            view_qk, view_pv = self.make_tiled_mmas(1)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -387,8 +496,13 @@ class FlashAttentionForwardSm100(AttentionKernel):
             cute.arch.setmaxregister_decrease(self.regs_other)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
-            self.mma(self.tile_work(*gmem), sQ, sK, sV, tP_layout, tiled_mma_qk, tiled_mma_pv,
-                     tmem_ptr, pipes)  # fmt: skip
+            if cutlass.const_expr(self.ctas == 2):
+                if self.pair_rank() == 0:  # the even CTA issues the pair's MMAs
+                    self.mma(self.tile_work(*gmem), sQ, sK, sV, tP_layout, tiled_mma_qk,
+                             tiled_mma_pv, tmem_ptr, pipes)  # fmt: skip
+            else:
+                self.mma(self.tile_work(*gmem), sQ, sK, sV, tP_layout, tiled_mma_qk,
+                         tiled_mma_pv, tmem_ptr, pipes)  # fmt: skip
         if warp_idx == Role.EPILOGUE:
             cute.arch.setmaxregister_decrease(self.regs_other)
             self.epilogue(self.tile_work(*gmem), sO, pipes)
@@ -399,7 +513,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             # One code path for both softmax warpgroups: the Q tile is a runtime value.
-            self.softmax(warp_idx // 4, self.tile_work(*gmem), tiled_mma_qk, tmem_ptr, sStats,
+            self.softmax(warp_idx // 4, self.tile_work(*gmem), view_qk, tmem_ptr, sStats,
                          ScoreScales(score_scale, scale_log2), window_left, window_right,
                          pipes, tidx % WARPGROUP)  # fmt: skip
         if warp_idx >= Role.CORRECTION and warp_idx < Role.MMA:
@@ -407,21 +521,30 @@ class FlashAttentionForwardSm100(AttentionKernel):
             tmem.allocate(TMEM_COLUMNS)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
-            self.correction(self.tile_work(*gmem), tiled_mma_pv, tmem_ptr, sStats, sO,
+            self.correction(self.tile_work(*gmem), view_pv, tmem_ptr, sStats, sO,
                             scale_log2, pipes, tidx % WARPGROUP)  # fmt: skip
             tmem.relinquish_alloc_permit()
             pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM_FREE),
                                   num_threads=WARPGROUP).arrive_and_wait()  # fmt: skip
             tmem.free(tmem_ptr, TMEM_COLUMNS)
 
-    def _pipelines(self, storage) -> dict:
-        """Every mbarrier pipeline of the class docstring, its arrival counts asserted."""
+    def _pipelines(self, storage, tiled_mma_qk: cute.TiledMma) -> dict:
+        """Every mbarrier pipeline of the class docstring; the stages and arrival counts each
+        barrier was made with are asserted against the docstring's protocol."""
         softmax_threads = WARPGROUP  # one softmax warpgroup per Q tile
         correction_threads = WARPGROUP
         epilogue_threads = WARP * (Role.IDLE - Role.EPILOGUE)
         assert (Role.SOFTMAX1 - Role.SOFTMAX0) * WARP == softmax_threads
         assert (Role.MMA - Role.CORRECTION) * WARP == correction_threads
         assert self.kv_stages >= 2 and self.q_tiles == 2
+        assert epilogue_threads == WARP
+        # The pair: the tcgen05 sides span both CTAs. A TMA -> MMA full barrier is the even
+        # CTA's (one arrival + both CTAs' bytes); the MMA's commits arrive on both CTAs'
+        # barriers (multicast); the softmax / correction threads of both CTAs release S / O
+        # on the even CTA's empty barrier, so it counts both CTAs' threads.
+        cluster = {}
+        if cutlass.const_expr(self.ctas == 2):
+            cluster = {"cta_layout_vmnk": self.cta_layout_vmnk(tiled_mma_qk)}
 
         def group(n: int):
             return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
@@ -430,12 +553,12 @@ class FlashAttentionForwardSm100(AttentionKernel):
             q=pipeline.PipelineTmaUmma.create(
                 barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.q_tiles,
                 producer_group=group(1), consumer_group=group(1), tx_count=self.tx_q,
-                defer_sync=True,
+                defer_sync=True, **cluster,
             ),
             kv=pipeline.PipelineTmaUmma.create(
                 barrier_storage=storage.mbar_kv.data_ptr(), num_stages=self.kv_stages,
                 producer_group=group(1), consumer_group=group(1), tx_count=self.tx_k,
-                defer_sync=True,
+                defer_sync=True, **cluster,
             ),
             epi=pipeline.PipelineAsync.create(
                 barrier_storage=storage.mbar_epi.data_ptr(), num_stages=self.q_tiles,
@@ -444,25 +567,45 @@ class FlashAttentionForwardSm100(AttentionKernel):
             ),
         )  # fmt: skip
         # One slot per Q tile (``slot_state``: slot i belongs to tile i, each keeps its phase).
-        for name, mbar, kind, producers, consumers in (
-            ("s", storage.mbar_s, pipeline.PipelineUmmaAsync, 1, softmax_threads),
-            ("o", storage.mbar_o, pipeline.PipelineUmmaAsync, 1, correction_threads),
+        for name, mbar, kind, producers, consumers, extra in (
+            ("s", storage.mbar_s, pipeline.PipelineUmmaAsync, 1,
+             self.ctas * softmax_threads, cluster),
+            ("o", storage.mbar_o, pipeline.PipelineUmmaAsync, 1,
+             self.ctas * correction_threads, cluster),
             ("stats", storage.mbar_stats, pipeline.PipelineAsync, softmax_threads,
-             correction_threads),
+             correction_threads, {}),
         ):  # fmt: skip
             pipes[name] = kind.create(
                 barrier_storage=mbar.data_ptr(), num_stages=self.q_tiles,
                 producer_group=group(producers), consumer_group=group(consumers),
-                defer_sync=True,
+                defer_sync=True, **extra,
             )  # fmt: skip
-        # The protocol the docstring states, checked against what was built.
+        # The protocol the docstring states: (stages, full arrivals, empty arrivals) ...
         self.protocol = {
             "q": (self.q_tiles, 1, 1), "kv": (self.kv_stages, 1, 1),
-            "s": (self.q_tiles, 1, softmax_threads), "o": (self.q_tiles, 1, correction_threads),
+            "s": (self.q_tiles, 1, self.ctas * softmax_threads),
+            "o": (self.q_tiles, 1, self.ctas * correction_threads),
             "stats": (self.q_tiles, softmax_threads, correction_threads),
             "epi": (self.q_tiles, correction_threads, epilogue_threads),
         }  # fmt: skip
-        assert epilogue_threads == WARP
+        # ... is what each barrier was initialized with.
+        built = {name: (p.num_stages, p.sync_object_full.arrive_count,
+                        p.sync_object_empty.arrive_count) for name, p in pipes.items()}  # fmt: skip
+        assert built == self.protocol, (built, self.protocol)
+        # TMA full barriers expect one CTA's tile, or both halves of the pair's (``__call__``).
+        assert (pipes["q"].sync_object_full.tx_count, pipes["kv"].sync_object_full.tx_count) == (
+            self.tx_q, self.tx_k)  # fmt: skip
+        # Who commits / releases where (the pair: the DSL's masks; asserted by kind).
+        assert all(isinstance(pipes[n], pipeline.PipelineTmaUmma) for n in ("q", "kv"))
+        assert all(isinstance(pipes[n], pipeline.PipelineUmmaAsync) for n in ("s", "o"))
+        assert all(pipes[n].cta_group == self.cta_group for n in ("q", "kv", "s", "o"))
+        if cutlass.const_expr(self.ctas == 2):
+            for name in ("q", "kv"):  # the MMA's release: a commit multicast to both CTAs
+                pipes[name] = dataclasses.replace(pipes[name], producer_mask=PAIR_MASK,
+                                                  consumer_mask=PAIR_MASK)  # fmt: skip
+            for name in ("s", "o"):  # commit to both CTAs; release on the even CTA's barrier
+                pipes[name] = dataclasses.replace(pipes[name], producer_mask=PAIR_MASK,
+                                                  consumer_mask=PAIR_LEADER)  # fmt: skip
         return pipes
 
     @cute.jit
@@ -487,17 +630,23 @@ class FlashAttentionForwardSm100(AttentionKernel):
         tiles' bounds lie inside them), and the (head, batch) views of Q, K, V (TMA
         coordinates), O, LSE), the same in every role."""
         m_block, head, batch = cute.arch.block_idx()
-        if cutlass.const_expr(self.causal):
+        if cutlass.const_expr(self.ctas == 2):
+            # The pair's block of pair_rows rows: both CTAs see the same key blocks (the even
+            # CTA's MMAs read both CTAs' halves of them).
+            m_block = m_block // self.ctas
+            if cutlass.const_expr(self.causal):
+                m_block = cute.arch.grid_dim()[0] // self.ctas - 1 - m_block
+        elif cutlass.const_expr(self.causal):
             m_block = cute.arch.grid_dim()[0] - 1 - m_block
         offset_q, seqlen_q, offset_k, seqlen_k = seqlen_info(
             batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK
         )
         n_block_min, n_block_max, n_block_no_right, n_block_no_left = block_range(
-            m_block, seqlen_q, seqlen_k, window_left, window_right, self.tile_m, self.tile_n,
+            m_block, seqlen_q, seqlen_k, window_left, window_right, self.pair_rows, self.tile_n,
             self.causal, self.local, self.packed_heads,
         )  # fmt: skip
         if cutlass.const_expr(mCuSeqlensQ is not None or mSeqUsedQ is not None):
-            if m_block * self.tile_m >= seqlen_q * self.packed_heads:
+            if m_block * self.pair_rows >= seqlen_q * self.packed_heads:
                 n_block_max = n_block_min  # no row of this CTA exists: load and store nothing
         head_kv = head  # packed GQA: the grid's heads are the K/V heads
         if cutlass.const_expr(self.packed_heads == 1):
@@ -542,9 +691,11 @@ class FlashAttentionForwardSm100(AttentionKernel):
          _) = work  # fmt: skip
         for atom in (tma_q, tma_k, tma_v):
             cpasync.prefetch_descriptor(atom)
-        thr_qk = tiled_mma_qk.get_slice(0)
-        thr_pv = tiled_mma_pv.get_slice(0)
-        gQ = cute.flat_divide(mQ_cur, (self.tile_q, self.tile_hdim))
+        # The pair: this CTA's half of each tile (its Q rows, half of K's keys and of V's
+        # columns).
+        thr_qk = tiled_mma_qk.get_slice(self.pair_rank())
+        thr_pv = tiled_mma_pv.get_slice(self.pair_rank())
+        gQ = cute.flat_divide(mQ_cur, (self.mma_m, self.tile_hdim))
         gK = cute.flat_divide(mK_cur, (self.tile_n, self.tile_hdim))
         gV = cute.flat_divide(mV_cur, (self.tile_hdimv, self.tile_n))
         tQsQ, tQgQ = cpasync.tma_partition(
@@ -560,6 +711,12 @@ class FlashAttentionForwardSm100(AttentionKernel):
             cute.group_modes(thr_pv.partition_B(gV), 0, 3),
         )  # fmt: skip
         pipeline_q, pipeline_kv = pipes["q"], pipes["kv"]
+        if cutlass.const_expr(self.ctas == 2):
+            # Only the even CTA's load warp arms the full barriers (one arrival + both CTAs'
+            # bytes); the flag is computed here, not carried from before the role split.
+            leader = self.pair_rank() == PAIR_LEADER
+            pipeline_q = dataclasses.replace(pipeline_q, is_leader_cta=leader)
+            pipeline_kv = dataclasses.replace(pipeline_kv, is_leader_cta=leader)
         n_blocks = n_block_max - n_block_min
         if n_blocks > 0:
             for i in cutlass.range_constexpr(self.q_tiles):
@@ -594,6 +751,14 @@ class FlashAttentionForwardSm100(AttentionKernel):
             else:
                 self.load_kv(tma_v, tVgV[None, 0, n_block_min], tVsV, pipeline_kv,
                              2 * n_blocks - 1, self.tx_v)  # fmt: skip
+        if cutlass.const_expr(self.ctas == 2):
+            # The MMA's release of a K/V stage arrives on both CTAs' empty barriers; this CTA
+            # stays until the last use of each stage is released (nothing may arrive on the
+            # smem of a CTA that has exited). Use 2 n_blocks + s waits for use 2 n_blocks + s
+            # - kv_stages (passes at once for a stage never used).
+            for s in cutlass.range_constexpr(self.kv_stages):
+                state = ring_state(self.kv_stages, 2 * n_blocks + s, producer=True)
+                pipeline_kv.sync_object_empty.wait(state.index, state.phase)
 
     @cute.jit
     def load_v_tail(self, tma_v: cute.CopyAtom, src: cute.Tensor, tVsV: cute.Tensor,
@@ -761,9 +926,9 @@ class FlashAttentionForwardSm100(AttentionKernel):
         """([S_i], [O_i], [P_i]) views of the TMEM plan: fp32 S and O accumulators, and P_i
         as the 16-bit A operand of O_i += P_i V."""
         s_layout = thr_qk.make_fragment_C(
-            thr_qk.partition_shape_C((self.tile_q, self.tile_n))).layout  # fmt: skip
+            thr_qk.partition_shape_C((self.mma_m, self.tile_n))).layout  # fmt: skip
         o_layout = thr_pv.make_fragment_C(
-            thr_pv.partition_shape_C((self.tile_q, self.tile_hdimv))).layout  # fmt: skip
+            thr_pv.partition_shape_C((self.mma_m, self.tile_hdimv))).layout  # fmt: skip
         tP = thr_pv.make_fragment_A(cute.make_tensor(tmem_ptr, tP_layout.outer))
         tP = tP[None, None, None, 0]
         tStS = [cute.make_tensor(tmem_ptr + self.tmem_s[i], s_layout)
@@ -822,7 +987,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
         tStP_t = thr_store_p.partition_D(tStP)
         tSrP_shape = thr_store_p.partition_S(tScP).shape
 
-        row_start = m_block * self.tile_m + stage * self.tile_q
+        row_start = self.q_row0(m_block, stage, self.pair_rank())
         row_max = -Float32.inf
         row_sum = Float32(0.0)
         n_blocks = n_block_max - n_block_min
@@ -974,7 +1139,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
                 pipeline_o.consumer_release(state)
         for i in cutlass.range_constexpr(self.q_tiles):
             state = slot_state(self.q_tiles, i, n_blocks - 1, producer=False)
-            row = m_block * self.tile_m + i * self.tile_q + tidx
+            row = self.q_row0(m_block, i, self.pair_rank()) + tidx
             inv = Float32(0.0)
             lse = -Float32.inf
             if n_blocks > 0:
@@ -993,7 +1158,10 @@ class FlashAttentionForwardSm100(AttentionKernel):
                 cute.autovec_copy(tOrO_16, thr_load_o.partition_D(tOsO_c[i][(None, None), c]))
             if n_blocks > 0:
                 cute.arch.fence_view_async_tmem_load()
-                pipeline_o.consumer_release(state)
+                if cutlass.const_expr(self.ctas == 1):
+                    # (No MMA waits for this release; the pair leaves it out: it would arrive
+                    # on the even CTA's barrier, with no one there to wait for it.)
+                    pipeline_o.consumer_release(state)
             if row < seqlen_q * self.packed_heads:  # packed GQA: rows of G heads
                 mLSE_cur[row] = lse
             pipeline_epi.producer_commit(ring_state(self.q_tiles, i, producer=True))
@@ -1016,7 +1184,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
         for i in cutlass.range_constexpr(self.q_tiles):
             state = ring_state(self.q_tiles, i, producer=False)
             pipeline_epi.consumer_wait(state)
-            row0 = m_block * self.tile_m + i * self.tile_q
+            row0 = self.q_row0(m_block, i, self.pair_rank())
             sO_i = cute.flat_divide(sO[None, None, i], (EPI_ROWS, self.tile_hdimv))
             for r in cutlass.range(self.tile_q // EPI_ROWS, unroll=1):
                 rows_left = seqlen_q * self.packed_heads - row0 - r * EPI_ROWS

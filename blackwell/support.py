@@ -89,20 +89,74 @@ SM100_FWD_KV_STAGES = {(64, 64): 4, (96, 96): 4, (128, 128): 4, (192, 128): 2}
 # mbarriers, the LSE/scale exchange (2 x 2 x 128 fp32) and 1024-byte alignment of the tiles.
 SM100_FWD_SMEM_SLACK = 4096
 
+# The CTA pair (Sm100FwdTuning.cta_pair; 2-CTA tcgen05 MMAs of M = 256, cluster (2, 1, 1)):
+# each CTA holds half of every K and V tile, so a stage costs half. The head dims FA4 runs with
+# 2-CTA instructions (flash_attn/cute/interface.py: d rounded to 16 in {128, 192}, dv 128), and
+# FA4's ring depth for them (its _setup_attributes: 224 KiB less Q and O over the halved stage:
+# 6 at d 128, 5 at (192, 128)); not measured here.
+SM100_FWD_PAIR_HEAD_DIM_PAIRS = ((128, 128), (192, 128))
+SM100_FWD_PAIR_KV_STAGES = {(128, 128): 6, (192, 128): 5}
+
+
+def fwd_ctas(config: FwdConfig) -> int:
+    """CTAs of one MMA: 2 with the tuning's ``cta_pair``, else 1."""
+    return 2 if getattr(config.tuning, "cta_pair", False) else 1
+
 
 def fwd_kv_stages(config: FwdConfig) -> int:
     """Stages of the forward's K/V ring: the tuning's ``kv_stages``, or by head dims."""
     asked = getattr(config.tuning, "kv_stages", 0)
-    return asked or SM100_FWD_KV_STAGES.get((config.head_dim, config.head_dim_v), 2)
+    pair = (config.head_dim, config.head_dim_v)
+    if fwd_ctas(config) == 2:
+        return asked or SM100_FWD_PAIR_KV_STAGES.get(pair, 2)
+    return asked or SM100_FWD_KV_STAGES.get(pair, 2)
 
 
 def fwd_smem_bytes(config: FwdConfig) -> int:
-    """Shared memory of the forward: two Q tiles and the K/V ring (stages of the larger of a K
-    and a V tile), 16-bit elements, plus slack."""
+    """Shared memory of the forward (a CTA): two Q tiles and the K/V ring (stages of the larger
+    of a K and a V tile; with the CTA pair, half of one), 16-bit elements, plus slack."""
     stages = fwd_kv_stages(config)
     q = config.tile_m * config.head_dim * 2
-    kv = stages * config.tile_n * max(config.head_dim, config.head_dim_v) * 2
+    kv = stages * config.tile_n * max(config.head_dim, config.head_dim_v) * 2 // fwd_ctas(config)
     return q + kv + SM100_FWD_SMEM_SLACK
+
+
+def fwd_pair_can_implement(config: FwdConfig) -> tuple[bool, str]:
+    """Whether the CTA pair takes ``config`` (the rest of ``fwd_can_implement`` aside)."""
+    pair = (config.head_dim, config.head_dim_v)
+    if pair not in SM100_FWD_PAIR_HEAD_DIM_PAIRS:
+        return False, (
+            f"cta_pair at head_dim {config.head_dim} / head_dim_v {config.head_dim_v}: the CTA "
+            f"pair is built for {SM100_FWD_PAIR_HEAD_DIM_PAIRS} (FA4's 2-CTA head dims)"
+        )
+    if config.seqused_k:
+        return False, (
+            "cta_pair with seqused_k: the zeroing of the V rows past seqused_k (load_v_tail) "
+            "waits on a barrier of its own CTA, and a pair's V TMA completes on the even CTA's"
+        )
+    if config.has_softcap:
+        # Measured 2026-12-05 (DSL 4.8.1): 8 bytes of stack at d 128 (1 LDL / 1 STL in the
+        # softmax warps at 192 registers) and at (192, 128) plain; (192, 128) causal + varlen
+        # and window + packed GQA compiled clean.
+        return False, (
+            "cta_pair with softcap: the softmax warps spill (8 bytes of local memory at 192 "
+            "registers); the single CTA serves it"
+        )
+    return True, ""
+
+
+def fwd_pair_wanted(config: FwdConfig, seqlen_q: int | None) -> bool:
+    """Whether dispatch takes the CTA pair for ``config``: FA4's rule for its 2-CTA forward
+    (flash_attn/cute/interface.py, ``use_2cta_instrs``), unmeasured here: no causal mask, no
+    window, dense query rows (no cu_seqlens_q / seqused_q), (d, dv) of
+    ``SM100_FWD_PAIR_HEAD_DIM_PAIRS``, more than 2 x 128 query rows; and where the pair
+    implements the rest (``fwd_pair_can_implement``). ``seqlen_q``: the query rows of the
+    call as planning passes them (packed GQA: already times the heads a K/V head, as FA4's
+    ``seqlen_q_packgqa``); None (unknown): no. Split-KV and paged K/V do not reach the sm100
+    forward here."""
+    if seqlen_q is None or config.causal or config.local or config.varlen_q or config.seqused_q:
+        return False
+    return seqlen_q > 2 * SM100_FWD_TILE_Q and fwd_pair_can_implement(config)[0]
 
 
 def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
@@ -124,6 +178,10 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
         return False, f"tile {tile}: the sm100 forward needs {SM100_FWD_TILE}"
     if fwd_tmem_columns(config.tile_n, config.head_dim_v) > TMEM_COLUMNS:
         return False, "the TMEM plan needs more than 512 columns"
+    if fwd_ctas(config) == 2:
+        ok, reason = fwd_pair_can_implement(config)
+        if not ok:
+            return False, reason
     if fwd_smem_bytes(config) > SMEM_CAPACITY[config.target]:
         return False, f"shared memory {fwd_smem_bytes(config)} bytes exceeds the target's"
     g = config.pack_gqa

@@ -202,15 +202,16 @@ class _Sm100Tiles:
 
 
 # Stages of the sm100 forward's K/V ring a tuning may ask for; 0: the default of its head dims.
-SM100_KV_STAGE_CHOICES = (0, 2, 3, 4)
+SM100_KV_STAGE_CHOICES = (0, 2, 3, 4, 5, 6)
 
 
 @dataclass(frozen=True)
 class Sm100FwdTuning(_Sm100Tiles):
     """Tuning of FlashAttentionForwardSm100 (blackwell/flash_fwd.py): two 128-row Q tiles a
     CTA (tile_m 256) and tile_n keys a block;
-    the softmax's numerics (FA4's values by default, not measured here: no Blackwell GPU) and
-    the K/V ring's depth. Every field changes the generated code."""
+    the softmax's numerics (FA4's values by default, not measured here: no Blackwell GPU),
+    the K/V ring's depth and the CTA pair (2-CTA MMA). Every field changes the generated
+    code."""
 
     tile_m: int = 256
     tile_n: int = 128
@@ -221,6 +222,10 @@ class Sm100FwdTuning(_Sm100Tiles):
     # every new max.
     rescale_threshold: int = 8
     kv_stages: int = 0  # K/V ring stages; 0: by head dims (blackwell/support.py)
+    # A cluster of two CTAs runs each S = Q K^T and O += P V as one tcgen05 MMA of M = 256
+    # (cta_group::2, issued by the even CTA), each CTA loading half of every K and V tile
+    # (``FlashAttentionForwardSm100``'s docstring; ``blackwell/support.py`` says which calls).
+    cta_pair: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -236,6 +241,7 @@ class Sm100FwdTuning(_Sm100Tiles):
         flags += [f"poly{self.exp2_poly}"] if self.exp2_poly != 8 else []
         flags += [f"thr{self.rescale_threshold}"] if self.rescale_threshold != 8 else []
         flags += [f"kv{self.kv_stages}"] if self.kv_stages else []
+        flags += ["pair"] if self.cta_pair else []
         return "_".join(flags)
 
 

@@ -210,6 +210,8 @@ def _sm100_config(
     base = sm100_support.fwd_config(
         flags.pop("head_dim"), flags.pop("head_dim_v"), target, flags.pop("dtype"), **flags
     )
+    if sm100_support.fwd_pair_wanted(base, seqlen_q):  # FA4's 2-CTA rule (support.py)
+        base = dataclasses.replace(base, tuning=dataclasses.replace(base.tuning, cta_pair=True))
     asked = tuned.asked_fields("sm100_fwd", problem, table)
     return dataclasses.replace(base, tuning=_with_fields(base.tuning, asked))
 

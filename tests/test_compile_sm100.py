@@ -8,21 +8,29 @@ TMEM and registers (``LDTM`` / ``STTM``), TMEM is allocated and freed (``UTCATOM
 to 48 and 80, up to 192), Q / K / V arrive by TMA (``UTMALDG``), and nothing goes to local
 memory (0 stack, 0 local, no ``LDL`` / ``STL``). The pipeline arrival counts are asserted while
 tracing (``FlashAttentionForwardSm100._pipelines``); this file checks the traced protocol
-against the docstring's. Few configs: each compile costs CPU seconds.
+against the docstring's. The CTA pair (``Sm100FwdTuning.cta_pair``): every MMA in its 2-CTA form
+(``UTCHMMA.2CTA``), 2-CTA TMA loads (``UTMALDG.*.2CTA``), commits multicast to both CTAs
+(``UTCBAR.2CTA.MULTICAST``), the 2-CTA TMEM allocation, a cluster barrier after the barrier
+init. Few configs in the default run: each compile costs CPU seconds; the pair's matrix (head
+dims x features x targets) is marked ``exhaustive``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
 from cute_fa.blackwell.support import (
     SM100_FWD_HEAD_DIM_PAIRS,
+    SM100_FWD_PAIR_HEAD_DIM_PAIRS,
     SM100_FWD_REGS,
     SM100_FWD_TILE,
     TMEM_COLUMNS,
     fwd_can_implement,
     fwd_config,
+    fwd_kv_stages,
+    fwd_pair_wanted,
     fwd_regs,
     fwd_smem_bytes,
     fwd_tmem_columns,
@@ -75,6 +83,81 @@ def test_sm100_can_implement_rejects_with_reason(changes: dict, needle: str) -> 
     assert not ok and needle in reason
 
 
+def _pair(config):
+    return config.replace(tuning=dataclasses.replace(config.tuning, cta_pair=True))
+
+
+@pytest.mark.parametrize("d, dv", SM100_FWD_PAIR_HEAD_DIM_PAIRS)
+@pytest.mark.parametrize("target", ["sm_100a", "sm_103a"])
+def test_sm100_pair_can_implement_accepts(d: int, dv: int, target: str) -> None:
+    """The CTA pair: half a K/V stage a CTA, FA4's ring depth (6 at d 128, 5 at (192, 128)),
+    in shared memory; "pair" in the compile key's name."""
+    config = _pair(fwd_config(d, dv, target=target, causal=True, varlen_q=True, varlen_k=True))
+    assert fwd_can_implement(config) == (True, "")
+    assert fwd_kv_stages(config) == {128: 6, 192: 5}[d]
+    assert fwd_smem_bytes(config) <= SMEM_CAPACITY[target]
+    assert config.name.endswith("_256x128w16_pair_causal_varlen_q_varlen_k"), config.name
+
+
+@pytest.mark.parametrize(
+    "d, dv, flags, needle",
+    [
+        (64, 64, {}, "cta_pair at head_dim 64"),
+        (96, 96, {}, "cta_pair at head_dim 96"),
+        (128, 128, {"seqused_k": True}, "cta_pair with seqused_k"),
+        (128, 128, {"has_softcap": True}, "cta_pair with softcap"),
+        (192, 128, {"has_softcap": True}, "cta_pair with softcap"),
+    ],
+)
+def test_sm100_pair_declines_with_reason(d: int, dv: int, flags: dict, needle: str) -> None:
+    ok, reason = fwd_can_implement(_pair(fwd_config(d, dv, **flags)))
+    assert not ok and needle in reason, reason
+    assert fwd_can_implement(fwd_config(d, dv, **flags)) == (True, "")  # the single CTA takes it
+
+
+@pytest.mark.parametrize(
+    "d, dv, flags, seqlen_q, wanted",
+    [
+        (128, 128, {}, 257, True),
+        (192, 128, {}, 4096, True),
+        (128, 128, {}, 256, False),  # one pair's tile would be mostly empty (FA4: > 2 x 128)
+        (128, 128, {}, None, False),  # unknown length
+        (128, 128, {"causal": True}, 4096, False),
+        (128, 128, {"local": True}, 4096, False),
+        (128, 128, {"varlen_q": True}, 4096, False),
+        (128, 128, {"seqused_q": True}, 4096, False),
+        (128, 128, {"varlen_k": True}, 4096, True),  # dense Q rows: FA4 takes it
+        (128, 128, {"has_softcap": True}, 4096, False),  # declined (spills): single CTA
+        (192, 128, {"has_softcap": True}, 4096, False),
+        (64, 64, {}, 4096, False),
+        (96, 96, {}, 4096, False),
+    ],
+)
+def test_sm100_pair_dispatch_rule(d, dv, flags, seqlen_q, wanted) -> None:
+    """FA4's rule for its 2-CTA forward, where the pair implements the call."""
+    assert fwd_pair_wanted(fwd_config(d, dv, **flags), seqlen_q) is wanted
+
+
+def test_sm100_pair_through_planning() -> None:
+    """Planning takes the pair for a long non-causal d 128 call on capability 10.0 (the
+    query rows planning passes: packed GQA multiplies them first), the single CTA for a short
+    or causal one; an override turns it off or on."""
+    import cute_fa
+    from cute_fa.planning import SM100_FWD, FwdRequest, fwd_config_for_target
+
+    def plan(seqlen_q, causal=False, d=128, dv=128):
+        request = FwdRequest("bf16", d, dv, causal)
+        return fwd_config_for_target(SM100_FWD, "sm_100a", request, seqlen_q)[0]
+
+    assert plan(4096).tuning.cta_pair and plan(4096).name.endswith("_256x128w16_pair")
+    assert plan(4096, d=192).tuning.cta_pair
+    assert not plan(256).tuning.cta_pair and not plan(4096, causal=True).tuning.cta_pair
+    with cute_fa.tuning(sm100_fwd={"cta_pair": False}):
+        assert not plan(4096).tuning.cta_pair
+    with cute_fa.tuning(sm100_fwd={"cta_pair": True}):
+        assert plan(300, causal=True).tuning.cta_pair
+
+
 def test_sm100_tile_and_register_budget() -> None:
     tile_m, tile_n, num_warps = SM100_FWD_TILE
     assert (tile_m, tile_n, num_warps) == (256, 128, 16)
@@ -110,6 +193,9 @@ COMPILE_CASES = [
         id="d64-fp16-local-softcap-varlen",
     ),  # fmt: skip
     pytest.param(128, 128, "sm_100a", {"causal": True}, id="d128-causal"),
+    # The CTA pair (2-CTA MMAs): FA4's two head-dim pairs, each target once.
+    pytest.param(128, 128, "sm_100a", {"cta_pair": True}, id="d128-pair"),
+    pytest.param(192, 128, "sm_103a", {"cta_pair": True}, id="d192x128-pair-sm103a"),
     pytest.param(128, 128, "sm_100a", VARLEN_SEQUSED_Q, id="d128-varlen-seqused_q"),
     pytest.param(64, 64, "sm_100a", {"causal": True, **VARLEN}, id="d64-causal-varlen"),
     pytest.param(128, 128, "sm_103a", {}, id="d128-sm103a"),
@@ -127,10 +213,34 @@ COMPILE_CASES = [
 _SETMAXNREG = re.compile(r"USETMAXREG\.(DEALLOC|TRY_ALLOC)\.CTAPOOL\s+(?:U?P\w+,\s*)?(0x[0-9a-f]+)")
 
 
+# The CTA pair's matrix (exhaustive): FA4's head dims x features x both targets (softcap is
+# declined: the softmax warps spill, test_sm100_pair_declines_with_reason).
+PAIR_FEATURES = {
+    "plain": {},
+    "causal": {"causal": True},
+    "local": {"local": True},
+    "varlen": {**VARLEN, "seqused_q": True},
+    "gqa-pack4": {"pack_gqa": 4},
+    "gqa-pack8-local": {"pack_gqa": 8, "local": True},
+}
+PAIR_MATRIX = [
+    pytest.param(d, dv, target, {"cta_pair": True, **flags},
+                 id=f"d{d}x{dv}-pair-{name}-{target}", marks=pytest.mark.exhaustive)
+    for d, dv in SM100_FWD_PAIR_HEAD_DIM_PAIRS
+    for name, flags in PAIR_FEATURES.items()
+    for target in ("sm_100a", "sm_103a")
+]  # fmt: skip
+
+
 @pytest.mark.compile
-@pytest.mark.parametrize("d, dv, target, flags", COMPILE_CASES)
+@pytest.mark.parametrize("d, dv, target, flags", COMPILE_CASES + PAIR_MATRIX)
 def test_sm100_fwd_compiles(d: int, dv: int, target: str, flags: dict) -> None:
+    flags = dict(flags)
+    pair = flags.pop("cta_pair", False)
     config = fwd_config(d, dv, target=target, **flags)
+    if pair:
+        config = _pair(config)
+    assert fwd_can_implement(config) == (True, "")
     kernel, info = _compile(config)
     counts, sass = info["sass_counts"], info["sass_text"]
     # tcgen05 MMAs only: S = Q K^T and O += P V, 2 Q tiles x (prologue + loop + last) sites.
@@ -139,11 +249,21 @@ def test_sm100_fwd_compiles(d: int, dv: int, target: str, flags: dict) -> None:
     # d > 128: S's K phases after the first are a runtime loop (one site in its body).
     k_phases_s, k_phases_pv = (d // 16 if d <= 128 else 2), config.tile_n // 16
     assert counts["UTCHMMA"] == 4 * k_phases_s + 4 * k_phases_pv
+    # The pair: every MMA, TMA load and commit in its 2-CTA form; a cluster barrier after
+    # the barrier init. One CTA: none.
+    pair_forms = ("UTCHMMA", "UTMALDG", "UTCBAR")
+    for op in pair_forms:
+        two = len(re.findall(rf"\b{op}(?:\.\w+)*\.2CTA\b", sass))
+        assert two == (counts[op] if pair else 0), (op, two, counts[op])
+    assert len(re.findall(r"UTCBAR\.2CTA\.MULTICAST", sass)) == (counts["UTCBAR"] if pair else 0)
+    assert ("UCGABAR_ARV" in sass and "UCGABAR_WAIT" in sass) == pair
     # S loads, P stores, O loads / stores in TMEM; TMA loads.
     assert counts["LDTM"] > 0 and counts["STTM"] > 0
     assert counts["UTMALDG"] > 0
-    # TMEM allocated (a retry loop: one or more FIND_AND_SET) and freed once.
-    assert sass.count("UTCATOMSWS.FIND_AND_SET") >= 1
+    # TMEM allocated (a retry loop: one or more FIND_AND_SET; the pair: its 2-CTA form) and
+    # freed once.
+    alloc = "UTCATOMSWS.2CTA.FIND_AND_SET" if pair else "UTCATOMSWS.FIND_AND_SET"
+    assert sass.count(alloc) >= 1
     assert sass.count("UTCATOMSWS.AND") == 1
     # Registers re-budgeted by role: softmax up, correction and the other warps down.
     softmax, correction, other = fwd_regs(config)
@@ -168,11 +288,13 @@ def test_sm100_fwd_compiles(d: int, dv: int, target: str, flags: dict) -> None:
     assert ("UTMALDG.5D" in sass) == bool(config.pack_gqa)
     # The traced pipelines are the docstring's protocol: (stages, producer arrivals, consumer
     # arrivals).
+    ctas = 2 if pair else 1  # the pair's S / O empty barriers count both CTAs' threads
+    assert kernel.kv_stages == fwd_kv_stages(config)
     assert kernel.protocol == {
         "q": (2, 1, 1),
         "kv": (kernel.kv_stages, 1, 1),
-        "s": (2, 1, 128),
-        "o": (2, 1, 128),
+        "s": (2, 1, 128 * ctas),
+        "o": (2, 1, 128 * ctas),
         "stats": (2, 128, 128),
         "epi": (2, 128, 32),
     }

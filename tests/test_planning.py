@@ -176,6 +176,6 @@ def test_sm100_forward_numerics_are_typed_tuning_fields():
         config, reason = fwd_config_for_target(SM100_FWD, "sm_100a", request)
     assert config is None and "shared memory" in reason
     for field, bad in (("exp2_poly", 3), ("exp2_poly", True), ("rescale_threshold", 6),
-                       ("kv_stages", 1), ("kv_stages", 5)):  # fmt: skip
+                       ("kv_stages", 1), ("kv_stages", 7), ("cta_pair", 1)):  # fmt: skip
         with pytest.raises(TuningError, match=field):
             Sm100FwdTuning(**{field: bad})

@@ -318,7 +318,8 @@ def test_selftest_command_without_a_gpu(monkeypatch, capsys):
 
 
 def test_selftest_command_lists_what_precompile_builds(monkeypatch):
-    """On a B200 the command checks the sm100 variants (and the sm80 ones for the rest)."""
+    """On a B200 the command checks the sm100 variants (and the sm80 ones for the rest): at
+    d128 both the single CTA and, for long sequences, the CTA pair (2-CTA MMAs)."""
     import argparse
 
     import cute_fa.device
@@ -330,9 +331,11 @@ def test_selftest_command_lists_what_precompile_builds(monkeypatch):
     args = argparse.Namespace(head_dims=[64, 128, 256], dtypes=["bf16"], variants=["plain"])
     variants, skipped = tool._variants(args, torch.device("cpu"))
     assert [(label, c.arch) for label, c in variants] == [
-        ("bf16 d64 plain", 100), ("bf16 d128 plain", 100), ("bf16 d256 plain", 80)
+        ("bf16 d64 plain", 100), ("bf16 d128 plain", 100),
+        ("bf16 d128 plain (1024-row sequences)", 100), ("bf16 d256 plain", 80),
     ]  # fmt: skip
-    assert not skipped and all(selftest.needs_check(c) for _, c in variants[:2])
+    assert [c.tuning.cta_pair for _, c in variants[:3]] == [False, False, True]
+    assert not skipped and all(selftest.needs_check(c) for _, c in variants[:3])
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,6 +22,12 @@ state) and asserts, besides progress:
 - the correction writes O_i over the Q tiles' smem only after every S = Q K^T GEMM completed;
 - a K/V stage is overwritten by the load warp only after the GEMM that read its previous use
   completed.
+
+The CTA pair (``Sm100FwdTuning.cta_pair``, the class docstring's "CTA pair"): every role but the
+MMA runs once per CTA; a barrier's phase completes when all of its signallers have signalled
+(both CTAs' loads for the even CTA's full barriers, both CTAs' softmax / correction threads for
+its S / O empty barriers; the MMA's commits reach both CTAs); the correction warps end with the
+TMEM handshake; and nothing may arrive on the barriers of a CTA whose roles have all ended.
 """
 
 from __future__ import annotations
@@ -36,23 +42,35 @@ Q_TILES = 2
 RING = {"q": 2, "epi": 2, "s": 1, "o": 1, "stats": 1}
 
 
-def _ops(n: int, kv: int) -> dict[str, list[tuple]]:
+def _kv_load(u: int) -> list[tuple]:
+    """load_kv: wait for the stage, TMA (lands as the commit)."""
+    return [("acq", "kv", u), ("commit", "kv", u)]
+
+
+def _ops(n: int, kv: int, ctas: int = 1) -> dict[str, list[tuple]]:
     """Each role's operations for ``n`` key blocks (n >= 1): ("acq" | "commit" | "wait" |
-    "rel", pipeline key, use) or ("mma", name, tile, block) / ("check", name, tile, block)."""
-    load, mma, corr, epi = [], [], [], []
-    soft = {i: [] for i in range(Q_TILES)}
+    "rel", pipeline key, use) or ("mma", name, tile, block) / ("check", name, tile, block).
+    ``ctas`` 2: the CTA pair (the class docstring's "CTA pair"): every role but the MMA once per
+    CTA (named ``role.c``), one MMA thread (the even CTA's) for both; the statistics and
+    epilogue pipelines are per CTA (keys with the CTA), the others the pair's."""
+    roles: dict[str, list[tuple]] = {}
+    mma: list[tuple] = []
 
-    def kv_load(u):  # load_kv: wait for the stage, TMA (lands as the commit)
-        load.extend([("acq", "kv", u), ("commit", "kv", u)])
+    def role(name: str, c: int) -> str:
+        return name if ctas == 1 else f"{name}.{c}"
 
-    for i in range(Q_TILES):  # load: Q0, K[0], Q1, V[0], K[1], V[1], ...
-        load.extend([("acq", "q", i), ("commit", "q", i)])
-        if i == 0:
-            kv_load(0)
-    for j in range(n - 1):
-        kv_load(2 * j + 1)
-        kv_load(2 * j + 2)
-    kv_load(2 * n - 1)
+    for c in range(ctas):  # load: Q0, K[0], Q1, V[0], K[1], V[1], ...
+        load: list[tuple] = []
+        for i in range(Q_TILES):
+            load.extend([("acq", "q", i), ("commit", "q", i)])
+            if i == 0:
+                load.extend(_kv_load(0))
+        for j in range(n - 1):
+            load.extend(_kv_load(2 * j + 1) + _kv_load(2 * j + 2))
+        load.extend(_kv_load(2 * n - 1))
+        if ctas == 2:  # the tail: every stage's last use released before the CTA leaves
+            load.extend(("acq", "kv", 2 * n + s) for s in range(kv))
+        roles[role("load", c)] = load
 
     def issue_s(i, j, first):
         if first:
@@ -85,34 +103,48 @@ def _ops(n: int, kv: int) -> dict[str, list[tuple]]:
     for i in range(Q_TILES):
         issue_pv(i, n)
     mma.append(("rel", "kv", 2 * n - 1))
+    roles["mma"] = mma
 
-    for i in range(Q_TILES):  # softmax_i: softmax_step per block, then the final statistics
-        for j in range(n):
-            soft[i].append(("wait", ("s", i), j))
-            soft[i].append(("check", "read S", i, j))
-            if j > 0:
-                soft[i].extend([("acq", ("stats", i), j - 1), ("commit", ("stats", i), j - 1)])
-            soft[i].append(("rel", ("s", i), j))  # P_i(j) in TMEM
-        soft[i].extend([("acq", ("stats", i), n - 1), ("commit", ("stats", i), n - 1)])
+    for c in range(ctas):
+        for i in range(Q_TILES):  # softmax_i: softmax_step per block, then the final statistics
+            soft: list[tuple] = []
+            for j in range(n):
+                soft.append(("wait", ("s", i), j))
+                soft.append(("check", "read S", i, j))
+                if j > 0:
+                    soft.extend([("acq", ("stats", c, i), j - 1),
+                                 ("commit", ("stats", c, i), j - 1)])  # fmt: skip
+                soft.append(("rel", ("s", i), j))  # P_i(j) in TMEM
+            soft.extend([("acq", ("stats", c, i), n - 1), ("commit", ("stats", c, i), n - 1)])
+            roles[role(f"softmax{i}", c)] = soft
 
-    for j in range(1, n):  # correction: rescales, then the final step
+        corr: list[tuple] = []
+        for j in range(1, n):  # correction: rescales, then the final step
+            for i in range(Q_TILES):
+                corr.extend([("wait", ("stats", c, i), j - 1), ("rel", ("stats", c, i), j - 1)])
+                corr.append(("wait", ("o", i), j - 1))
+                corr.append(("check", "rescale O", i, j))
+                corr.append(("rel", ("o", i), j - 1))
         for i in range(Q_TILES):
-            corr.extend([("wait", ("stats", i), j - 1), ("rel", ("stats", i), j - 1)])
-            corr.append(("wait", ("o", i), j - 1))
-            corr.append(("check", "rescale O", i, j))
-            corr.append(("rel", ("o", i), j - 1))
-    for i in range(Q_TILES):
-        corr.extend([("wait", ("stats", i), n - 1), ("rel", ("stats", i), n - 1)])
-        corr.append(("wait", ("o", i), n - 1))
-        corr.append(("acq", "epi", i))
-        corr.append(("check", "O to smem", i, n))
-        corr.append(("rel", ("o", i), n - 1))
-        corr.append(("commit", "epi", i))
+            corr.extend([("wait", ("stats", c, i), n - 1), ("rel", ("stats", c, i), n - 1)])
+            corr.append(("wait", ("o", i), n - 1))
+            corr.append(("acq", ("epi", c), i))
+            corr.append(("check", "O to smem", i, n))
+            if ctas == 1:  # the pair leaves out this release (no MMA waits for it)
+                corr.append(("rel", ("o", i), n - 1))
+            corr.append(("commit", ("epi", c), i))
+        if ctas == 2:  # TMEM release: arrive on the other CTA's barrier, wait on its own
+            corr.extend([("commit", ("dealloc", 1 - c), 0), ("wait", ("dealloc", c), 0)])
+        roles[role("correction", c)] = corr
 
-    for i in range(Q_TILES):  # epilogue
-        epi.extend([("wait", "epi", i), ("rel", "epi", i)])
-    return {"load": load, "mma": mma, "softmax0": soft[0], "softmax1": soft[1],
-            "correction": corr, "epilogue": epi}  # fmt: skip
+        if ctas == 1:  # epilogue
+            epi = ("epi", 0)
+            roles["epilogue"] = [op for i in range(Q_TILES)
+                                 for op in (("wait", epi, i), ("rel", epi, i))]  # fmt: skip
+        # (The pair's model leaves the epilogue warps out: the correction's two acquires of
+        # the two-stage epilogue ring never wait, and a CTA without them leaves earlier, which
+        # only makes the check that nothing arrives on a CTA that has left stricter.)
+    return roles
 
 
 def _stages(key, kv: int) -> int:
@@ -121,31 +153,61 @@ def _stages(key, kv: int) -> int:
 
 
 class Model:
-    def __init__(self, n: int, kv: int):
-        self.n, self.kv = n, kv
-        self.roles = _ops(n, kv)
+    def __init__(self, n: int, kv: int, ctas: int = 1):
+        self.n, self.kv, self.ctas = n, kv, ctas
+        self.roles = _ops(n, kv, ctas)
         self.names = list(self.roles)
+        self.cta_roles = {c: [r for r, name in enumerate(self.names) if self.cta_of(name) == c]
+                          for c in range(ctas)}  # fmt: skip
 
-    def done(self, pcs, role, op) -> bool:
-        """Whether ``op`` (a tuple) of ``role`` has executed at ``pcs``."""
-        return op in self.roles[role][: pcs[self.names.index(role)]]
+    def index(self) -> None:
+        """(kind, key, use) -> [(role index, op index)] of its commits / releases (made when
+        the exploration starts: tests edit the roles first)."""
+        self.by_op: dict[tuple, list[tuple[int, int]]] = {}
+        for r, ops in enumerate(self.roles.values()):
+            for at, op in enumerate(ops):
+                if op[0] in ("commit", "rel"):
+                    self.by_op.setdefault(op[:3], []).append((r, at))
 
-    def executed(self, pcs):
-        for r, name in enumerate(self.names):
-            yield from ((name, op) for op in self.roles[name][: pcs[r]])
+    def cta_of(self, role: str) -> int:
+        return 0 if self.ctas == 1 or role == "mma" else int(role.rsplit(".", 1)[1])
 
-    def has(self, pcs, kind, key, use) -> bool:
-        return any(op[:3] == (kind, key, use) for _, op in self.executed(pcs))
+    def signalled(self, pcs, kind: str, key, use: int) -> bool:
+        """Whether every ``kind`` op (commit / rel) of ``(key, use)`` has executed: a
+        barrier's phase completes when all of them have (the pair's full barrier of a K/V
+        stage takes both CTAs' loads, the even CTA's S / O empty barrier both CTAs'
+        releases)."""
+        found = self.by_op.get((kind, key, use))
+        return bool(found) and all(pcs[r] > at for r, at in found)
 
     def enabled(self, pcs, op) -> bool:
         kind = op[0]
         if kind == "acq":
             key, use = op[1], op[2]
             stages = _stages(key, self.kv)
-            return use < stages or self.has(pcs, "rel", key, use - stages)
+            return use < stages or self.signalled(pcs, "rel", key, use - stages)
         if kind == "wait":
-            return self.has(pcs, "commit", op[1], op[2])
+            return self.signalled(pcs, "commit", op[1], op[2])
         return True
+
+    def targets(self, role: str, op) -> set[int]:
+        """The CTAs whose barriers ``op`` arrives on (the class docstring's pair protocol)."""
+        if op[0] not in ("commit", "rel"):
+            return set()
+        key = op[1]
+        name = key[0] if isinstance(key, tuple) else key
+        everyone = set(range(self.ctas))
+        if name in ("q", "kv"):  # TMA bytes: the even CTA's full barrier; release: multicast
+            return {0} if op[0] == "commit" else everyone
+        if name in ("s", "o"):  # commit: multicast; release: the even CTA's empty barrier
+            return everyone if op[0] == "commit" else {0}
+        if name == "dealloc":
+            return {key[1]}
+        return {self.cta_of(role)}  # statistics, epilogue: within the CTA
+
+    def exited(self, pcs, cta: int) -> bool:
+        """Whether every role of ``cta`` has run to its end (the CTA may have left)."""
+        return all(pcs[r] == len(self.roles[self.names[r]]) for r in self.cta_roles[cta])
 
     def mma_before_commit(self, pcs, key, use) -> list[tuple]:
         """The MMAs issued before the commit ``(key, use)`` (complete once a waiter sees it)."""
@@ -183,6 +245,7 @@ class Model:
     def explore(self) -> int:
         """Every reachable state, depth first; returns how many. AssertionError on a deadlock
         or a broken ordering."""
+        self.index()
         start = tuple(0 for _ in self.names)
         seen, stack = {start}, [start]
         ends = tuple(len(self.roles[r]) for r in self.names)
@@ -197,6 +260,8 @@ class Model:
                     continue
                 if op[0] == "check":
                     self.check(pcs, *op[1:])
+                for cta in self.targets(name, op):  # nothing arrives on a CTA that has left
+                    assert not self.exited(pcs, cta), f"{name}: {op} after CTA {cta} left"
                 moved = True
                 nxt = pcs[:r] + (pcs[r] + 1,) + pcs[r + 1 :]
                 if nxt not in seen:
@@ -241,6 +306,38 @@ def test_the_model_finds_a_deadlock_and_a_race() -> None:
         racy.check_order()
     with pytest.raises(AssertionError):
         racy.explore()
+
+
+def _pair_model_checks(n: int, kv: int) -> int:
+    model = Model(n, kv, ctas=2)
+    model.check_order()
+    return model.explore()
+
+
+def test_sm100_forward_pair_protocol() -> None:
+    """The CTA pair (one MMA thread for two CTAs; both CTAs' loads complete the even CTA's full
+    barriers, both CTAs' softmax / correction threads release its S / O empty barriers, the
+    MMA's commits reach both CTAs): no deadlock, the orderings above, and nothing arrives on
+    the barriers of a CTA whose roles have all ended. One key block with two K/V stages (the
+    state space of eleven roles grows fast: more under the exhaustive marker)."""
+    assert _pair_model_checks(1, 2) > 1000
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("n, kv", [(2, 2), (1, 5), (2, 5)])
+def test_sm100_forward_pair_protocol_more_blocks(n: int, kv: int) -> None:
+    assert _pair_model_checks(n, kv) > 1000
+
+
+def test_the_pair_model_catches_a_release_to_a_gone_cta() -> None:
+    """Without the load warp's tail, the odd CTA may leave while the MMA's last K/V release
+    (a commit multicast to both CTAs) is still to come: the model says so."""
+    model = Model(1, 2, ctas=2)
+    load = model.roles["load.1"]
+    assert load[-2:] == [("acq", "kv", 2), ("acq", "kv", 3)]
+    del load[-2:]
+    with pytest.raises(AssertionError, match="after CTA 1 left"):
+        model.explore()
 
 
 if __name__ == "__main__":  # state counts, for the docs
