@@ -122,8 +122,8 @@ class FlashAttentionBackwardSm80(AttentionKernel):
     Head dims (Note [rounded head dims] in cute_fa/config.py): d and dv are the tile head dims
       (tile_hdim, tile_hdimv); the tensors' own may be smaller multiples of 8 (or dv != d, the
       pairs of ``support``). Global views are widened to the tiles' columns, loads skip the
-      pieces past the tensors' columns (zeroed once in every smem tile, so S, dP, dQ and dK
-      get exact zeros from them), dK / dV stores write only the tensors' columns and the dQ
+      pieces past the tensors' columns (zeroed once in every smem tile, so S and dP get exact
+      zeros from them), dK / dV stores write only the tensors' columns and the dQ
       accumulator is tile_hdim wide (its padded columns get no atomics: they stay 0).
     Per query block m (cp.async groups, one per block):
       2 stages: wait for block m's group (the only one in flight); barrier (every warp is done
@@ -172,10 +172,6 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         # Column limits of the loads and stores: None where a tile is exactly the tensor's.
         self.cols_qk = None if self.head_dim == self.tile_hdim else self.head_dim
         self.cols_vo = None if self.head_dim_v == self.tile_hdimv else self.head_dim_v
-        # k-slices (16 columns) of S = Q K^T and dP = dO V^T that hold any column: the rest
-        # are zeros.
-        self.qk_slices = None if self.cols_qk is None else -(-self.head_dim // 16)
-        self.vo_slices = None if self.cols_vo is None else -(-self.head_dim_v // 16)
         # One g2s / r2g copy serves both sides: its threads a row follow the smem atom's width.
         assert (self.tile_hdim % 64 == 0) == (self.tile_hdimv % 64 == 0), (
             "the K and V tile head dims need swizzle atoms of one width"
@@ -569,8 +565,8 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tm, tn)), Float32)
         acc_S.fill(0.0)
         acc_dP.fill(0.0)
-        self.mma_ss(mma_sdp, acc_S, sQ, sK, ldsm, ldsm, tidx, self.qk_slices)
-        self.mma_ss(mma_sdp, acc_dP, sdO, sV, ldsm, ldsm, tidx, self.vo_slices)
+        self.mma_ss(mma_sdp, acc_S, sQ, sK, ldsm, ldsm, tidx)
+        self.mma_ss(mma_sdp, acc_dP, sdO, sV, ldsm, ldsm, tidx)
         if cutlass.const_expr(self.deterministic):
             if late:
                 if has_prev:  # the atomics of m_prev went out a whole product ago
@@ -712,10 +708,9 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         atom_A: cute.CopyAtom,
         atom_B: cute.CopyAtom,
         tidx: Int32,
-        k_slices: cutlass.Constexpr[int | None] = None,
     ):
         """acc += A @ B with both operands read from shared memory by ldmatrix (.trans atoms
-        for transposed views); ``k_slices``: only that many 16-wide k-slices (``gemm``)."""
+        for transposed views)."""
         thr_mma = tiled_mma.get_slice(tidx)
         tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB))
@@ -724,8 +719,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         thr_A = s2r_A.get_slice(tidx)
         thr_B = s2r_B.get_slice(tidx)
         gemm(tiled_mma, acc, tCrA, tCrB, thr_A.partition_S(sA), thr_A.retile(tCrA),
-             thr_B.partition_S(sB), thr_B.retile(tCrB), s2r_A, s2r_B,
-             k_slices=k_slices)  # fmt: skip
+             thr_B.partition_S(sB), thr_B.retile(tCrB), s2r_A, s2r_B)  # fmt: skip
 
 
 # Note [deterministic dQ]

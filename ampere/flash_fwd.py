@@ -135,8 +135,6 @@ class FlashAttentionForwardSm80(AttentionKernel):
         # Column limits of the loads and stores: None where a tile is exactly the tensor's.
         self.cols_qk = None if self.head_dim == self.tile_hdim else self.head_dim
         self.cols_vo = None if self.head_dim_v == self.tile_hdimv else self.head_dim_v
-        # k-slices (16 columns) of Q K^T that hold any of Q's columns: the rest are zeros.
-        self.qk_slices = None if self.cols_qk is None else -(-self.head_dim // 16)
         # One g2s / r2g copy serves both sides: its threads a row follow the smem atom's width.
         assert (self.tile_hdim % 64 == 0) == (self.tile_hdimv % 64 == 0), (
             "the K and V tile head dims need swizzle atoms of one width"
@@ -473,7 +471,7 @@ class FlashAttentionForwardSm80(AttentionKernel):
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
         acc_S.fill(0.0)
         gemm(mma.tiled_mma, acc_S, mma.tSrQ, mma.tSrK, s2r.tSsQ, s2r.tSrQ_view, s2r.tSsK,
-             s2r.tSrK_view, s2r.s2r_Q, s2r.s2r_K, k_slices=self.qk_slices)  # fmt: skip
+             s2r.tSrK_view, s2r.s2r_Q, s2r.s2r_K)  # fmt: skip
         if cutlass.const_expr(self.has_softcap):
             softcap_scores(acc_S, score_scale)
 

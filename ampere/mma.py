@@ -19,20 +19,15 @@ def gemm(
     copy_A: cute.TiledCopy | None,
     copy_B: cute.TiledCopy,
     prefetch: cutlass.Constexpr[bool] = True,
-    k_slices: cutlass.Constexpr[int | None] = None,
 ):
     """acc += A @ B over the K mode.
 
     A comes from shared memory through ``copy_A`` (ldmatrix) or, when ``tCsA`` is None, is already
     in registers (P of the P @ V product). B always comes from shared memory. With ``prefetch``
     k-slice k+1 is loaded while slice k multiplies (two slices of fragments live); without it each
-    slice is loaded right before its MMAs (one slice live: fewer registers). ``k_slices``: only
-    the first that many k-slices (the others hold only zeros: the padded columns of a rounded
-    head dim, Note [rounded head dims] in cute_fa/config.py).
+    slice is loaded right before its MMAs (one slice live: fewer registers).
     """
     num_k = cute.size(tCrB.shape[2])
-    if cutlass.const_expr(k_slices is not None):
-        num_k = k_slices
     if cutlass.const_expr(prefetch):
         if cutlass.const_expr(tCsA is not None):
             cute.copy(copy_A, tCsA[None, None, 0], tCrA_copy[None, None, 0])

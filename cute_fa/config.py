@@ -438,7 +438,9 @@ def tile_head_dim(head_dim: int) -> int:
 # The compile key keeps the real head dim (its name shows it, d40) and the kernel derives the
 # tile head dim; tile tables are looked up by the tile head dim. The work of the padded columns
 # is spent (d 72 computes as d 96): a kernel with exact tiles would pay only where a head dim is
-# common enough to tune for.
+# common enough to tune for. (Skipping the 16-wide k-slices of Q K^T that hold only padded
+# columns was tried: it cost more spills in the 4-warp tiles at the 255-register cap than it
+# saved work, docs/log/sm80.md, 2026-12-05.)
 # (head_dim, head_dim_v) pairs (SM80_HEAD_DIM_PAIRS, both exact tile head dims): the K side (Q,
 # K, dQ, dK) and the V side (V, O, dO, dV) each have their own tile head dim.
 

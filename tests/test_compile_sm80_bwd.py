@@ -329,9 +329,9 @@ def test_main_kernel_compiles_for_sm90a(d: int, flags: str) -> None:
 
 # Rounded head dims (Note [rounded head dims] in cute_fa/config.py) and (d, dv) pairs: the tiles
 # of the next tile head dim; budgets by tile head dim (measured for sm_90a, CUDA 12 ptxas:
-# docs/log/sm80.md, 2026-12-05). The 128 x 128 tile of d <= 64 with a window and softcap spills
-# 94-114 (d 64 itself: 104; not in MAIN_CASES); at d 200-248 the deterministic and coresident
-# flag sets 3-22 (d 256 with a window, deterministic: 16).
+# docs/log/sm80.md, 2026-12-05): 0 but for the 128 x 128 tile of d <= 64 with a window and
+# softcap, 111-119 (d 64 itself: 104; not in MAIN_CASES), and at d 200-248 2-22 (deterministic
+# with a window 18-22; d 256 itself: 16).
 ROUNDED_DIMS = (8, 32, 40, 72, 80, 104, 112, 136, 160, 200, 224, 248)
 ROUNDED_SPILL_BUDGET: dict[int, int] = {64: 128, 96: 8, 128: 16, 192: 8, 256: 32}
 ROUNDED_MAIN_DEFAULT = {
