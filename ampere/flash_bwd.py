@@ -30,7 +30,12 @@ from cute_fa.dsl.softmax import lse_for_recompute, mn_view, score_scales, softca
 
 from .copy import gmem_tiled_copies, load_rows, smem_layout, store_acc, store_zeros, zero_tile_cols
 from .mma import gemm
-from .support import bwd_can_implement, bwd_q_stages, dq_accum_offset, tile_dims
+from .support import (
+    bwd_can_implement,
+    bwd_q_stages,
+    dq_accum_offset,
+    set_head_dim_columns,
+)
 
 
 def warp_rows(rows: int, cols: int, num_warps: int, preferred: int) -> int:
@@ -167,15 +172,7 @@ class FlashAttentionBackwardSm80(AttentionKernel):
 
     def __init__(self, config):
         super().__init__(config)
-        self.head_dim, self.head_dim_v = config.head_dim, config.head_dim_v
-        self.tile_hdim, self.tile_hdimv = tile_dims(config)  # Note [rounded head dims]
-        # Column limits of the loads and stores: None where a tile is exactly the tensor's.
-        self.cols_qk = None if self.head_dim == self.tile_hdim else self.head_dim
-        self.cols_vo = None if self.head_dim_v == self.tile_hdimv else self.head_dim_v
-        # One g2s / r2g copy serves both sides: its threads a row follow the smem atom's width.
-        assert (self.tile_hdim % 64 == 0) == (self.tile_hdimv % 64 == 0), (
-            "the K and V tile head dims need swizzle atoms of one width"
-        )
+        set_head_dim_columns(self, config)  # head_dim(_v), tile_hdim(v), cols_qk / cols_vo
         self.q_stages = bwd_q_stages(config)
         self.deterministic = config.deterministic
         self.coresident = config.det_coresident
@@ -681,8 +678,10 @@ class FlashAttentionBackwardSm80(AttentionKernel):
         mQ, mdO, mLSE, mdPsum = q_rows.mQ, q_rows.mdO, q_rows.mLSE, q_rows.mdPsum
         rows_left = seqlen_q - m_block * tm
         thr_g2s = copy_g2s.get_slice(tidx)
-        for src, dst, cols, width in ((mQ, smem_tiles.sQ, self.cols_qk, self.tile_hdim),
-                                      (mdO, smem_tiles.sdO, self.cols_vo, self.tile_hdimv)):
+        for src, dst, cols, width in (
+            (mQ, smem_tiles.sQ, self.cols_qk, self.tile_hdim),
+            (mdO, smem_tiles.sdO, self.cols_vo, self.tile_hdimv),
+        ):
             gX = cute.local_tile(src, (tm, width), (m_block, 0))
             sX = dst[None, None, stage]
             tXcX = thr_g2s.partition_S(cute.make_identity_tensor((tm, width)))

@@ -19,7 +19,7 @@ from cute_fa.dsl.softmax import OnlineSoftmax, mn_view, score_scales, softcap_sc
 
 from .copy import gmem_tiled_copies, smem_layout, store_zeros, zero_tile_cols
 from .mma import acc_as_A_operand, gemm
-from .support import fwd_can_implement, tile_dims
+from .support import fwd_can_implement, set_head_dim_columns
 
 
 class MmaFragments(NamedTuple):
@@ -130,15 +130,7 @@ class FlashAttentionForwardSm80(AttentionKernel):
 
     def __init__(self, config) -> None:
         super().__init__(config)
-        self.head_dim, self.head_dim_v = config.head_dim, config.head_dim_v
-        self.tile_hdim, self.tile_hdimv = tile_dims(config)  # Note [rounded head dims]
-        # Column limits of the loads and stores: None where a tile is exactly the tensor's.
-        self.cols_qk = None if self.head_dim == self.tile_hdim else self.head_dim
-        self.cols_vo = None if self.head_dim_v == self.tile_hdimv else self.head_dim_v
-        # One g2s / r2g copy serves both sides: its threads a row follow the smem atom's width.
-        assert (self.tile_hdim % 64 == 0) == (self.tile_hdimv % 64 == 0), (
-            "the K and V tile head dims need swizzle atoms of one width"
-        )
+        set_head_dim_columns(self, config)  # head_dim(_v), tile_hdim(v), cols_qk / cols_vo
         self.split_kv = config.split_kv  # fp32 O and LSE of one key split (class docstring)
         self.page_size = config.page_size  # paged K/V: keys a page (class docstring)
 

@@ -44,6 +44,20 @@ def tile_dims(config: FwdConfig | BwdConfig) -> tuple[int, int]:
     return tile_head_dim(config.head_dim), tile_head_dim(config.head_dim_v)
 
 
+def set_head_dim_columns(kernel, config: FwdConfig | BwdConfig) -> None:
+    """Set the head dims of an sm80-family kernel and their tiles (Note [rounded head dims]):
+    ``head_dim`` / ``head_dim_v``, ``tile_hdim`` / ``tile_hdimv``, and the column limits of the
+    loads and stores, ``cols_qk`` / ``cols_vo``: None where a tile is exactly the tensor's."""
+    kernel.head_dim, kernel.head_dim_v = config.head_dim, config.head_dim_v
+    kernel.tile_hdim, kernel.tile_hdimv = tile_dims(config)
+    kernel.cols_qk = None if kernel.head_dim == kernel.tile_hdim else kernel.head_dim
+    kernel.cols_vo = None if kernel.head_dim_v == kernel.tile_hdimv else kernel.head_dim_v
+    # One g2s / r2g copy serves both sides: its threads a row follow the smem atom's width.
+    assert (kernel.tile_hdim % 64 == 0) == (kernel.tile_hdimv % 64 == 0), (
+        "the K and V tile head dims need swizzle atoms of one width"
+    )
+
+
 def fwd_smem_bytes(config: FwdConfig) -> int:
     """Shared memory of the sm80 forward: sQ (tile_m x tile d; O is staged there, dv <= d),
     sK (tile_n x tile d) and sV (tile_n x tile dv), 16-bit."""
