@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from cute_fa.ampere.support import fwd_can_implement
 
 from cute_fa.config import FwdConfig, Tiles, sm80_fwd_tile, tile_head_dim
 from cute_fa.tools.sass import compile_and_inspect
@@ -172,3 +173,46 @@ def test_sm80_fwd_rounded_head_dim_skips_the_padded_k_slices() -> None:
     only zeros): fewer HMMA than d 64's kernel."""
     hmma = {d: compile_and_inspect(_config(d, "sm_90a"))["sass_counts"]["HMMA"] for d in (40, 64)}
     assert hmma[40] < hmma[64], hmma
+
+
+# --------------------------------------------------------------------------------------------
+# Packed GQA (FwdConfig.pack_gqa, Note [packed GQA] in cute_fa/dsl/pack_gqa.py): Q rows gathered
+# and O / LSE (split-KV: fp32 partials) scattered by (head in group, position); the decode path
+# is packed + split + paged + seqused_k. Groups 4 and 8 divide the MMA's 8-row steps, 16 does
+# not (MQA-like), 256 is a multiple of tile_m (one position a tile).
+
+PACK_FLAG_SETS = {
+    "plain": {},
+    "causal": {"causal": True},
+    "causal_split_paged16": {"causal": True, "seqused_k": True, "split_kv": True, "page_size": 16},
+    "local_softcap_split_paged1": {"local": True, "has_softcap": True, "seqused_k": True,
+                                   "split_kv": True, "page_size": 1},
+    "varlen_seqused": {"varlen_q": True, "varlen_k": True, "seqused_q": True, "seqused_k": True},
+}  # fmt: skip
+PACK_DEFAULT = {(128, "sm_90a", 8, "causal_split_paged16"), (64, "sm_80", 4, "plain")}
+PACK_CASES = [
+    pytest.param(d, target, g, f, id=f"{d}-{target}-g{g}-{f}",
+                 marks=() if (d, target, g, f) in PACK_DEFAULT else EXHAUSTIVE)
+    for d in (64, 128)
+    for target in ("sm_80", "sm_90a")
+    for g in (4, 8, 16, 256)
+    for f in PACK_FLAG_SETS
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("d, target, group, flags", PACK_CASES)
+def test_sm80_fwd_pack_gqa_compiles(d: int, target: str, group: int, flags: str) -> None:
+    config = _config(d, target, pack_gqa=group, **PACK_FLAG_SETS[flags])
+    assert f"_packgqa{group}" in config.name
+    info = compile_and_inspect(config)
+    _check(info, d)
+    # Gathered Q rows and paged K/V rows stay 16-byte cp.async pieces.
+    assert len(re.findall(r"LDGSTS\S*\.128", info["sass_text"])) == info["sass_counts"]["LDGSTS"]
+
+
+def test_sm80_fwd_pack_gqa_can_implement() -> None:
+    """Groups that divide tile_m or are multiples of it; others are declined with the reason."""
+    for group, ok in ((2, True), (64, True), (128, True), (384, True), (3, False), (96, False)):
+        got, why = fwd_can_implement(_config(128, "sm_90a", pack_gqa=group))
+        assert got is ok, (group, why)
+        assert ok or "divide tile_m 128" in why
