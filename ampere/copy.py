@@ -116,7 +116,8 @@ def store_zeros(
     it)."""
     thr_r2g = copy_r2g.get_slice(tidx)
     tXgX = thr_r2g.partition_D(gX)
-    tXcX = thr_r2g.partition_D(cute.make_identity_tensor(gX.shape))
+    # Linear row indices also for a hierarchical row mode (packed GQA's (G, rows)).
+    tXcX = thr_r2g.partition_D(cute.make_identity_tensor(cute.product_each(gX.shape)))
     tXrX = cute.make_fragment_like(tXgX, gX.element_type)
     tXrX.fill(0.0)
     for m in cutlass.range_constexpr(cute.size(tXgX.shape[1])):

@@ -14,6 +14,7 @@ from cutlass.cute.nvgpu import warp
 from cute_fa.dsl.copy import acc_to_smem, col_predicate, copy_cols, store_rows, widen_cols
 from cute_fa.dsl.kernel import AttentionKernel
 from cute_fa.dsl.mask import Window, apply_mask, block_range, split_block_range
+from cute_fa.dsl.pack_gqa import packed_row_views
 from cute_fa.dsl.seqlen import seqlen_info
 from cute_fa.dsl.softmax import OnlineSoftmax, mn_view, score_scales, softcap_scores
 
@@ -122,6 +123,16 @@ class FlashAttentionForwardSm80(AttentionKernel):
       dense tile), so pages of any size, in any order, land in the same swizzled sK / sV. Rows
       past seqlen_k (only in the first visited block) are skipped as before: the table entries
       past a sequence's pages are never read.
+    Packed GQA (config.pack_gqa = G, the query heads a K/V head; Note [packed GQA] in
+      cute_fa/dsl/pack_gqa.py): the kernel views Q, O and LSE with (G, seqlen) rows and the K/V
+      heads (``packed_row_views``); the grid is (ceil(max_seqlen_q * G / tile_m), h_kv, batch)
+      and packed row r of a CTA is position r // G of query head head_kv * G + r % G. The
+      loads and stores above run unchanged on these views: each 16-byte piece's address comes
+      from its row's (head, position) coordinate, so Q rows are gathered, and O, the LSE and
+      split-KV's fp32 partials scattered, by the same row-predicated cp.async and 16-byte stores
+      (rows_left counts packed rows, seqlen_q * G). Masks and the key block range take the
+      query position (row // G). G divides tile_m or is a multiple of it (support.py), so the
+      thread and MMA row partitions of a tile split (G, tile_m / G) evenly.
     """
 
     arch = 80
@@ -133,6 +144,15 @@ class FlashAttentionForwardSm80(AttentionKernel):
         set_head_dim_columns(self, config)  # head_dim(_v), tile_hdim(v), cols_qk / cols_vo
         self.split_kv = config.split_kv  # fp32 O and LSE of one key split (class docstring)
         self.page_size = config.page_size  # paged K/V: keys a page (class docstring)
+        # Packed GQA: query heads whose rows share a tile (1: one head a tile; class docstring)
+        self.packed_heads = config.pack_gqa or 1
+        # Masks take a thread's query positions from its first row's (Note [packed mask rows]
+        # in cute_fa/dsl/mask.py): exact for power-of-two tiles and warp counts, or G a
+        # multiple of tile_m.
+        g, tm, nw = self.packed_heads, self.tile_m, self.num_warps
+        self.positions_from_first = g > 1 and (
+            (tm & (tm - 1) == 0 and nw & (nw - 1) == 0) or g % tm == 0
+        )
 
     # ------------------------------------------------------------------------------------------
     # Host side
@@ -190,7 +210,9 @@ class FlashAttentionForwardSm80(AttentionKernel):
             batch = mCuSeqlensQ.shape[0] - 1
         if cutlass.const_expr(self.split_kv):  # the split index goes with the batch index
             batch = batch * (cute.size(mO.shape[0]) // cute.size(mQ.shape[0]))
-        grid = (cute.ceil_div(max_seqlen_q, self.tile_m), cute.size(mQ.shape[2]), batch)
+        # Packed GQA: G heads' rows a tile, one CTA column a K/V head (class docstring).
+        grid = (cute.ceil_div(max_seqlen_q * self.packed_heads, self.tile_m),
+                cute.size(mQ.shape[2]) // self.packed_heads, batch)  # fmt: skip
         self.kernel(
             mQ, mK, mV, mO, mLSE,
             score_scale, scale_log2, window_left, window_right,
@@ -243,17 +265,23 @@ class FlashAttentionForwardSm80(AttentionKernel):
         )
         if cutlass.const_expr(self.page_size and mSeqUsedK is None):
             seqlen_k = mPageTable.shape[1] * self.page_size  # every page of the row is full
-        if m_block * self.tile_m < seqlen_q:
-            # This (batch, head)'s slices, moved to the sequence start for varlen.
-            head_kv = head // (mQ.shape[2] // mK.shape[2])
+        g = self.packed_heads
+        if m_block * self.tile_m < seqlen_q * g:
+            # This (batch, head)'s slices, moved to the sequence start for varlen. Packed GQA:
+            # Q, O and LSE with (G, seqlen) rows, ``head`` a K/V head (class docstring).
+            head_kv = head
+            if cutlass.const_expr(g == 1):
+                head_kv = head // (mQ.shape[2] // mK.shape[2])
+            mQ_rows, mO_rows, mLSE_rows = packed_row_views(mQ, mO, mLSE, g)
+            row_offset = offset_q * g  # packed: (head 0 of the group, position offset_q)
             qb = 0 if cutlass.const_expr(mCuSeqlensQ is not None) else batch
             kb = 0 if cutlass.const_expr(mCuSeqlensK is not None) else batch
-            mQ_cur = cute.domain_offset((offset_q, 0), mQ[qb, None, head, None])
+            mQ_cur = cute.domain_offset((row_offset, 0), mQ_rows[qb, None, head, None])
             ob = qb  # split-KV: O and LSE are (num_splits * batch, ...), split slowest
             if cutlass.const_expr(self.split_kv):
                 ob = split * mQ.shape[0] + qb
-            mO_cur = cute.domain_offset((offset_q, 0), mO[ob, None, head, None])
-            mLSE_cur = cute.domain_offset((offset_q,), mLSE[ob, head, None])
+            mO_cur = cute.domain_offset((row_offset, 0), mO_rows[ob, None, head, None])
+            mLSE_cur = cute.domain_offset((row_offset,), mLSE_rows[ob, head, None])
             pages = None
             if cutlass.const_expr(self.page_size):  # (num_pages, page_size, d) and the table row
                 mK_cur = mK[None, None, head_kv, None]
@@ -264,12 +292,12 @@ class FlashAttentionForwardSm80(AttentionKernel):
                 mV_cur = cute.domain_offset((offset_k, 0), mV[kb, None, head_kv, None])
             n_block_min, n_block_max, n_block_no_right, n_block_no_left = block_range(
                 m_block, seqlen_q, seqlen_k, window_left, window_right,
-                self.tile_m, self.tile_n, self.causal, self.local,
+                self.tile_m, self.tile_n, self.causal, self.local, g,
             )  # fmt: skip
             if cutlass.const_expr(self.split_kv):
                 n_block_min, n_block_max = split_block_range(n_block_min, n_block_max, split,
                                                              num_splits)  # fmt: skip
-            rows_left = seqlen_q - m_block * self.tile_m
+            rows_left = seqlen_q * g - m_block * self.tile_m  # packed GQA: rows of G heads
             if n_block_max <= n_block_min:
                 self.store_empty(mO_cur, mLSE_cur, m_block, rows_left, copy_r2g, tidx)
             else:
@@ -477,7 +505,7 @@ class FlashAttentionForwardSm80(AttentionKernel):
             apply_mask(
                 mn_view(acc_S), mma.tScS, mask_args.m_block * self.tile_m, n_block * self.tile_n,
                 mask_args.seqlen_q, seqlen_k, mask_args.window.left, mask_args.window.right,
-                self.causal, self.local,
+                self.causal, self.local, self.packed_heads, self.positions_from_first,
             )  # fmt: skip
         softmax.step(acc_S, mma.acc_O, is_first, masked and (self.causal or self.local))
 

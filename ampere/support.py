@@ -65,6 +65,15 @@ def fwd_smem_bytes(config: FwdConfig) -> int:
     return (config.tile_m * d + config.tile_n * (d + dv)) * 2
 
 
+def fwd_pack_gqa_fits(qhead_per_kvhead: int, tile_m: int) -> bool:
+    """Whether packed GQA rows (Note [packed GQA] in cute_fa/dsl/pack_gqa.py) with this many
+    query heads per K/V head split evenly into the sm80 forward's tiles of ``tile_m`` rows: the
+    (G, seqlen) row mode then divides into (G, tile_m / G) tiles (or tiles inside one position's
+    G rows), and the copy and MMA row partitions (powers of two of rows) follow it."""
+    g = qhead_per_kvhead
+    return g >= 2 and (tile_m % g == 0 or g % tile_m == 0)
+
+
 def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
     """(True, "") when FlashAttentionForwardSm80 implements ``config``, else (False, why)."""
     if config.arch != 80:
@@ -72,8 +81,12 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
     why = head_dims_reason(config.head_dim, config.head_dim_v)
     if why:
         return False, why
-    if config.pack_gqa:
-        return False, "pack_gqa is not implemented by the sm80 forward yet"
+    if config.pack_gqa and not fwd_pack_gqa_fits(config.pack_gqa, config.tile_m):
+        return False, (
+            f"pack_gqa with {config.pack_gqa} query heads per K/V head: the sm80 forward's "
+            f"packed rows need the heads per K/V head to divide tile_m {config.tile_m} (or be "
+            f"a multiple of it)"
+        )
     if config.tile_m % (16 * config.num_warps) != 0:
         return False, f"tile_m {config.tile_m} is not a multiple of 16 * num_warps"
     if config.tile_n % 16 != 0:

@@ -262,8 +262,9 @@ def scheduler_choice(
 # one tile's rows (Note [packed GQA] in cute_fa/dsl/pack_gqa.py) wherever a kernel of the device
 # does; None packs where ``planning.pack_gqa_helps`` says the packed tiles waste far fewer rows
 # (Note [pack_gqa heuristic]); False never. MHA calls (one query head per K/V head) have nothing
-# to pack. Where no kernel packs the call (the sm80 and sm100 forwards; on sm90, heads per K/V
-# head that do not divide 64) it runs unpacked: the same results, one head a tile. A launch
+# to pack. Where no kernel packs the call (heads per K/V head that neither divide the tile's
+# rows nor are a multiple of them: 64 on sm90, tile_m on sm80; non-powers of two on sm100) it
+# runs unpacked: the same results, one head a tile. A launch
 # plan records what it packs (``_Plan.pack_gqa``).
 
 

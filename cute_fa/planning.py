@@ -331,7 +331,10 @@ def clamp_num_splits(num_splits: int, batch: int) -> int:
 # unpacked. FA3's ``should_pack_gqa`` packs below 0.9 of the packed share and FA4 packs every GQA
 # call; here a packed tile gives up the sm90 forward's persistent grid, which its defaults pick
 # for dense calls up to 2k rows (measured faster there), so only calls whose rows packing at
-# least doubles pack by default. Not measured between the two yet.
+# least doubles pack by default. Not measured between the two yet. The sm80 forward (Ampere,
+# sm86 / sm89 / sm120, Hopper with CUTE_FA_FWD_ARCH=80) takes the same rule on its own tile_m
+# (128 at most head dims): it has no persistent grid to give up, so the rule is if anything
+# conservative there; unmeasured on sm80 (the H200 runs the sm90 forward by default).
 PACK_GQA_MAX_SHARE = 0.5
 
 

@@ -172,6 +172,16 @@ def sm90_forward_here() -> bool:
     )
 
 
+def fwd_family_here() -> int:
+    """The forward kernel family dispatch picks on this machine's GPU: ``CUTE_FA_FWD_ARCH``
+    when set, else 90 on sm90, 100 on sm100 / sm103, 80 elsewhere (sm80, sm86, sm89, sm120)."""
+    forced = os.environ.get("CUTE_FA_FWD_ARCH")
+    if forced:
+        return int(forced)
+    major, minor = torch.cuda.get_device_capability()
+    return {(9, 0): 90, (10, 0): 100, (10, 3): 100}.get((major, minor), 80)
+
+
 needs_sm90_forward = pytest.mark.skipif(
     not sm90_forward_here(),
     reason="runs on the sm90 forward (an sm90 GPU without CUTE_FA_FWD_ARCH=80)",
@@ -243,3 +253,29 @@ def graph_capture(step):
     with torch.cuda.graph(graph):
         outputs = step()
     return graph, outputs
+
+
+def paged_cache(lens_k, page_size, h_kv, d, dv, spare=3):
+    """(k_pages, v_pages, page_table, ks, vs): the pool in shuffled order with ``spare`` unused
+    pages, and each sequence's keys and values (for the reference)."""
+    counts = [-(-n // page_size) for n in lens_k]
+    max_pages = max(max(counts), 1)
+    total = sum(counts) + spare
+    k_pages = torch.full((total, page_size, h_kv, d), float("nan"), device="cuda")
+    v_pages = torch.full((total, page_size, h_kv, dv), float("nan"), device="cuda")
+    k_pages, v_pages = k_pages.bfloat16(), v_pages.bfloat16()
+    order = torch.randperm(total, device="cuda")
+    table = torch.full((len(lens_k), max_pages), -1, dtype=torch.int32, device="cuda")
+    ks, vs, slot = [], [], 0
+    for b, n in enumerate(lens_k):
+        kb, vb = randn_cuda(n, h_kv, d), randn_cuda(n, h_kv, dv)
+        ks.append(kb)
+        vs.append(vb)
+        for j in range(counts[b]):
+            page = int(order[slot])
+            slot += 1
+            table[b, j] = page
+            rows = slice(j * page_size, min((j + 1) * page_size, n))
+            k_pages[page, : rows.stop - rows.start] = kb[rows]
+            v_pages[page, : rows.stop - rows.start] = vb[rows]
+    return k_pages, v_pages, table, ks, vs

@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from cute_fa.ampere.support import fwd_can_implement
 
 from cute_fa.config import FwdConfig, Tiles, sm80_fwd_tile, tile_head_dim
 from cute_fa.tools.sass import compile_and_inspect
@@ -174,3 +175,52 @@ def test_sm80_fwd_rounded_head_dims_compile_for_other_targets(target: str) -> No
             budget = SMALL_SMEM_SPILL_BUDGET.get(tile_head_dim(d), budget)
         _check_rounded(compile_and_inspect(_config(d, target, causal=True)), d, False, budget)
 
+
+# --------------------------------------------------------------------------------------------
+# Packed GQA (FwdConfig.pack_gqa, Note [packed GQA] in cute_fa/dsl/pack_gqa.py): Q rows gathered
+# and O / LSE (split-KV: fp32 partials) scattered by (head in group, position); the decode path
+# is packed + split + paged + seqused_k. Groups 4 and 8 divide the MMA's 8-row steps, 16 does
+# not (MQA-like), 256 is a multiple of tile_m (one position a tile).
+
+PACK_FLAG_SETS = {
+    "plain": {},
+    "causal": {"causal": True},
+    "causal_split_paged16": {"causal": True, "seqused_k": True, "split_kv": True, "page_size": 16},
+    "local_softcap_split_paged1": {"local": True, "has_softcap": True, "seqused_k": True,
+                                   "split_kv": True, "page_size": 1},
+    "varlen_seqused": {"varlen_q": True, "varlen_k": True, "seqused_q": True, "seqused_k": True},
+}  # fmt: skip
+# A window, softcap, split-KV and pages of 1 key at the 255 cap, for sm_80 (CUDA 12 ptxas):
+# d64 49 LDL/STL at G 4 (unpacked 21), d128 251-259 over G 4-256 (the d128 budget is 240;
+# docs/log/sm80.md, 2026-12-05); every other packed case keeps its head dim's budget.
+PACK_SPILL_BUDGET = {
+    (64, "local_softcap_split_paged1"): 56,
+    (128, "local_softcap_split_paged1"): 264,
+}
+PACK_DEFAULT = {(128, "sm_90a", 8, "causal_split_paged16"), (64, "sm_80", 4, "plain")}
+PACK_CASES = [
+    pytest.param(d, target, g, f, id=f"{d}-{target}-g{g}-{f}",
+                 marks=() if (d, target, g, f) in PACK_DEFAULT else EXHAUSTIVE)
+    for d in (64, 128)
+    for target in ("sm_80", "sm_90a")
+    for g in (4, 8, 16, 256)
+    for f in PACK_FLAG_SETS
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("d, target, group, flags", PACK_CASES)
+def test_sm80_fwd_pack_gqa_compiles(d: int, target: str, group: int, flags: str) -> None:
+    config = _config(d, target, pack_gqa=group, **PACK_FLAG_SETS[flags])
+    assert f"_packgqa{group}" in config.name
+    info = compile_and_inspect(config)
+    _check(info, d, PACK_SPILL_BUDGET.get((d, flags), SPILL_BUDGET[d]))
+    # Gathered Q rows and paged K/V rows stay 16-byte cp.async pieces.
+    assert len(re.findall(r"LDGSTS\S*\.128", info["sass_text"])) == info["sass_counts"]["LDGSTS"]
+
+
+def test_sm80_fwd_pack_gqa_can_implement() -> None:
+    """Groups that divide tile_m or are multiples of it; others are declined with the reason."""
+    for group, ok in ((2, True), (64, True), (128, True), (384, True), (3, False), (96, False)):
+        got, why = fwd_can_implement(_config(128, "sm_90a", pack_gqa=group))
+        assert got is ok, (group, why)
+        assert ok or "divide tile_m 128" in why

@@ -95,10 +95,31 @@ def test_the_sm100_forward_packs_powers_of_two() -> None:
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (8, 9), (12, 0)])
-def test_pack_gqa_elsewhere_is_not_implemented(capability) -> None:
-    request = FwdRequest(dtype="bf16", head_dim=128, head_dim_v=128, pack_gqa=4)
-    cls, _, why = try_plan(capability, request)
-    assert cls is None and "pack_gqa" in why, why
+@pytest.mark.parametrize("flags", [{}, {"causal": True}, {"local": True, "has_softcap": True},
+                                   {"varlen_q": True, "seqused_k": True, "split_kv": True,
+                                    "page_size": 16}])  # fmt: skip
+def test_the_sm80_forward_packs_groups_that_divide_its_tile(capability, flags) -> None:
+    """The sm80 forward (tile_m 128 at d 128) packs groups that divide its tile or are a
+    multiple of it, with split-KV and paged K/V too; the others it declines."""
+    for group in (2, 4, 8, 16, 32, 64, 128, 256):
+        request = FwdRequest(dtype="bf16", head_dim=128, head_dim_v=128, pack_gqa=group, **flags)
+        cls, config, why = try_plan(capability, request, 4)
+        assert cls is planning.SM80_FWD, why
+        assert config.pack_gqa == group and f"packgqa{group}" in config.name
+    for group in (3, 6, 12, 96):
+        request = FwdRequest(dtype="bf16", head_dim=128, head_dim_v=128, pack_gqa=group, **flags)
+        cls, _, why = try_plan(capability, request, 4)
+        assert cls is None and "pack_gqa" in why and "divide tile_m 128" in why, why
+
+
+def test_the_sm80_forward_packs_on_an_sm90_when_forced(monkeypatch) -> None:
+    """CUTE_FA_FWD_ARCH=80 on an sm90 GPU (how the H200 runs the sm80 forward's GPU tests)."""
+    monkeypatch.setenv(settings.FWD_ARCH, "80")
+    request = FwdRequest(dtype="bf16", head_dim=64, head_dim_v=64, pack_gqa=8, split_kv=True,
+                         page_size=1, seqused_k=True, causal=True)  # fmt: skip
+    cls, config, why = try_plan((9, 0), request, 8)
+    assert cls is planning.SM80_FWD and config.target == "sm_90a", why
+    assert config.pack_gqa == 8 and config.split_kv and config.page_size == 1
 
 
 def _shapes(sq, h, hk, **flags) -> Shapes:
@@ -136,11 +157,28 @@ def test_packed_plans(sq, h, hk, pack, want) -> None:
         assert packed_args is args and packed is config
 
 
-def test_packed_plans_on_sm80_run_unpacked() -> None:
-    shapes = _shapes(1, 32, 8)
+@pytest.mark.parametrize(
+    "sq, h, hk, pack, want",
+    [
+        (1, 32, 8, -1, 4),  # decode: None packs (Note [pack_gqa heuristic], tile_m 128)
+        (4, 32, 4, -1, 8),
+        (1, 64, 1, -1, 64),  # MQA
+        (4096, 32, 8, -1, 0),  # prefill: None does not
+        (4096, 32, 8, 1, 4),  # True does
+        (1, 32, 8, 0, 0),  # False never
+        (1, 24, 4, 1, 0),  # a group of 6 does not divide the tile: unpacked
+    ],
+)
+def test_packed_plans_on_sm80(sq, h, hk, pack, want) -> None:
+    """The sm80 forward's plans pack as the sm90 forward's do (the same heuristic on its own
+    tile_m)."""
+    shapes = _shapes(sq, h, hk)
     args = _plan_args(shapes, (8, 0))
     _, config = planning.fwd_plan(*args)
-    assert ops._packed(args, config, shapes, 1) == (args, config)
+    packed_args, packed = ops._packed(args, config, shapes, pack)
+    assert packed.arch == 80 and packed.pack_gqa == want
+    if not want:
+        assert packed_args is args and packed is config
 
 
 def test_split_heuristic_counts_packed_tiles(monkeypatch) -> None:

@@ -18,6 +18,7 @@ import pytest
 import torch
 from gpu_support import (  # noqa: F401
     cu_seqlens,
+    paged_cache,
     randn_cuda,
     run_planned,
     seed,
@@ -33,32 +34,6 @@ pytestmark = [
 ]
 
 LSE_ATOL = 1e-4  # as tests/test_fwd_gpu.py
-
-
-def _paged_cache(lens_k, page_size, h_kv, d, dv, spare=3):
-    """(k_pages, v_pages, page_table, ks, vs): the pool in shuffled order with ``spare`` unused
-    pages, and each sequence's keys and values (for the reference)."""
-    counts = [-(-n // page_size) for n in lens_k]
-    max_pages = max(max(counts), 1)
-    total = sum(counts) + spare
-    k_pages = torch.full((total, page_size, h_kv, d), float("nan"), device="cuda")
-    v_pages = torch.full((total, page_size, h_kv, dv), float("nan"), device="cuda")
-    k_pages, v_pages = k_pages.bfloat16(), v_pages.bfloat16()
-    order = torch.randperm(total, device="cuda")
-    table = torch.full((len(lens_k), max_pages), -1, dtype=torch.int32, device="cuda")
-    ks, vs, slot = [], [], 0
-    for b, n in enumerate(lens_k):
-        kb, vb = randn_cuda(n, h_kv, d), randn_cuda(n, h_kv, dv)
-        ks.append(kb)
-        vs.append(vb)
-        for j in range(counts[b]):
-            page = int(order[slot])
-            slot += 1
-            table[b, j] = page
-            rows = slice(j * page_size, min((j + 1) * page_size, n))
-            k_pages[page, : rows.stop - rows.start] = kb[rows]
-            v_pages[page, : rows.stop - rows.start] = vb[rows]
-    return k_pages, v_pages, table, ks, vs
 
 
 def _run(fn, *args, expect_splits: int = 1, **kwargs):
@@ -96,7 +71,7 @@ def test_paged_fwd(seqlen_q, causal, window, page_size):
     """Dense queries over a paged cache with seqused_k as the cache lengths."""
     h, h_kv, d = 8, 2, 128
     b = len(LENS_K)
-    k_pages, v_pages, table, ks, vs = _paged_cache(LENS_K, page_size, h_kv, d, d)
+    k_pages, v_pages, table, ks, vs = paged_cache(LENS_K, page_size, h_kv, d, d)
     q = randn_cuda(b, seqlen_q, h, d)
     used = torch.tensor(LENS_K, dtype=torch.int32, device="cuda")
     out, lse = _run(cute_fa.flash_attn_varlen_func, q, k_pages, v_pages, seqused_k=used,
@@ -113,7 +88,7 @@ def test_paged_fwd_varlen_q_softcap_split(page_size, pack_gqa, num_splits):
     """Packed queries (decode rows and a prefill) with softcap, GQA packed or not, split."""
     lens_q, lens_k = [1, 8, 0, 130, 4, 1], [2000, 33, 100, 500, 0, 4096]
     h, h_kv, d = 16, 4, 128
-    k_pages, v_pages, table, ks, vs = _paged_cache(lens_k, page_size, h_kv, d, d)
+    k_pages, v_pages, table, ks, vs = paged_cache(lens_k, page_size, h_kv, d, d)
     cu_q = cu_seqlens(lens_q)
     q = randn_cuda(sum(lens_q), h, d)
     used = torch.tensor(lens_k, dtype=torch.int32, device="cuda")
@@ -138,7 +113,7 @@ def test_paged_fwd_head_dims(d, dv):
     (128, 64): the sm80 forward)."""
     lens_k = [700, 65, 1]
     for page_size in (8, 16, 64):
-        k_pages, v_pages, table, ks, vs = _paged_cache(lens_k, page_size, 2, d, dv)
+        k_pages, v_pages, table, ks, vs = paged_cache(lens_k, page_size, 2, d, dv)
         q = randn_cuda(3, 5, 4, d)
         used = torch.tensor(lens_k, dtype=torch.int32, device="cuda")
         out, lse = _run(cute_fa.flash_attn_varlen_func, q, k_pages, v_pages, seqused_k=used,
@@ -151,7 +126,7 @@ def test_paged_fwd_without_seqused_k():
     """No seqused_k: every page listed in a row holds keys (all rows full)."""
     page_size, pages, h_kv, d = 64, 5, 2, 128
     lens_k = [page_size * pages] * 2
-    k_pages, v_pages, table, ks, vs = _paged_cache(lens_k, page_size, h_kv, d, d)
+    k_pages, v_pages, table, ks, vs = paged_cache(lens_k, page_size, h_kv, d, d)
     q = randn_cuda(2, 3, 8, d)
     out, lse = _run(cute_fa.flash_attn_varlen_func, q, k_pages, v_pages, page_table=table,
                     return_lse=True)  # fmt: skip
@@ -182,7 +157,7 @@ def test_paged_matches_the_contiguous_cache():
 
 
 def test_pages_out_of_range_are_an_error():
-    k_pages, v_pages, table, _, _ = _paged_cache([40, 90], 16, 2, 128, 128)
+    k_pages, v_pages, table, _, _ = paged_cache([40, 90], 16, 2, 128, 128)
     q = randn_cuda(2, 1, 8, 128)
     used = torch.tensor([40, 90], dtype=torch.int32, device="cuda")
     bad = table.clone()
@@ -196,7 +171,7 @@ def test_pages_out_of_range_are_an_error():
 
 
 def test_paged_kv_has_no_backward():
-    k_pages, v_pages, table, _, _ = _paged_cache([40, 9], 16, 2, 128, 128)
+    k_pages, v_pages, table, _, _ = paged_cache([40, 9], 16, 2, 128, 128)
     q = randn_cuda(2, 1, 8, 128).requires_grad_()
     with pytest.raises(NotImplementedError, match="forward-only"):
         cute_fa.flash_attn_varlen_func(q, k_pages, v_pages, page_table=table)

@@ -310,6 +310,22 @@ def first_key_block(
 # instructions 87 -> 93 (inside its budget).
 
 
+# Note [packed mask rows]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# With packed GQA rows a score row's query position is ``row // G``. Computed per row, each
+# position is a register the compiler hoists out of the key loop and keeps live: in the sm80
+# forward (d64, 4 warps, at the 255-register cap; sm_80, G 4, local + softcap + paged) that
+# took 69 spill instructions. With ``positions_from_first`` the position of row row0 + off
+# (row0 the thread's first row, off a constant of the layout) is (row_base + row0) // G +
+# off // G: one position register and constants (the difference of two coordinates of the
+# thread folds to a constant, as in Note [mask columns as immediates]); the same call spills
+# nothing. The caller vouches that this is exact. The sm80 forward's m16n8 C layout (rows
+# lane / 4 + 8 i + 16 w + 16 num_warps j; powers of two of warps and of tile_m) writes row0
+# and off in disjoint bits below tile_m, and row_base is a multiple of tile_m: with G a power
+# of two dividing tile_m the shift by log2 G distributes over that carry-free sum; with G a
+# multiple of tile_m every row of a tile has one position (off // G = 0).
+
+
 @cute.jit
 def apply_mask(
     S: cute.Tensor,
@@ -323,13 +339,16 @@ def apply_mask(
     causal: cutlass.Constexpr[bool],
     local: cutlass.Constexpr[bool],
     qhead_per_kvhead: cutlass.Constexpr[int] = 1,
+    positions_from_first: cutlass.Constexpr[bool] = False,
 ):
     """Set masked scores of ``S`` (an (rows, cols) view) to -inf.
 
     ``coords`` is the identity tensor of the tile partitioned and viewed like ``S``: its entries are
     (row, col) inside the tile; ``row_base`` / ``col_base`` place the tile in the sequence.
     ``qhead_per_kvhead`` > 1: rows are packed GQA rows, query position ``row //
-    qhead_per_kvhead`` (Note [packed GQA] in cute_fa/dsl/pack_gqa.py).
+    qhead_per_kvhead`` (Note [packed GQA] in cute_fa/dsl/pack_gqa.py). ``positions_from_first``:
+    the caller's layout guarantees that each row's position is the thread's first row's plus
+    that row's (constant) offset divided by ``qhead_per_kvhead`` (Note [packed mask rows]).
     """
     offset = seqlen_k - seqlen_q
     num_rows = cute.size(S.shape[0])
@@ -346,10 +365,15 @@ def apply_mask(
             for r in cutlass.range_constexpr(num_rows):
                 S[r, c] = S[r, c] if keep else neg_inf
     else:
+        g = qhead_per_kvhead
+        row0 = coords[0, 0][0]
+        pos0 = (row0 + row_base) // g  # Note [packed mask rows]
         for r in cutlass.range_constexpr(num_rows):
             row = coords[r, 0][0] + row_base
-            if cutlass.const_expr(qhead_per_kvhead > 1):
-                row = row // qhead_per_kvhead
+            if cutlass.const_expr(g > 1 and positions_from_first):
+                row = pos0 + (coords[r, 0][0] - row0) // g
+            elif cutlass.const_expr(g > 1):
+                row = row // g
             right = Int32(0) if cutlass.const_expr(causal) else window_right
             col_limit_right = cutlass.min(row + offset + right + 1, seqlen_k) - col_base - col0
             col_limit_left = row + offset - window_left - col_base - col0

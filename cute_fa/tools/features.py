@@ -54,7 +54,7 @@ def feature_rows() -> list[MatrixRow]:
         MatrixRow(
             "pack_gqa (4 query heads a K/V head)",
             _base(pack_gqa=4),
-            "elsewhere pack_gqa=True runs unpacked (same results)",
+            "sm90: G divides 64; sm80: G divides tile_m; elsewhere pack_gqa=True runs unpacked",
         ),
         MatrixRow(
             "paged K/V (page_table, pages of 16)",
