@@ -334,6 +334,8 @@ def test_main_kernel_compiles_for_sm90a(d: int, flags: str) -> None:
 # with a window 18-22; d 256 itself: 16).
 ROUNDED_DIMS = (8, 32, 40, 72, 80, 104, 112, 136, 160, 200, 224, 248)
 ROUNDED_SPILL_BUDGET: dict[int, int] = {64: 128, 96: 8, 128: 16, 192: 8, 256: 32}
+# CUDA 13's ptxas for sm_100a (test below), by head dim.
+OTHER_TARGET_SPILL_BUDGET: dict[int, int] = {112: 32}
 ROUNDED_MAIN_DEFAULT = {
     (40, "plain"), (80, "causal_softcap_varlen"), (160, "local_seqused"),
     (224, "causal_softcap_varlen"), (112, "deterministic_local_varlen"),
@@ -382,9 +384,14 @@ def test_main_kernel_of_head_dim_pairs_compiles(d: int, dv: int, flags: str) -> 
 @pytest.mark.exhaustive
 @pytest.mark.parametrize("target", ["sm_80", "sm_86", "sm_100a"])
 def test_main_kernel_of_rounded_head_dims_compiles_for_other_targets(target: str) -> None:
+    """d112 causal varlen for sm_100a: 24 LDL/STL (stack 32 B) by CUDA 13's ptxas, within the
+    budget by CUDA 12's; the other targets' cases within it by both."""
     for d in (40, 112):
         config = _main_config(d, target, causal=True, varlen_q=True, varlen_k=True)
-        _check_main(config, _rounded_budget(config))
+        budget = _rounded_budget(config)
+        if target == "sm_100a":
+            budget = max(budget, OTHER_TARGET_SPILL_BUDGET.get(d, 0))
+        _check_main(config, budget)
 
 
 @pytest.mark.compile

@@ -35,8 +35,25 @@ def test_sm80_backward_tile_of_an_unknown_head_dim_is_named():
 def test_tile_head_dim_rounds_up_to_the_next_tile():
     """Note [rounded head dims]: every multiple of 8 up to 256 takes the smallest tile head dim
     that holds it, and its tiles are that head dim's."""
-    expect = {8: 64, 32: 64, 40: 64, 64: 64, 72: 96, 80: 96, 96: 96, 104: 128, 112: 128,
-              128: 128, 136: 192, 160: 192, 192: 192, 200: 256, 224: 256, 248: 256, 256: 256}
+    expect = {
+        8: 64,
+        32: 64,
+        40: 64,
+        64: 64,
+        72: 96,
+        80: 96,
+        96: 96,
+        104: 128,
+        112: 128,
+        128: 128,
+        136: 192,
+        160: 192,
+        192: 192,
+        200: 256,
+        224: 256,
+        248: 256,
+        256: 256,
+    }
     for d in range(8, 257, 8):
         t = tile_head_dim(d)
         assert t in SM80_TILE_HEAD_DIMS and d <= t

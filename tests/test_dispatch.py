@@ -156,11 +156,13 @@ def test_unknown_capability_is_rejected():
 
 
 def test_unsupported_feature_names_feature_and_arch():
-    with pytest.raises(NotImplementedError,
-                       match=r"head_dim=64, head_dim_v=128.*on sm_90a \(compute capability"):
+    with pytest.raises(
+        NotImplementedError, match=r"head_dim=64, head_dim_v=128.*on sm_90a \(compute capability"
+    ):
         planning.fwd_plan((9, 0), req(head_dim=64, head_dim_v=128))
-    with pytest.raises(NotImplementedError,
-                       match=r"head_dim_v=96.*sm_80.*head_dim_v 96 with head_dim 128"):
+    with pytest.raises(
+        NotImplementedError, match=r"head_dim_v=96.*sm_80.*head_dim_v 96 with head_dim 128"
+    ):
         planning.fwd_plan((8, 0), req(head_dim=128, head_dim_v=96))
 
 

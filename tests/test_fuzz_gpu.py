@@ -50,8 +50,19 @@ LSE_ATOL = 1e-4
 DEVICE = "cuda"  # tests/test_fuzz_harness.py runs the harness on the CPU against the reference
 # (The rounded head dims 40, 80, 112, 160 and the pair (128, 64) run the sm80 kernels on every
 # GPU: Note [rounded head dims] in cute_fa/config.py.)
-DIMS = [(64, 64), (96, 96), (128, 128), (192, 192), (192, 128), (256, 256), (40, 40), (80, 80),
-        (112, 112), (160, 160), (128, 64)]
+DIMS = [
+    (64, 64),
+    (96, 96),
+    (128, 128),
+    (192, 192),
+    (192, 128),
+    (256, 256),
+    (40, 40),
+    (80, 80),
+    (112, 112),
+    (160, 160),
+    (128, 64),
+]
 PAGE_SIZES = [8, 16, 48, 64, 128, 256]
 
 

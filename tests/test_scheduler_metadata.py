@@ -162,14 +162,16 @@ def test_decisions(gpu, kwargs, splits, packs) -> None:
     assert (md.num_splits, md.pack_gqa) == (splits, packs)
 
 
-def test_decisions_on_a_gpu_without_packed_kernels(gpu) -> None:
-    """The sm80 forward splits but does not pack: the heuristic splits this decode step over
-    one query head a tile (its 64-key blocks: more of them than sm90's 128), pack_gqa=True
-    plans unpacked, and an explicit split count is kept."""
+def test_decisions_on_sm80(gpu) -> None:
+    """The sm80 forward packs and splits too (its 64-key blocks: more of them than sm90's
+    128, so more splits are possible); pack_gqa=False splits over one query head a tile, and
+    an explicit split count is kept."""
     gpu.capability = (8, 0)
     _, _, _, cu_q, used_k = decode()
     md = metadata(cu_q, used_k, pack_gqa=True)
-    assert md.num_splits > 1 and md.pack_gqa is False
+    assert md.num_splits > 1 and md.pack_gqa is True
+    unpacked = metadata(cu_q, used_k, pack_gqa=False)
+    assert unpacked.num_splits > 1 and unpacked.pack_gqa is False
     assert metadata(cu_q, used_k, num_splits=3).num_splits == 3
 
 
@@ -196,8 +198,9 @@ def test_dtype_and_paging_change_no_decision(capability, max_seqlen_q, h, hk) ->
                                                   num_splits, pack))  # fmt: skip
             assert len(seen) == 1, seen
         paged = FwdRequest("bf16", 128, 128, seqused_k=True, varlen_q=True, page_size=16)
-        if capability == (10, 0):  # the sm80 forward: no packing
-            assert not ops.scheduler_choice(cpu, paged, 4, h, hk, max_seqlen_q, SK, 0, 1)[1]
+        if capability == (10, 0):  # the sm80 forward, which packs groups dividing its tile
+            packs = ops.scheduler_choice(cpu, paged, 4, h, hk, max_seqlen_q, SK, 0, 1)[1]
+            assert packs == (h != hk)
 
 
 # --------------------------------------------------------------------------------------------
