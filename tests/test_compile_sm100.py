@@ -198,8 +198,8 @@ def test_sm100_tile_and_register_budget() -> None:
         # softmax warpgroup at the other warps' budget.
         q_tiles = fwd_q_tiles(fwd_config(d, dv))
         softmax, correction, other = regs
-        assert fwd_regs_total(regs, q_tiles) == 128 * (
-            q_tiles * softmax + (2 - q_tiles) * other + correction + other) <= 65536
+        total = 128 * (q_tiles * softmax + (2 - q_tiles) * other + correction + other)
+        assert fwd_regs_total(regs, q_tiles) == total <= 65536
 
 
 VARLEN = {"varlen_q": True, "varlen_k": True}
