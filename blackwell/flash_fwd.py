@@ -34,12 +34,12 @@ from cute_fa.dsl.softmax import (
 
 from .support import (
     SM100_FWD_EPI_ROWS,
-    SM100_FWD_Q_TILES,
     SM100_FWD_TILE_Q,
     TMEM_COLUMNS,
     fwd_can_implement,
     fwd_ctas,
     fwd_kv_stages,
+    fwd_q_tiles,
     fwd_regs,
     fwd_tmem_columns,
 )
@@ -87,10 +87,21 @@ class FlashAttentionForwardSm100(AttentionKernel):
     tests/test_compile_sm100.py checks its SASS (UTCHMMA, LDTM / STTM, TMEM alloc / dealloc,
     USETMAXREG, UTMALDG, no local memory); docs/blackwell.md has the counts beside FA4's.
 
-    Scope: bf16 / fp16; (d, dv) in (64, 64), (96, 96), (128, 128), (192, 128); dense or varlen
+    Scope: bf16 / fp16; (d, dv) in (64, 64), (96, 96), (128, 128), (192, 128), and with one
+    Q tile a CTA (192, 192), (256, 256); dense or varlen
     (cu_seqlens_q / cu_seqlens_k), seqused_q, seqused_k; no mask, causal or a sliding window;
     softcap; GQA/MQA (K/V head = head // (heads / kv heads)). ``blackwell/support.py`` rejects
-    the rest with its reason (d 256, (192, 192): more than 512 TMEM columns in this plan).
+    the rest with its reason.
+
+    One Q tile (``Sm100FwdTuning.tile_m`` 128; the default where two tiles' S and O exceed the
+    512 TMEM columns: d 256, (192, 192)): the same roles and protocol with q_tiles = 1, so
+    every "for each Q tile i" below runs once: the CTA's 128 rows are Q tile 0, warps 4-7
+    (softmax1) set their registers to the other warps' budget and leave, the TMEM plan is
+    S0 [0, 128) and O0 [128, 128 + dv) (384 columns at d 256), pipeline_q / _s / _o / _stats /
+    _epi have one stage, and the correction warpgroup takes 128 registers (80 spilled its
+    final pass over dv 256). Shared memory at d 256: Q 64 KiB + 2 K/V stages of 64 KiB (O over
+    Q); (192, 192): 48 KiB + 3 x 48 KiB. No ping-pong: while the softmax works on S the tensor
+    cores only have the previous block's O += P V.
 
     Grid and work split
       One CTA a tile of tile_m = 256 query rows of one (head, batch): two Q tiles of 128 rows
@@ -213,7 +224,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
       Declined (``support.fwd_pair_can_implement``): head dims other than (128, 128) and
       (192, 128); seqused_k (the V-tail zeroing waits on a barrier of the load warp's own CTA,
       and the pair's TMA completes on the even CTA's); softcap (the softmax warps spill).
-    Not yet: d 256 / (192, 192), a persistent scheduler, TMA store of O, the order tuning of
+    Not yet: a persistent scheduler, TMA store of O, the order tuning of
       FA4 (S load in chunks, the correction's rescale overlapping its epilogue).
     """
 
@@ -222,7 +233,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
     def __init__(self, config: FwdConfig):
         super().__init__(config)
         self.tile_q = SM100_FWD_TILE_Q  # rows of one Q tile (TMEM lanes)
-        self.q_tiles = SM100_FWD_Q_TILES
+        self.q_tiles = fwd_q_tiles(config)  # 2, or 1 (tile_m 128: d 256, (192, 192))
         # CTAs of one MMA (2: the CTA pair, cta_group::2), the MMA's M (both CTAs' Q tile i),
         # and the query rows of one grid step along x (a CTA, or a pair).
         self.ctas = fwd_ctas(config)
@@ -238,12 +249,12 @@ class FlashAttentionForwardSm100(AttentionKernel):
         # Packed GQA (Note [packed GQA] in cute_fa/dsl/pack_gqa.py): query heads whose rows
         # share a tile; 1: one head a tile.
         self.packed_heads = config.pack_gqa or 1
-        # TMEM plan (columns of 32 bits).
+        # TMEM plan (columns of 32 bits): S_i of every Q tile, then O_i.
         self.tmem_s = [i * self.tile_n for i in range(self.q_tiles)]
         self.tmem_o = [self.q_tiles * self.tile_n + i * self.tile_hdimv
                        for i in range(self.q_tiles)]  # fmt: skip
         self.tmem_p = list(self.tmem_s)  # P_i over the first tile_n / 2 columns of S_i
-        self.tmem_total = fwd_tmem_columns(self.tile_n, self.tile_hdimv)
+        self.tmem_total = fwd_tmem_columns(self.tile_n, self.tile_hdimv, self.q_tiles)
         assert self.tmem_total == self.tmem_o[-1] + self.tile_hdimv
         assert self.tmem_total <= TMEM_COLUMNS, f"TMEM plan of {self.tmem_total} columns"
 
@@ -460,7 +471,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
         tmem = TmemAllocator(
             storage.tmem_addr.ptr,
             barrier_for_retrieve=pipeline.NamedBarrier(
-                barrier_id=int(Barrier.TMEM_ALLOC), num_threads=WARP * 13
+                barrier_id=int(Barrier.TMEM_ALLOC), num_threads=WARP * (5 + 4 * self.q_tiles)
             ),
             allocator_warp_id=int(Role.CORRECTION),
             **pair,
@@ -508,7 +519,11 @@ class FlashAttentionForwardSm100(AttentionKernel):
             self.epilogue(self.tile_work(*gmem), sO, pipes)
         if warp_idx == Role.IDLE:
             cute.arch.setmaxregister_decrease(self.regs_other)
-        if warp_idx < Role.CORRECTION:
+        if cutlass.const_expr(self.q_tiles == 1):
+            # One Q tile: warps 4-7 (softmax1's) idle at the budget of the other warps.
+            if warp_idx >= Role.SOFTMAX1 and warp_idx < Role.CORRECTION:
+                cute.arch.setmaxregister_decrease(self.regs_other)
+        if warp_idx < Role.SOFTMAX0 + 4 * self.q_tiles:
             cute.arch.setmaxregister_increase(self.regs_softmax)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
@@ -536,7 +551,7 @@ class FlashAttentionForwardSm100(AttentionKernel):
         epilogue_threads = WARP * (Role.IDLE - Role.EPILOGUE)
         assert (Role.SOFTMAX1 - Role.SOFTMAX0) * WARP == softmax_threads
         assert (Role.MMA - Role.CORRECTION) * WARP == correction_threads
-        assert self.kv_stages >= 2 and self.q_tiles == 2
+        assert self.kv_stages >= 2 and self.q_tiles in (1, 2)
         assert epilogue_threads == WARP
         # The pair: the tcgen05 sides span both CTAs. A TMA -> MMA full barrier is the even
         # CTA's (one arrival + both CTAs' bytes); the MMA's commits arrive on both CTAs'
@@ -962,7 +977,8 @@ class FlashAttentionForwardSm100(AttentionKernel):
         s_layout = thr_qk.make_fragment_C(
             thr_qk.partition_shape_C((self.tile_q, self.tile_n))).layout  # fmt: skip
         # S_i and P_i: the plan's columns for tile i are the tile's index times tile_n.
-        assert self.tmem_s[1] - self.tmem_s[0] == self.tile_n and self.tmem_p == self.tmem_s
+        assert self.tmem_s == [i * self.tile_n for i in range(self.q_tiles)]
+        assert self.tmem_p == self.tmem_s
         tStS = cute.make_tensor(tmem_ptr + stage * self.tile_n, s_layout)
         tScS = thr_qk.partition_C(cute.make_identity_tensor((self.tile_q, self.tile_n)))
         # S: the whole row, tile_n fp32, by 32x32b loads (lane = row).

@@ -16,7 +16,8 @@ from cute_fa.config import SMEM_CAPACITY, BwdConfig, FwdConfig, Sm100BwdTuning, 
 SM100_FWD_TARGETS = ("sm_100a", "sm_103a")
 
 # One CTA runs two Q tiles of SM100_FWD_TILE_Q query rows (the M of one tcgen05 MMA and the 128
-# TMEM lanes); config.tile_m is the CTA's rows, 2 * SM100_FWD_TILE_Q. Key blocks of tile_n keys.
+# TMEM lanes), or one where two do not fit TMEM (d 256, (192, 192)); config.tile_m is the CTA's
+# rows, q_tiles * SM100_FWD_TILE_Q (``fwd_q_tiles``). Key blocks of tile_n keys.
 SM100_FWD_TILE_Q = 128
 # Rows of the O tile the epilogue warp stores per pass (16 registers a lane at dv 128).
 SM100_FWD_EPI_ROWS = 8
@@ -24,30 +25,45 @@ SM100_FWD_EPI_ROWS = 8
 # boxes of a Q tile and epilogue stores of SM100_FWD_EPI_ROWS rows, so the group size divides
 # both (or is a multiple of them).
 SM100_FWD_PACK_GQA_TILES = (SM100_FWD_TILE_Q, SM100_FWD_EPI_ROWS)
-SM100_FWD_Q_TILES = 2
+SM100_FWD_Q_TILES = 2  # the default: two Q tiles (ping-pong softmax warpgroups)
 SM100_FWD_TILE_M = SM100_FWD_Q_TILES * SM100_FWD_TILE_Q
+# The CTA's rows a tuning may ask for: one Q tile (128) or two (256).
+SM100_FWD_TILE_MS = (SM100_FWD_TILE_Q, SM100_FWD_TILE_M)
 SM100_FWD_TILE_N = 128
 SM100_FWD_WARPS = 16
 SM100_FWD_TILE = (SM100_FWD_TILE_M, SM100_FWD_TILE_N, SM100_FWD_WARPS)
 # (head_dim, head_dim_v): what fits the TMEM plan (below) and shared memory and compiles without
-# local memory (d 96: 2 x 128 + 2 x 96 = 448 columns). d 256 (and (192, 192)) need 2 * 128 + 2 * dv
-# > 512 columns: FA4 runs those with another kernel design (one Q tile, or 2-CTA); not here yet.
+# local memory (d 96: 2 x 128 + 2 x 96 = 448 columns). d 256 and (192, 192) need 2 * 128 + 2 * dv
+# > 512 columns with two Q tiles: they run one Q tile a CTA (tile_m 128: 128 + dv <= 384 columns,
+# one softmax warpgroup; FA4 runs d 256 with a dedicated 2-CTA kernel instead, docs/blackwell.md).
 # (192, 128) fits and compiles, but its MMA warp goes to local memory (43 LDL / 23 STL at 80
 # registers, 58 / 31 at 64): ptxas hoists the 2 x 12 loop-invariant smem descriptors of the two Q
 # tiles (K phases of 16) out of the key loop, more than the uniform registers hold. Needs
 # descriptors built per K phase from one base (FA4 does this in its own gemm helper); rejected until
 # then.
-SM100_FWD_HEAD_DIM_PAIRS = ((64, 64), (96, 96), (128, 128), (192, 128))
+SM100_FWD_HEAD_DIM_PAIRS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256))
 
-# Tensor memory: 512 columns of 32 bits x 128 lanes an SM. Plan (columns):
+# Tensor memory: 512 columns of 32 bits x 128 lanes an SM. Plan (columns), two Q tiles:
 #   S0 [0, tile_n)  S1 [tile_n, 2 tile_n)  O0 [2 tile_n, 2 tile_n + dv)  O1 [.., + dv)
+# one Q tile: S0 [0, tile_n)  O0 [tile_n, tile_n + dv) (d 256: 128 + 256 = 384).
 # P_i (16-bit, tile_n / 2 columns) overwrites the first half of S_i.
 TMEM_COLUMNS = 512
 
 
-def fwd_tmem_columns(tile_n: int, head_dim_v: int) -> int:
-    """Columns of the forward's TMEM plan: two S/P tiles and two O tiles."""
-    return SM100_FWD_Q_TILES * (tile_n + head_dim_v)
+def fwd_tmem_columns(tile_n: int, head_dim_v: int, q_tiles: int = SM100_FWD_Q_TILES) -> int:
+    """Columns of the forward's TMEM plan: an S/P tile and an O tile per Q tile."""
+    return q_tiles * (tile_n + head_dim_v)
+
+
+def fwd_q_tiles(config: FwdConfig) -> int:
+    """Q tiles of 128 rows a CTA runs: tile_m / 128 (1 or 2)."""
+    return config.tile_m // SM100_FWD_TILE_Q
+
+
+def fwd_default_tile_m(head_dim_v: int, tile_n: int = SM100_FWD_TILE_N) -> int:
+    """The CTA's rows by default: two Q tiles where their TMEM plan fits, else one."""
+    fits = fwd_tmem_columns(tile_n, head_dim_v) <= TMEM_COLUMNS
+    return SM100_FWD_TILE_M if fits else SM100_FWD_TILE_Q
 
 
 # Registers a thread after setmaxnreg, by role: (softmax, correction, other) by (d, dv). The
@@ -60,9 +76,25 @@ SM100_FWD_REGS = {
     (96, 96): (192, 80, 48),
     (128, 128): (192, 80, 48),
     (192, 128): (192, 80, 48),
+    # One Q tile: the second softmax warpgroup (warps 4-7) idles at the "other" budget, the
+    # correction warpgroup takes 128 (at 80 its final O -> smem pass over dv 256 held the
+    # swizzled smem addresses of its chunks in local memory: 16 bytes, 6 LDL / 6 STL) and the
+    # one softmax warpgroup 256 (at 192 the sliding window's step spilled 16 bytes on sm_100a).
+    (192, 192): (256, 128, 48),
+    (256, 256): (256, 128, 48),
 }
-for _regs in SM100_FWD_REGS.values():
-    assert 128 * (2 * _regs[0] + _regs[1] + _regs[2]) <= 65536
+
+
+def fwd_regs_total(regs: tuple[int, int, int], q_tiles: int) -> int:
+    """Registers of the CTA after setmaxnreg: a softmax warpgroup per Q tile, the unused
+    softmax warpgroup (one Q tile) at the "other" budget, correction, the last warpgroup."""
+    softmax, correction, other = regs
+    return 128 * (q_tiles * softmax + (2 - q_tiles) * other + correction + other)
+
+
+for (_d, _dv), _regs in SM100_FWD_REGS.items():
+    assert fwd_regs_total(_regs, fwd_default_tile_m(_dv) // SM100_FWD_TILE_Q) <= 65536
+    assert fwd_regs_total(_regs, 1) <= 65536
     assert all(r % 8 == 0 for r in _regs)
 # softcap with dv 128: the correction warpgroup takes 88 and the rest 40 (at 80 / 48 CUDA 12.9's
 # ptxas spilled the correction warps, 3 LDL / STL; CUDA 13's did not; both are clean at 88 / 40).
@@ -85,7 +117,9 @@ def fwd_regs(config: FwdConfig) -> tuple[int, int, int]:
 # Stages of the K/V ring (K[n] and V[n] take one stage each) by (head_dim, head_dim_v), where
 # the tuning's ``kv_stages`` is 0: what fits 227 KiB with two Q tiles (O is staged in the Q
 # tiles' smem; (192, 128) would take 2).
-SM100_FWD_KV_STAGES = {(64, 64): 4, (96, 96): 4, (128, 128): 4, (192, 128): 2}
+# One Q tile: (192, 192) takes 3 (48 KiB of Q + 3 x 48 KiB), d 256 2 (64 KiB + 2 x 64 KiB).
+SM100_FWD_KV_STAGES = {(64, 64): 4, (96, 96): 4, (128, 128): 4, (192, 128): 2, (192, 192): 3,
+                       (256, 256): 2}  # fmt: skip
 # mbarriers, the LSE/scale exchange (2 x 2 x 128 fp32) and 1024-byte alignment of the tiles.
 SM100_FWD_SMEM_SLACK = 4096
 
@@ -113,7 +147,7 @@ def fwd_kv_stages(config: FwdConfig) -> int:
 
 
 def fwd_smem_bytes(config: FwdConfig) -> int:
-    """Shared memory of the forward (a CTA): two Q tiles and the K/V ring (stages of the larger
+    """Shared memory of the forward (a CTA): its Q tiles and the K/V ring (stages of the larger
     of a K and a V tile; with the CTA pair, half of one), 16-bit elements, plus slack."""
     stages = fwd_kv_stages(config)
     q = config.tile_m * config.head_dim * 2
@@ -124,6 +158,8 @@ def fwd_smem_bytes(config: FwdConfig) -> int:
 def fwd_pair_can_implement(config: FwdConfig) -> tuple[bool, str]:
     """Whether the CTA pair takes ``config`` (the rest of ``fwd_can_implement`` aside)."""
     pair = (config.head_dim, config.head_dim_v)
+    if fwd_q_tiles(config) != SM100_FWD_Q_TILES:
+        return False, "cta_pair with one Q tile (tile_m 128): the CTA pair runs two Q tiles a CTA"
     if pair not in SM100_FWD_PAIR_HEAD_DIM_PAIRS:
         return False, (
             f"cta_pair at head_dim {config.head_dim} / head_dim_v {config.head_dim_v}: the CTA "
@@ -173,11 +209,21 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
         )
     if not isinstance(config.tuning, Sm100FwdTuning):
         return False, f"tuning {type(config.tuning).__name__} is not an Sm100FwdTuning"
-    if (config.tile_m, config.tile_n, config.num_warps) != SM100_FWD_TILE:
+    if (
+        config.tile_m not in SM100_FWD_TILE_MS
+        or (config.tile_n, config.num_warps) != SM100_FWD_TILE[1:]
+    ):
         tile = f"{config.tile_m}x{config.tile_n}w{config.num_warps}"
-        return False, f"tile {tile}: the sm100 forward needs {SM100_FWD_TILE}"
-    if fwd_tmem_columns(config.tile_n, config.head_dim_v) > TMEM_COLUMNS:
-        return False, "the TMEM plan needs more than 512 columns"
+        return False, (
+            f"tile {tile}: the sm100 forward needs tile_m in {SM100_FWD_TILE_MS}, tile_n "
+            f"{SM100_FWD_TILE_N}, {SM100_FWD_WARPS} warps"
+        )
+    columns = fwd_tmem_columns(config.tile_n, config.head_dim_v, fwd_q_tiles(config))
+    if columns > TMEM_COLUMNS:
+        return False, (
+            f"the TMEM plan needs {columns} columns (more than 512) with "
+            f"{fwd_q_tiles(config)} Q tiles: head_dim_v {config.head_dim_v} takes tile_m 128"
+        )
     if fwd_ctas(config) == 2:
         ok, reason = fwd_pair_can_implement(config)
         if not ok:
@@ -195,8 +241,9 @@ def fwd_can_implement(config: FwdConfig) -> tuple[bool, str]:
 
 
 def fwd_config(d: int, dv: int, target: str = "sm_100a", dtype: str = "bf16", **flags) -> FwdConfig:
-    """The compile key of the sm100 forward for (d, dv) and the feature flags."""
-    tuning = Sm100FwdTuning(tile_m=SM100_FWD_TILE_M, tile_n=SM100_FWD_TILE_N)
+    """The compile key of the sm100 forward for (d, dv) and the feature flags (one Q tile a CTA
+    where two do not fit TMEM: ``fwd_default_tile_m``)."""
+    tuning = Sm100FwdTuning(tile_m=fwd_default_tile_m(dv), tile_n=SM100_FWD_TILE_N)
     return FwdConfig(arch=100, target=target, dtype=dtype, head_dim=d, head_dim_v=dv,
                      tuning=tuning, **flags)  # fmt: skip
 

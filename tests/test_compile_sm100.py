@@ -31,7 +31,9 @@ from cute_fa.blackwell.support import (
     fwd_config,
     fwd_kv_stages,
     fwd_pair_wanted,
+    fwd_q_tiles,
     fwd_regs,
+    fwd_regs_total,
     fwd_smem_bytes,
     fwd_tmem_columns,
 )
@@ -62,7 +64,31 @@ def test_sm100_can_implement_accepts(d: int, dv: int, target: str) -> None:
     config = fwd_config(d, dv, target=target, causal=True, varlen_q=True, varlen_k=True)
     assert fwd_can_implement(config) == (True, "")
     assert fwd_smem_bytes(config) <= SMEM_CAPACITY[target]
-    assert fwd_tmem_columns(config.tile_n, dv) <= TMEM_COLUMNS
+    assert fwd_tmem_columns(config.tile_n, dv, fwd_q_tiles(config)) <= TMEM_COLUMNS
+    # Two Q tiles where their TMEM plan fits, else one (d 256, (192, 192)).
+    one_tile = (d, dv) in ((192, 192), (256, 256))
+    assert (config.tile_m, fwd_q_tiles(config)) == ((128, 1) if one_tile else (256, 2))
+    assert fwd_tmem_columns(config.tile_n, dv) > TMEM_COLUMNS if one_tile else True
+
+
+def test_sm100_one_q_tile_plan() -> None:
+    """d 256: S/P 128 + O 256 = 384 TMEM columns; Q 64 KiB + 2 K/V stages of 64 KiB (+ slack)
+    in 227 KiB; a third stage would not fit. Two Q tiles at d 256 need 768 columns: declined
+    with the reason. One Q tile is a tuning choice at the other head dims too."""
+    config = fwd_config(256, 256)
+    assert fwd_tmem_columns(128, 256, 1) == 384 and fwd_kv_stages(config) == 2
+    assert fwd_smem_bytes(config) == 3 * 64 * 1024 + 4096 <= SMEM_CAPACITY["sm_100a"]
+    three = config.replace(tuning=dataclasses.replace(config.tuning, kv_stages=3))
+    ok, reason = fwd_can_implement(three)
+    assert not ok and "shared memory" in reason
+    two = config.replace(tuning=dataclasses.replace(config.tuning, tile_m=256))
+    ok, reason = fwd_can_implement(two)
+    assert not ok and "768 columns" in reason, reason
+    assert fwd_kv_stages(fwd_config(192, 192)) == 3
+    one = fwd_config(128, 128)
+    one = one.replace(tuning=dataclasses.replace(one.tuning, tile_m=128))
+    assert fwd_can_implement(one) == (True, "") and fwd_q_tiles(one) == 1
+    assert one.name.endswith("_128x128w16"), one.name
 
 
 @pytest.mark.parametrize(
@@ -70,8 +96,8 @@ def test_sm100_can_implement_accepts(d: int, dv: int, target: str) -> None:
     [
         ({"arch": 90}, "sm90"),
         ({"target": "sm_90a"}, "sm_100a"),
-        ({"head_dim": 256, "head_dim_v": 256}, "head_dim 256"),
-        ({"head_dim": 192, "head_dim_v": 192}, "head_dim 192"),
+        ({"head_dim": 256, "head_dim_v": 128}, "head_dim 256"),
+        ({"head_dim": 160, "head_dim_v": 160}, "head_dim 160"),
         ({"tuning": Sm100FwdTuning(tile_n=64)}, "tile"),
         ({"tuning": Sm90FwdTuning()}, "Sm100FwdTuning"),
         ({"pack_gqa": 3}, "pack_gqa with 3"),
@@ -104,6 +130,8 @@ def test_sm100_pair_can_implement_accepts(d: int, dv: int, target: str) -> None:
     [
         (64, 64, {}, "cta_pair at head_dim 64"),
         (96, 96, {}, "cta_pair at head_dim 96"),
+        (256, 256, {}, "cta_pair with one Q tile"),
+        (192, 192, {}, "cta_pair with one Q tile"),
         (128, 128, {"seqused_k": True}, "cta_pair with seqused_k"),
         (128, 128, {"has_softcap": True}, "cta_pair with softcap"),
         (192, 128, {"has_softcap": True}, "cta_pair with softcap"),
@@ -131,6 +159,7 @@ def test_sm100_pair_declines_with_reason(d: int, dv: int, flags: dict, needle: s
         (192, 128, {"has_softcap": True}, 4096, False),
         (64, 64, {}, 4096, False),
         (96, 96, {}, 4096, False),
+        (256, 256, {}, 4096, False),  # one Q tile: no pair (FA4's d 256 kernel is 2-CTA)
     ],
 )
 def test_sm100_pair_dispatch_rule(d, dv, flags, seqlen_q, wanted) -> None:
@@ -152,6 +181,8 @@ def test_sm100_pair_through_planning() -> None:
     assert plan(4096).tuning.cta_pair and plan(4096).name.endswith("_256x128w16_pair")
     assert plan(4096, d=192).tuning.cta_pair
     assert not plan(256).tuning.cta_pair and not plan(4096, causal=True).tuning.cta_pair
+    # d 256: one Q tile a CTA, never the pair.
+    assert plan(4096, d=256, dv=256).name.endswith("_128x128w16"), plan(4096, d=256, dv=256)
     with cute_fa.tuning(sm100_fwd={"cta_pair": False}):
         assert not plan(4096).tuning.cta_pair
     with cute_fa.tuning(sm100_fwd={"cta_pair": True}):
@@ -162,9 +193,13 @@ def test_sm100_tile_and_register_budget() -> None:
     tile_m, tile_n, num_warps = SM100_FWD_TILE
     assert (tile_m, tile_n, num_warps) == (256, 128, 16)
     assert set(SM100_FWD_REGS) == set(SM100_FWD_HEAD_DIM_PAIRS)
-    for softmax, correction, other in SM100_FWD_REGS.values():
-        # The registers of an SM; 512 threads launch at 128 each.
-        assert 128 * (2 * softmax + correction + other) <= 65536
+    for (d, dv), regs in SM100_FWD_REGS.items():
+        # The registers of an SM; 512 threads launch at 128 each. One Q tile: the unused
+        # softmax warpgroup at the other warps' budget.
+        q_tiles = fwd_q_tiles(fwd_config(d, dv))
+        softmax, correction, other = regs
+        total = 128 * (q_tiles * softmax + (2 - q_tiles) * other + correction + other)
+        assert fwd_regs_total(regs, q_tiles) == total <= 65536
 
 
 VARLEN = {"varlen_q": True, "varlen_k": True}
@@ -193,6 +228,8 @@ COMPILE_CASES = [
         id="d64-fp16-local-softcap-varlen",
     ),  # fmt: skip
     pytest.param(128, 128, "sm_100a", {"causal": True}, id="d128-causal"),
+    # One Q tile a CTA (d 256: 384 TMEM columns), once in the default run.
+    pytest.param(256, 256, "sm_100a", {"causal": True, **VARLEN}, id="d256-causal-varlen"),
     # The CTA pair (2-CTA MMAs): FA4's two head-dim pairs, each target once.
     pytest.param(128, 128, "sm_100a", {"cta_pair": True}, id="d128-pair"),
     pytest.param(192, 128, "sm_103a", {"cta_pair": True}, id="d192x128-pair-sm103a"),
@@ -232,23 +269,52 @@ PAIR_MATRIX = [
 ]  # fmt: skip
 
 
+# One Q tile's matrix (exhaustive): d 256 and (192, 192) x features x both targets, and d 128
+# with tile_m 128 (one Q tile asked for by the tuning).
+ONE_TILE_FEATURES = {
+    "plain": {},
+    "causal": {"causal": True},
+    "local": {"local": True},
+    "varlen": {**VARLEN, "seqused_q": True, "seqused_k": True},
+    "gqa-pack4-causal": {"pack_gqa": 4, "causal": True},
+    "softcap": {"has_softcap": True},
+    "fp16-local-softcap-varlen": {"dtype": "fp16", **LOCAL_SOFTCAP, **VARLEN},
+}
+ONE_TILE_MATRIX = [
+    pytest.param(d, dv, target, flags, id=f"d{d}x{dv}-{name}-{target}",
+                 marks=pytest.mark.exhaustive)
+    for d, dv in ((256, 256), (192, 192))
+    for name, flags in ONE_TILE_FEATURES.items()
+    for target in ("sm_100a", "sm_103a")
+] + [
+    pytest.param(128, 128, "sm_100a", {"tile_m": 128, **flags}, id=f"d128-one-tile-{name}",
+                 marks=pytest.mark.exhaustive)
+    for name, flags in (("plain", {}), ("causal-varlen", {"causal": True, **VARLEN}))
+]  # fmt: skip
+
+
 @pytest.mark.compile
-@pytest.mark.parametrize("d, dv, target, flags", COMPILE_CASES + PAIR_MATRIX)
+@pytest.mark.parametrize("d, dv, target, flags", COMPILE_CASES + PAIR_MATRIX + ONE_TILE_MATRIX)
 def test_sm100_fwd_compiles(d: int, dv: int, target: str, flags: dict) -> None:
     flags = dict(flags)
     pair = flags.pop("cta_pair", False)
+    tile_m = flags.pop("tile_m", None)
     config = fwd_config(d, dv, target=target, **flags)
     if pair:
         config = _pair(config)
+    if tile_m:
+        config = config.replace(tuning=dataclasses.replace(config.tuning, tile_m=tile_m))
+    q_tiles = fwd_q_tiles(config)
     assert fwd_can_implement(config) == (True, "")
     kernel, info = _compile(config)
     counts, sass = info["sass_counts"], info["sass_text"]
-    # tcgen05 MMAs only: S = Q K^T and O += P V, 2 Q tiles x (prologue + loop + last) sites.
+    # tcgen05 MMAs only: S = Q K^T (prologue + loop) and O += P V (loop + last) for each Q
+    # tile.
     assert counts["UTCHMMA"] > 0
     assert counts["HMMA"] == 0 and counts["HGMMA"] == 0
     # d > 128: S's K phases after the first are a runtime loop (one site in its body).
     k_phases_s, k_phases_pv = (d // 16 if d <= 128 else 2), config.tile_n // 16
-    assert counts["UTCHMMA"] == 4 * k_phases_s + 4 * k_phases_pv
+    assert counts["UTCHMMA"] == 2 * q_tiles * (k_phases_s + k_phases_pv)
     # The pair: every MMA, TMA load and commit in its 2-CTA form; a cluster barrier after
     # the barrier init. One CTA: none.
     pair_forms = ("UTCHMMA", "UTMALDG", "UTCBAR")
@@ -296,13 +362,14 @@ def test_sm100_fwd_compiles(d: int, dv: int, target: str, flags: dict) -> None:
     # arrivals).
     ctas = 2 if pair else 1  # the pair's S / O empty barriers count both CTAs' threads
     assert kernel.kv_stages == fwd_kv_stages(config)
+    assert kernel.q_tiles == q_tiles == config.tile_m // 128
     assert kernel.protocol == {
-        "q": (2, 1, 1),
+        "q": (q_tiles, 1, 1),
         "kv": (kernel.kv_stages, 1, 1),
-        "s": (2, 1, 128 * ctas),
-        "o": (2, 1, 128 * ctas),
-        "stats": (2, 128, 128),
-        "epi": (2, 128, 32),
+        "s": (q_tiles, 1, 128 * ctas),
+        "o": (q_tiles, 1, 128 * ctas),
+        "stats": (q_tiles, 128, 128),
+        "epi": (q_tiles, 128, 32),
     }
     doc = type(kernel).__doc__
     for name in ("pipeline_q", "pipeline_kv", "pipeline_s_i", "pipeline_o_i", "pipeline_stats_i",

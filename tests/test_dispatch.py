@@ -79,9 +79,16 @@ def test_sm100_takes_what_it_implements_and_sm80_the_rest(capability, monkeypatc
             cls, config = planning.fwd_plan(capability, req(head_dim=d, head_dim_v=d, **flags))
             assert cls is planning.SM100_FWD and config.arch == 100
             assert config.target == target and config.tile_m == 256 and config.num_warps == 16
-    for request in (req(head_dim=256, head_dim_v=256), req(head_dim=192, head_dim_v=192)):
-        cls, config = planning.fwd_plan(capability, request)
-        assert cls is planning.SM80_FWD and config.target == target
+    # d 256 and (192, 192): the sm100 forward with one Q tile a CTA (tile_m 128).
+    for d in (192, 256):
+        for flags in ({}, {"causal": True, "varlen_q": True, "varlen_k": True},
+                      {"local": True, "has_softcap": True}):  # fmt: skip
+            cls, config = planning.fwd_plan(capability, req(head_dim=d, head_dim_v=d, **flags))
+            assert cls is planning.SM100_FWD and config.arch == 100 and config.tile_m == 128
+            assert config.target == target and not config.tuning.cta_pair
+    # What the sm100 forward does not take goes to the sm80 kernel: (128, 64).
+    cls, config = planning.fwd_plan(capability, req(head_dim=128, head_dim_v=64))
+    assert cls is planning.SM80_FWD and config.target == target
     # exclude: the self-check's fallback for one request.
     cls, config = planning.fwd_plan(capability, req(), exclude=(100,))
     assert cls is planning.SM80_FWD and config.target == target
@@ -94,8 +101,9 @@ def test_sm100_takes_what_it_implements_and_sm80_the_rest(capability, monkeypatc
 def test_fwd_arch_env_100_forces_the_sm100_family(monkeypatch):
     monkeypatch.setenv(settings.FWD_ARCH, "100")
     assert planning.fwd_plan((10, 0), req())[0] is planning.SM100_FWD
+    assert planning.fwd_plan((10, 0), req(head_dim=256, head_dim_v=256))[1].tile_m == 128
     with pytest.raises(NotImplementedError, match="FlashAttentionForwardSm100"):
-        planning.fwd_plan((10, 0), req(head_dim=256, head_dim_v=256))
+        planning.fwd_plan((10, 0), req(head_dim=256, head_dim_v=128))
     with pytest.raises(NotImplementedError, match="CUTE_FA_FWD_ARCH=100 leaves no family"):
         planning.fwd_plan((9, 0), req())
     # the setting, not the excluded family, is what leaves none
@@ -252,9 +260,12 @@ def test_feature_matrix_is_generated_from_can_implement(monkeypatch):
     expect = [fwd_family.get(c, "sm80") for c in columns]
     assert rows["bf16, head_dim 128"] == expect
     assert rows["causal"] == expect
-    # What the sm100 forward declines goes to the sm80 kernel on the same GPU.
+    # d 256 and (192, 192): the sm100 forward with one Q tile a CTA; what it declines goes to
+    # the sm80 kernel on the same GPU ((128, 64), split-KV, paged K/V).
     for target in ("sm_100a", "sm_103a"):
-        assert rows["bf16, head_dim 256"][columns.index(target)] == "sm80"
+        assert rows["bf16, head_dim 256"][columns.index(target)] == "sm100"
+        assert rows["bf16, head_dim 192"][columns.index(target)] == "sm100"
+        assert rows["head_dim 128, head_dim_v 64"][columns.index(target)] == "sm80"
         assert rows["sliding window (local)"][columns.index(target)] == "sm100"
         assert rows["bf16, head_dim 64"][columns.index(target)] == "sm100"
     # Rounded head dims: the sm80 kernels everywhere (Note [rounded head dims]); the (128, 64)

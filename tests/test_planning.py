@@ -93,7 +93,7 @@ def test_sm100_forward_takes_the_tuned_entry_of_its_problem_class():
     # the sm100 forward declines any other tile, and its reason names the tile it was given
     assert plan(128, causal=True) == (
         None,
-        "tile 256x64w16: the sm100 forward needs (256, 128, 16)",
+        "tile 256x64w16: the sm100 forward needs tile_m in (128, 256), tile_n 128, 16 warps",
     )
     assert plan(64)[1].startswith("tile 256x32w16:")
 

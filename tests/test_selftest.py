@@ -118,9 +118,12 @@ def test_needs_check_by_family_and_target(monkeypatch):
     assert sm100.arch == 100 and sm90.arch == 90
     assert selftest.needs_check(sm100) and not selftest.needs_check(sm90)
     for capability, checked in [((8, 0), False), ((8, 6), True), ((8, 9), True),
-                                ((12, 0), True), ((10, 0), False)]:  # fmt: skip
+                                ((12, 0), True)]:  # fmt: skip
         config = planning.fwd_plan(capability, FwdRequest("bf16", 256, 256))[1]
         assert config.arch == 80 and selftest.needs_check(config) is checked, capability
+    # d 256 on sm100: the one-Q-tile sm100 forward, checked like every sm100 variant.
+    config = planning.fwd_plan((10, 0), FwdRequest("bf16", 256, 256))[1]
+    assert config.arch == 100 and config.tile_m == 128 and selftest.needs_check(config)
     with selftest.forced(90):
         assert selftest.needs_check(sm90)
     assert not selftest.needs_check(sm90)
@@ -332,10 +335,11 @@ def test_selftest_command_lists_what_precompile_builds(monkeypatch):
     variants, skipped = tool._variants(args, torch.device("cpu"))
     assert [(label, c.arch) for label, c in variants] == [
         ("bf16 d64 plain", 100), ("bf16 d128 plain", 100),
-        ("bf16 d128 plain (1024-row sequences)", 100), ("bf16 d256 plain", 80),
+        ("bf16 d128 plain (1024-row sequences)", 100), ("bf16 d256 plain", 100),
     ]  # fmt: skip
-    assert [c.tuning.cta_pair for _, c in variants[:3]] == [False, False, True]
-    assert not skipped and all(selftest.needs_check(c) for _, c in variants[:3])
+    assert [c.tuning.cta_pair for _, c in variants] == [False, False, True, False]
+    assert variants[3][1].tile_m == 128  # d 256: one Q tile a CTA
+    assert not skipped and all(selftest.needs_check(c) for _, c in variants)
 
 
 # --------------------------------------------------------------------------------------------

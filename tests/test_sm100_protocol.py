@@ -39,7 +39,7 @@ from cute_fa.blackwell.support import SM100_FWD_KV_STAGES
 
 Q_TILES = 2
 # (pipeline) -> stages of its ring; per-slot pipelines are keyed (name, slot).
-RING = {"q": 2, "epi": 2, "s": 1, "o": 1, "stats": 1}
+RING = {"s": 1, "o": 1, "stats": 1}  # q, epi: a stage per Q tile (``_stages``)
 
 
 def _kv_load(u: int) -> list[tuple]:
@@ -47,12 +47,13 @@ def _kv_load(u: int) -> list[tuple]:
     return [("acq", "kv", u), ("commit", "kv", u)]
 
 
-def _ops(n: int, kv: int, ctas: int = 1) -> dict[str, list[tuple]]:
+def _ops(n: int, kv: int, ctas: int = 1, q_tiles: int = Q_TILES) -> dict[str, list[tuple]]:
     """Each role's operations for ``n`` key blocks (n >= 1): ("acq" | "commit" | "wait" |
     "rel", pipeline key, use) or ("mma", name, tile, block) / ("check", name, tile, block).
     ``ctas`` 2: the CTA pair (the class docstring's "CTA pair"): every role but the MMA once per
     CTA (named ``role.c``), one MMA thread (the even CTA's) for both; the statistics and
-    epilogue pipelines are per CTA (keys with the CTA), the others the pair's."""
+    epilogue pipelines are per CTA (keys with the CTA), the others the pair's. ``q_tiles`` 1:
+    one Q tile a CTA (tile_m 128: d 256, (192, 192)), every "for each Q tile" once."""
     roles: dict[str, list[tuple]] = {}
     mma: list[tuple] = []
 
@@ -61,7 +62,7 @@ def _ops(n: int, kv: int, ctas: int = 1) -> dict[str, list[tuple]]:
 
     for c in range(ctas):  # load: Q0, K[0], Q1, V[0], K[1], V[1], ...
         load: list[tuple] = []
-        for i in range(Q_TILES):
+        for i in range(q_tiles):
             load.extend([("acq", "q", i), ("commit", "q", i)])
             if i == 0:
                 load.extend(_kv_load(0))
@@ -84,7 +85,7 @@ def _ops(n: int, kv: int, ctas: int = 1) -> dict[str, list[tuple]]:
         mma.append(("mma", "PV", i, j - 1))
         mma.append(("commit", ("o", i), j - 1))
 
-    for i in range(Q_TILES):  # mma
+    for i in range(q_tiles):  # mma
         mma.append(("wait", "q", i))
         if i == 0:
             mma.append(("wait", "kv", 0))
@@ -92,7 +93,7 @@ def _ops(n: int, kv: int, ctas: int = 1) -> dict[str, list[tuple]]:
     mma.append(("rel", "kv", 0))
     for j in range(1, n):
         mma.append(("wait", "kv", 2 * j - 1))
-        for i in range(Q_TILES):
+        for i in range(q_tiles):
             issue_pv(i, j)
             if i == 0:
                 mma.append(("wait", "kv", 2 * j))
@@ -100,13 +101,13 @@ def _ops(n: int, kv: int, ctas: int = 1) -> dict[str, list[tuple]]:
         mma.append(("rel", "kv", 2 * j - 1))
         mma.append(("rel", "kv", 2 * j))
     mma.append(("wait", "kv", 2 * n - 1))
-    for i in range(Q_TILES):
+    for i in range(q_tiles):
         issue_pv(i, n)
     mma.append(("rel", "kv", 2 * n - 1))
     roles["mma"] = mma
 
     for c in range(ctas):
-        for i in range(Q_TILES):  # softmax_i: softmax_step per block, then the final statistics
+        for i in range(q_tiles):  # softmax_i: softmax_step per block, then the final statistics
             soft: list[tuple] = []
             for j in range(n):
                 soft.append(("wait", ("s", i), j))
@@ -120,12 +121,12 @@ def _ops(n: int, kv: int, ctas: int = 1) -> dict[str, list[tuple]]:
 
         corr: list[tuple] = []
         for j in range(1, n):  # correction: rescales, then the final step
-            for i in range(Q_TILES):
+            for i in range(q_tiles):
                 corr.extend([("wait", ("stats", c, i), j - 1), ("rel", ("stats", c, i), j - 1)])
                 corr.append(("wait", ("o", i), j - 1))
                 corr.append(("check", "rescale O", i, j))
                 corr.append(("rel", ("o", i), j - 1))
-        for i in range(Q_TILES):
+        for i in range(q_tiles):
             corr.extend([("wait", ("stats", c, i), n - 1), ("rel", ("stats", c, i), n - 1)])
             corr.append(("wait", ("o", i), n - 1))
             corr.append(("acq", ("epi", c), i))
@@ -139,7 +140,7 @@ def _ops(n: int, kv: int, ctas: int = 1) -> dict[str, list[tuple]]:
 
         if ctas == 1:  # epilogue
             epi = ("epi", 0)
-            roles["epilogue"] = [op for i in range(Q_TILES)
+            roles["epilogue"] = [op for i in range(q_tiles)
                                  for op in (("wait", epi, i), ("rel", epi, i))]  # fmt: skip
         # (The pair's model leaves the epilogue warps out: the correction's two acquires of
         # the two-stage epilogue ring never wait, and a CTA without them leaves earlier, which
@@ -147,15 +148,17 @@ def _ops(n: int, kv: int, ctas: int = 1) -> dict[str, list[tuple]]:
     return roles
 
 
-def _stages(key, kv: int) -> int:
+def _stages(key, kv: int, q_tiles: int = Q_TILES) -> int:
     name = key[0] if isinstance(key, tuple) else key
+    if name in ("q", "epi"):  # a stage per Q tile
+        return q_tiles
     return kv if name == "kv" else RING[name]
 
 
 class Model:
-    def __init__(self, n: int, kv: int, ctas: int = 1):
-        self.n, self.kv, self.ctas = n, kv, ctas
-        self.roles = _ops(n, kv, ctas)
+    def __init__(self, n: int, kv: int, ctas: int = 1, q_tiles: int = Q_TILES):
+        self.n, self.kv, self.ctas, self.q_tiles = n, kv, ctas, q_tiles
+        self.roles = _ops(n, kv, ctas, q_tiles)
         self.names = list(self.roles)
         self.cta_roles = {c: [r for r, name in enumerate(self.names) if self.cta_of(name) == c]
                           for c in range(ctas)}  # fmt: skip
@@ -184,7 +187,7 @@ class Model:
         kind = op[0]
         if kind == "acq":
             key, use = op[1], op[2]
-            stages = _stages(key, self.kv)
+            stages = _stages(key, self.kv, self.q_tiles)
             return use < stages or self.signalled(pcs, "rel", key, use - stages)
         if kind == "wait":
             return self.signalled(pcs, "commit", op[1], op[2])
@@ -226,7 +229,7 @@ class Model:
             assert ("mma", "PV", i, j) not in issued, f"O_{i} rescaled under P V({j})"
         elif name == "O to smem":  # every S GEMM and the last P V complete
             complete = self.mma_before_commit(pcs, ("o", i), j - 1)
-            for t in range(Q_TILES):
+            for t in range(self.q_tiles):
                 for b in range(self.n):
                     assert ("mma", "S", t, b) in complete, f"sO_{i} over Q_{t} before S({b})"
             assert ("mma", "PV", i, j - 1) in complete
@@ -235,7 +238,7 @@ class Model:
         """Static orderings of the MMA thread's program (in-order issue): S_i(j) after
         O_i += P_i(j - 1) V, and a K/V stage released only after the GEMMs that read it."""
         ops = self.roles["mma"]
-        for i in range(Q_TILES):
+        for i in range(self.q_tiles):
             for j in range(1, self.n):
                 assert ops.index(("mma", "PV", i, j - 1)) < ops.index(("mma", "S", i, j))
                 # S_i(j) overwrites P_i(j - 1): its acquire waited for softmax_i's release.
@@ -284,6 +287,17 @@ def test_sm100_forward_protocol_has_no_deadlock_and_keeps_its_orderings(n: int, 
     model.check_order()
     states = model.explore()
     assert states > n  # the roles interleave
+
+
+@pytest.mark.parametrize("kv", [2, 3])
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_sm100_forward_one_q_tile_protocol(n: int, kv: int) -> None:
+    """One Q tile a CTA (d 256: 2 K/V stages, (192, 192): 3): the same roles with one slot of
+    every per-tile pipeline and one-stage Q and epilogue rings."""
+    model = Model(n, kv, q_tiles=1)
+    assert not any(op[2] == 1 for op in model.roles["epilogue"])  # tile 0 only
+    model.check_order()
+    assert model.explore() > n
 
 
 def test_the_model_finds_a_deadlock_and_a_race() -> None:
