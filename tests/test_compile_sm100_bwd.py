@@ -23,11 +23,13 @@ import pytest
 from cute_fa.blackwell.support import (
     SM100_BWD_DQ_CHUNK,
     SM100_BWD_HEAD_DIMS,
+    SM100_BWD_PAIR_HEAD_DIM_PAIRS,
     SM100_BWD_REGS,
     SM100_BWD_TILE,
     TMEM_COLUMNS,
     bwd_can_implement,
     bwd_config,
+    bwd_pair_wanted,
     bwd_smem_bytes,
     bwd_tmem_columns,
     bwd_tmem_plan,
@@ -83,7 +85,8 @@ def test_sm100_bwd_can_implement_accepts(d: int, target: str, dtype: str, flags:
     [
         ({"arch": 90}, "sm90"),
         ({"target": "sm_90a"}, "sm_100a"),
-        ({"head_dim": 192, "head_dim_v": 192}, "2-CTA"),
+        ({"head_dim": 192, "head_dim_v": 192}, "2-CTA MMA's: 576"),
+        ({"head_dim": 192, "head_dim_v": 128}, "one CTA's TMEM plan: 640 columns"),
         ({"head_dim": 256, "head_dim_v": 256}, "head_dim 256"),
         ({"head_dim_v": 64}, "head_dim_v 64"),
         ({"tuning": Sm100BwdTuning(tile_m=64)}, "tile"),
@@ -121,6 +124,65 @@ def test_sm100_bwd_tmem_plan_and_budget() -> None:
         bwd_tmem_plan(tile_m + 16, 128, 128)  # 544 columns
     compute, dq, other = SM100_BWD_REGS
     assert 128 * (2 * compute + dq + other) <= 65536
+
+
+def test_sm100_bwd_pair_tmem_plan() -> None:
+    """Note [backward TMEM plan]: the columns of every head-dim case, one CTA and the pair."""
+    tm = SM100_BWD_TILE[0]
+    one = {(64, 64): 384, (96, 96): 448, (128, 128): 512, (192, 128): 640, (192, 192): 704,
+           (256, 256): 896}  # fmt: skip
+    pair = {(64, 64): 384, (96, 96): 448, (128, 128): 512, (192, 128): 512, (192, 192): 576,
+            (256, 256): 704}  # fmt: skip
+    for (d, dv), cols in one.items():
+        assert bwd_tmem_columns(tm, d, dv) == cols, (d, dv)
+        assert bwd_tmem_columns(tm, d, dv, 2) == pair[(d, dv)], (d, dv)
+    fits = {k for k, cols in pair.items() if cols <= TMEM_COLUMNS and k[0] >= 128}
+    assert fits == set(SM100_BWD_PAIR_HEAD_DIM_PAIRS)
+    # d 128: the one-CTA layout, dQ (64 columns a CTA) over dP^T.
+    assert bwd_tmem_plan(tm, 128, 128, 2) == {**bwd_tmem_plan(tm, 128, 128), "dQ": tm}
+    # (192, 128): P^T [0, 64) under S^T [0, 128), dP^T [64, 192) over S^T's second half, dQ
+    # (96) over dP^T, dV [192, 320), dK [320, 512).
+    assert bwd_tmem_plan(tm, 192, 128, 2) == {
+        "S": 0, "P": 0, "shared": 64, "dP": 64, "dQ": 64, "dV": 192, "dK": 320, "total": 512,
+    }  # fmt: skip
+    for d, dv in ((192, 192), (256, 256)):
+        with pytest.raises(AssertionError):
+            bwd_tmem_plan(tm, d, dv, 2)
+
+
+def _pair(config):
+    return config.replace(tuning=Sm100BwdTuning(cta_pair=True))
+
+
+@pytest.mark.parametrize(
+    "d, dv, needle",
+    [
+        (128, 128, "planned"),  # TMEM and smem fit; not built
+        (192, 128, "shared memory 281600 bytes"),  # TMEM fits; Q, dO, K held twice do not
+        (192, 192, "576 columns"),
+        (256, 256, "704 columns"),
+        (64, 64, "cta_pair at head_dim 64"),
+    ],
+)
+def test_sm100_bwd_cta_pair_declined_with_reason(d: int, dv: int, needle: str) -> None:
+    config = _pair(bwd_config(d, dv))
+    assert config.tuning.label == "128x128w16_pair" and "pair" in config.name
+    ok, reason = bwd_can_implement(config)
+    assert not ok and needle in reason, reason
+    assert bwd_smem_bytes(_pair(bwd_config(128, 128))) == SMEM_CAPACITY["sm_100a"]
+
+
+def test_sm100_bwd_dispatch_keeps_one_cta_while_the_pair_is_declined() -> None:
+    """FA4's rule (d >= 128 takes its 2-CTA backward) only where the pair implements the call:
+    nowhere yet, so planning keeps d 128 on one CTA and declines 192 / 256 to the sm80 kernel."""
+    from cute_fa import planning
+
+    for flags in ({}, {"causal": True}, {"varlen_q": True, "varlen_k": True}):
+        assert not bwd_pair_wanted(bwd_config(128, 128, **flags))
+        config = planning.bwd_config("sm_100a", "bf16", 128, 128, **flags)
+        assert config.arch == 100 and not config.tuning.cta_pair
+    assert not bwd_pair_wanted(bwd_config(64, 64))
+    assert planning.bwd_config("sm_100a", "bf16", 192, 128).arch == 80
 
 
 @pytest.mark.parametrize("causal, local", [(True, False), (False, True), (False, False)])
