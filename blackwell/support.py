@@ -244,23 +244,32 @@ SM100_BWD_SMEM_SLACK = 2048
 # Columns (32 bits, 128 lanes; 512 an SM) a CTA needs, keys x queries computed transposed so
 # the CTA's 128 keys are the 128 lanes of S^T, dP^T, dV, dK; tile_m = 128 queries a step.
 #   S^T tile_m, dP^T tile_m, dV dv, dK d: fp32 accumulators, all live across a step (dV / dK
-#   across the whole CTA); P^T (16-bit) lives over S^T's columns, dS^T goes to smem.
+#   across the whole CTA); P^T (16-bit) lives over S^T's columns.
 #   dQ (queries x d, fp32): one CTA, M = tile_m queries in 128 lanes: d columns; the CTA pair
 #   (one cta_group::2 MMA of M = 128 queries, 64 a CTA, K = both CTAs' 256 keys): d / 2
 #   columns a CTA (FA4 allocates d / 2). It lives over dP^T (dead once loaded), so it needs
 #   d (or d / 2) <= tile_m.
+#   dS^T: one CTA, to smem (the A operand of dK, and transposed of dQ). The pair: a 2-CTA
+#   MMA's smem descriptors (issued by the even CTA) address the same offset in both CTAs, so
+#   dQ's A operand (each CTA: its 64 queries x the pair's 256 keys, in key order) is a tile of
+#   its own that each CTA's compute warps fill with their keys' dS, the partner's half across
+#   the cluster; a second smem copy of dS^T for dK does not fit (``bwd_smem_bytes``), so dK
+#   takes dS^T from TMEM (A from TMEM, as dV takes P^T; FA4 does so): 16-bit over dP^T's first
+#   tile_m / 2 columns, and dQ moves to dP^T's end (it may cover dS^T's last columns: dQ(i) is
+#   issued after dK(i), which reads them, by the same thread).
 # One CTA, 2 tile_m + d + dv (+ what dQ needs beyond dP^T's columns): d 64: 384, d 96: 448,
 #   d 128: 512; (192, 128): 576 + 64 = 640, (192, 192): 704, d 256: 896: no.
 # CTA pair (cta_group::2, M = 256 keys a pair, each CTA's 128 keys in its own 128 lanes: the
 #   pair halves no key-row accumulator, only dQ and the smem of the B operands):
-#   d 128: the same 512 as one CTA (dQ 64 over dP^T).
+#   d 128: 512: S^T [0, 128) (P^T over it), dP^T [128, 256) with dS^T [128, 192) and dQ (64)
+#   [192, 256) over it, dV [256, 384), dK [384, 512).
 #   (192, 128): 2 x 128 + 192 + 128 = 576 > 512, so S^T and dP^T share 64 columns: P^T (the
 #   128 queries, 16-bit: 64 columns) is stored contiguously over S^T's first half, dP^T
 #   starts at S^T's second half (the dP MMA is issued only after every P^T store, and the
-#   next S after dP^T is loaded and dQ drained), dQ (96) over dP^T:
-#   S^T [0, 128), P^T [0, 64), dP^T [64, 192), dQ [64, 160), dV [192, 320), dK [320, 512):
-#   1.5 x 128 + 192 + 128 = 512. (FA4, flash_bwd_sm100.py, the same sharing in another order:
-#   dV 0, dK 128, S 320, dP 384, dQ 416.)
+#   next S after dP^T is loaded and dQ drained):
+#   S^T [0, 128), P^T [0, 64), dP^T [64, 192), dS^T [64, 128), dQ (96) [96, 192), dV
+#   [192, 320), dK [320, 512): 1.5 x 128 + 192 + 128 = 512. (FA4, flash_bwd_sm100.py, the
+#   same sharing in another order: dV 0, dK 128, S 320, dP 384, dS 384, dQ 416.)
 #   One CTA could hold (192, 128) in 512 the same way only with dQ (192) over S^T and dP^T
 #   both (S(i + 1) behind the dQ drain too) and one Q stage (217088 bytes of smem; two:
 #   266240 > 227 KiB); not the plan: FA4 takes the pair there.
@@ -281,19 +290,21 @@ def bwd_tmem_columns(tile_m: int, head_dim: int, head_dim_v: int, ctas: int = 1)
 def bwd_tmem_plan(tile_m: int, head_dim: int, head_dim_v: int, ctas: int = 1) -> dict[str, int]:
     """First TMEM column of each accumulator of the backward (and "total" columns used; Note
     [backward TMEM plan]); ``ctas`` 2: the CTA pair's plan ("shared": the S^T columns dP^T
-    reuses, 0 where none).
+    reuses, 0 where none; "dS": dS^T, 16-bit, over dP^T's first columns).
 
     S^T [0, tile_m) (keys x queries, fp32); P^T (16-bit) over it: the half of the queries of
     compute warpgroup w at columns [w tile_m / 2, w tile_m / 2 + tile_m / 4), inside the S^T
     columns that warpgroup alone reads (shared plan: all of P^T at [0, tile_m / 2)). dP^T
     [tile_m, 2 tile_m) (shared: [tile_m / 2, 1.5 tile_m)); dQ (queries x d / ctas) over dP^T's
     columns (dP^T is dead once the compute warps loaded it; dQ is drained before the next
-    dP^T). dV after dP^T, dK after dV."""
+    dP^T; the pair: at dP^T's end, after dS^T). dV after dP^T, dK after dV."""
     assert ctas in (1, 2), ctas
     assert head_dim // ctas <= tile_m, "dQ must fit in dP^T's columns"
     shared = tile_m // 2 if ctas == 2 and 2 * tile_m + head_dim + head_dim_v > TMEM_COLUMNS else 0
-    plan = {"S": 0, "P": 0, "dP": tile_m - shared, "shared": shared}
+    plan = {"S": 0, "P": 0, "dP": tile_m - shared}
     plan["dQ"] = plan["dP"]
+    if ctas == 2:
+        plan.update(shared=shared, dS=plan["dP"], dQ=plan["dP"] + tile_m - head_dim // 2)
     plan["dV"] = plan["dP"] + tile_m
     plan["dK"] = plan["dV"] + head_dim_v
     plan["total"] = plan["dK"] + head_dim
@@ -320,14 +331,14 @@ def bwd_smem_bytes(config: BwdConfig) -> int:
     dK += dS^T Q and dV += P^T dO by head-dim columns; dQ = dS K by head-dim columns over
     both CTAs' keys), so each stage holds two halves: 64 x d of Q and d / 2 x 128 of Q^T (the
     bytes of one Q tile, likewise dO), and K^T's half (d / 2 x 256 keys: the bytes of K
-    again). dQ's A operand (64 queries x 256 keys) takes the partner CTA's dS of this CTA's
-    queries: a 64 x 128 exchange buffer (filled through distributed shared memory)."""
+    again). In place of the dS^T tile, dQ's A operand: 64 queries x 256 keys, the same
+    element count (dS^T for dK stays in TMEM, Note [backward TMEM plan])."""
     tm, tn, d, dv = config.tile_m, config.tile_n, config.head_dim, config.head_dim_v
     pair = bwd_ctas(config) == 2
     q_stages = SM100_BWD_PAIR_Q_STAGES if pair else SM100_BWD_Q_STAGES
     tiles = tn * (d + dv) + q_stages * tm * d + SM100_BWD_DO_STAGES * tm * dv + tm * tn
     if pair:
-        tiles += tn * d + tm * tn // 2  # K^T's half; the dS exchange
+        tiles += tn * d  # K^T's half
     dq = SM100_BWD_DQ_STAGES * tm * SM100_BWD_DQ_CHUNK * 4
     stats = 2 * q_stages * tm * 4
     return tiles * 2 + dq + stats + SM100_BWD_SMEM_SLACK
@@ -375,8 +386,9 @@ def bwd_can_implement(config: BwdConfig) -> tuple[bool, str]:
         return False, (
             "cta_pair: the 2-CTA backward is planned (TMEM and shared memory fit: Note "
             "[backward TMEM plan], bwd_smem_bytes), not built: its split B operands (Q^T, dO^T, "
-            "K^T loads), the dS exchange between the two CTAs for dQ, cluster pipelines and "
-            "the pair's TMEM allocation are missing (docs/blackwell.md); one CTA serves d 128"
+            "K^T loads), dK with dS^T from TMEM, dQ's dS operand filled across the pair, "
+            "cluster pipelines and the pair's TMEM allocation are missing (docs/blackwell.md); "
+            "one CTA serves d 128"
         )
     if config.det_coresident:
         return False, (
