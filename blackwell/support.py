@@ -254,22 +254,25 @@ SM100_BWD_SMEM_SLACK = 2048
 #   dQ's A operand (each CTA: its 64 queries x the pair's 256 keys, in key order) is a tile of
 #   its own that each CTA's compute warps fill with their keys' dS, the partner's half across
 #   the cluster; a second smem copy of dS^T for dK does not fit (``bwd_smem_bytes``), so dK
-#   takes dS^T from TMEM (A from TMEM, as dV takes P^T; FA4 does so): 16-bit over dP^T's first
-#   tile_m / 2 columns, and dQ moves to dP^T's end (it may cover dS^T's last columns: dQ(i) is
+#   takes dS^T from TMEM (A from TMEM, as dV takes P^T; FA4 does so): 16-bit, each compute
+#   warpgroup's half over the first half of its own dP^T columns (as P^T over S^T: no barrier
+#   between the warpgroups), and dQ moves to dP^T's end (it may cover dS^T columns: dQ(i) is
 #   issued after dK(i), which reads them, by the same thread).
 # One CTA, 2 tile_m + d + dv (+ what dQ needs beyond dP^T's columns): d 64: 384, d 96: 448,
 #   d 128: 512; (192, 128): 576 + 64 = 640, (192, 192): 704, d 256: 896: no.
 # CTA pair (cta_group::2, M = 256 keys a pair, each CTA's 128 keys in its own 128 lanes: the
 #   pair halves no key-row accumulator, only dQ and the smem of the B operands):
-#   d 128: 512: S^T [0, 128) (P^T over it), dP^T [128, 256) with dS^T [128, 192) and dQ (64)
-#   [192, 256) over it, dV [256, 384), dK [384, 512).
-#   (192, 128): 2 x 128 + 192 + 128 = 576 > 512, so S^T and dP^T share 64 columns: P^T (the
-#   128 queries, 16-bit: 64 columns) is stored contiguously over S^T's first half, dP^T
-#   starts at S^T's second half (the dP MMA is issued only after every P^T store, and the
-#   next S after dP^T is loaded and dQ drained):
-#   S^T [0, 128), P^T [0, 64), dP^T [64, 192), dS^T [64, 128), dQ (96) [96, 192), dV
-#   [192, 320), dK [320, 512): 1.5 x 128 + 192 + 128 = 512. (FA4, flash_bwd_sm100.py, the
-#   same sharing in another order: dV 0, dK 128, S 320, dP 384, dS 384, dQ 416.)
+#   d 128: 512: S^T [0, 128) (P^T [0, 32) and [64, 96)), dP^T [128, 256) with dS^T [128, 160)
+#   and [192, 224) and dQ (64) [192, 256) over it, dV [256, 384), dK [384, 512).
+#   (192, 128): 2 x 128 + 192 + 128 = 576 > 512, so S^T and dP^T share 64 columns: dP^T
+#   starts at S^T's second half, over the second warpgroup's P^T, so each block runs S(i),
+#   dV(i) (once both P^T halves are stored), dP(i) (issued after the dV that reads them),
+#   dK(i), dQ(i), and S(i + 1) only once dQ(i) is drained (and dP^T(i) loaded):
+#   S^T [0, 128), P^T [0, 32) and [64, 96), dP^T [64, 192), dS^T [64, 96) and [128, 160),
+#   dQ (96) [96, 192), dV [192, 320), dK [320, 512): 1.5 x 128 + 192 + 128 = 512. (FA4,
+#   flash_bwd_sm100.py, the same sharing in another order: dV 0, dK 128, S 320, dP 384, dS
+#   384, dQ 416.) tests/test_sm100_bwd_protocol.py checks both orders (and the single CTA's)
+#   over every interleaving of the roles.
 #   One CTA could hold (192, 128) in 512 the same way only with dQ (192) over S^T and dP^T
 #   both (S(i + 1) behind the dQ drain too) and one Q stage (217088 bytes of smem; two:
 #   266240 > 227 KiB); not the plan: FA4 takes the pair there.
@@ -294,10 +297,11 @@ def bwd_tmem_plan(tile_m: int, head_dim: int, head_dim_v: int, ctas: int = 1) ->
 
     S^T [0, tile_m) (keys x queries, fp32); P^T (16-bit) over it: the half of the queries of
     compute warpgroup w at columns [w tile_m / 2, w tile_m / 2 + tile_m / 4), inside the S^T
-    columns that warpgroup alone reads (shared plan: all of P^T at [0, tile_m / 2)). dP^T
-    [tile_m, 2 tile_m) (shared: [tile_m / 2, 1.5 tile_m)); dQ (queries x d / ctas) over dP^T's
-    columns (dP^T is dead once the compute warps loaded it; dQ is drained before the next
-    dP^T; the pair: at dP^T's end, after dS^T). dV after dP^T, dK after dV."""
+    columns that warpgroup alone reads. dP^T [tile_m, 2 tile_m) (shared: [tile_m / 2,
+    1.5 tile_m)); the pair's dS^T (16-bit) likewise over each warpgroup's own dP^T columns;
+    dQ (queries x d / ctas) over dP^T's columns (dP^T is dead once the compute warps loaded
+    it; dQ is drained before the next dP^T; the pair: at dP^T's end). dV after dP^T, dK
+    after dV."""
     assert ctas in (1, 2), ctas
     assert head_dim // ctas <= tile_m, "dQ must fit in dP^T's columns"
     shared = tile_m // 2 if ctas == 2 and 2 * tile_m + head_dim + head_dim_v > TMEM_COLUMNS else 0
