@@ -247,8 +247,9 @@ SM100_BWD_SMEM_SLACK = 2048
 #   across the whole CTA); P^T (16-bit) lives over S^T's columns.
 #   dQ (queries x d, fp32): one CTA, M = tile_m queries in 128 lanes: d columns; the CTA pair
 #   (one cta_group::2 MMA of M = 128 queries, 64 a CTA, K = both CTAs' 256 keys): d / 2
-#   columns a CTA (FA4 allocates d / 2). It lives over dP^T (dead once loaded), so it needs
-#   d (or d / 2) <= tile_m.
+#   columns a CTA, the 64 rows in lanes 0-63 for the first d / 2 columns and in lanes 64-127
+#   for the rest (the DSL's layout, checked in tests/test_compile_sm100_bwd.py; FA4 allocates
+#   d / 2). It lives over dP^T (dead once loaded), so it needs d (or d / 2) <= tile_m.
 #   dS^T: one CTA, to smem (the A operand of dK, and transposed of dQ). The pair: a 2-CTA
 #   MMA's smem descriptors (issued by the even CTA) address the same offset in both CTAs, so
 #   dQ's A operand (each CTA: its 64 queries x the pair's 256 keys, in key order) is a tile of

@@ -403,3 +403,45 @@ def test_cpu_demo_shows_the_sm100_backward(capsys) -> None:
         row = re.search(rf"sm_100a\s+bwd\s+sm100\s+64\s+{causal}\s+128x128w16\s+\d+\s+\d+K\s+"
                         rf"0\s+0\s+0\s+0\s+(\d+)", out)  # fmt: skip
         assert row and int(row.group(1)) > 0, out  # UTCHMMA
+
+
+@pytest.mark.compile
+def test_sm100_bwd_pair_tmem_footprints_from_the_dsl() -> None:
+    """The plan's assumptions about the 2-CTA accumulators, from the DSL's own layouts (traced on
+    the CPU, nothing compiled for the GPU): a cta_group::2 MMA of M = 128 (dQ) keeps its 64 rows
+    a CTA in 64 lanes for the first N / 2 columns and in lanes 64-127 for the rest, so it takes
+    N / 2 columns (d / 2); of M = 256 (S^T, dP^T, dV, dK) 128 lanes x N, as one CTA's M = 128;
+    and dK += dS^T Q may take A (dS^T) from TMEM as a 2-CTA MMA."""
+    import cutlass.cute as cute
+    import cutlass.utils.blackwell_helpers as sm100_utils
+    from cutlass import BFloat16, Float32
+    from cutlass.cute.nvgpu import tcgen05
+
+    mn, k = cute.nvgpu.OperandMajorMode.MN, cute.nvgpu.OperandMajorMode.K
+    found = {}
+
+    @cute.jit
+    def trace():
+        for group, shape in ((tcgen05.CtaGroup.ONE, (128, 128)), (tcgen05.CtaGroup.TWO, (128, 128)),
+                             (tcgen05.CtaGroup.TWO, (128, 192)), (tcgen05.CtaGroup.TWO, (256, 128)),
+                             (tcgen05.CtaGroup.TWO, (256, 192))):  # fmt: skip
+            mma = sm100_utils.make_trivial_tiled_mma(
+                BFloat16, BFloat16, mn, mn, Float32, group, shape, tcgen05.OperandSource.SMEM
+            )
+            thr = mma.get_slice(0)
+            acc = thr.make_fragment_C(thr.partition_shape_C(shape))
+            found[(group == tcgen05.CtaGroup.TWO, shape)] = (
+                tcgen05.find_tmem_tensor_col_offset(acc), cute.size(acc.layout, mode=[0, 0])
+            )
+        ts = sm100_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, k, mn, Float32, tcgen05.CtaGroup.TWO, (256, 192),
+            tcgen05.OperandSource.TMEM,
+        )  # fmt: skip
+        found["ts"] = cute.size(ts.thr_id)
+
+    trace()
+    assert found[(False, (128, 128))] == (128, 128)
+    assert found[(True, (128, 128))] == (64, 64)  # dQ at d128: 64 columns, 64 rows a lane half
+    assert found[(True, (128, 192))] == (96, 64)  # (192, 128): 96
+    assert found[(True, (256, 128))] == (128, 128) and found[(True, (256, 192))] == (192, 128)
+    assert found["ts"] == 2
