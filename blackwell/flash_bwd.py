@@ -97,8 +97,10 @@ class FlashAttentionBackwardSm100(AttentionKernel):
     seqused_q / seqused_k; no mask, causal or a sliding window (bottom-right aligned, Note
     [bottom-right aligned masks]); softcap; GQA / MQA (K/V head = head // (heads / kv heads);
     dK / dV written per query head); deterministic dQ (the chain order, below).
-    ``blackwell/support.py bwd_can_implement`` rejects the rest (d 192 / 256, the sm80
-    kernel's det_coresident order) with its reason.
+    ``blackwell/support.py bwd_can_implement`` rejects the rest (d 192 / 256: one CTA's TMEM
+    plan needs 640 columns or more, Note [backward TMEM plan]; the CTA pair,
+    ``Sm100BwdTuning.cta_pair``: planned there, not built; the sm80 kernel's det_coresident
+    order) with its reason.
 
     Grid and work split
       grid = (ceil(max_seqlen_k / tile_n), heads, batch) (``bwd_grid``; deterministic causal:
@@ -133,7 +135,9 @@ class FlashAttentionBackwardSm100(AttentionKernel):
       dP^T [128, 256)        keys x queries, fp32
       dQ   [128, 128 + d)    queries x d, fp32, over dP^T (dead once loaded; see the MMA order)
       dV   [256, 256 + dv)   dK [256 + dv, 256 + dv + d)     keys x d, fp32
-      = 2 * 128 + d + dv columns: 384 (d 64), 448 (d 96), 512 (d 128).
+      = 2 * 128 + d + dv columns: 384 (d 64), 448 (d 96), 512 (d 128). The CTA pair's plan
+      (the same but dQ d / 2 wide; (192, 128) with S^T and dP^T sharing 64 columns) is Note
+      [backward TMEM plan] in ``blackwell/support.py``.
     GEMMs of block i (all tcgen05, one CTA, M x N x K; SS: both operands in smem, TS: A in TMEM)
       S^T  = K Q^T     SS  128 x 128 x d    A sK (K-major), B sQ (K-major)
       dP^T = V dO^T    SS  128 x 128 x dv   A sV, B sdO
@@ -230,9 +234,11 @@ class FlashAttentionBackwardSm100(AttentionKernel):
       drain, so a CTA runs at most one block ahead of its turn. Walking downward, every key
       block starts at the same last query blocks: key block n waits for n - 1's reduce-adds
       (a wavefront).
-    Not yet: 2-CTA MMA (d 192 / 256), a persistent / LPT scheduler, TMA stores of dK / dV, a
-      dedicated dQ region at d 64 (TMEM has room; dP(i + 1) would not wait for the dQ drain,
-      and a deterministic CTA could run further ahead of its turn).
+    Not yet: the 2-CTA MMA (the CTA pair: d 128, (192, 128); planned in Note [backward TMEM
+      plan] and ``support.bwd_smem_bytes``, declined by ``bwd_can_implement``), a persistent
+      / LPT scheduler, TMA stores of dK / dV, a dedicated dQ region at d 64 (TMEM has room;
+      dP(i + 1) would not wait for the dQ drain, and a deterministic CTA could run further
+      ahead of its turn).
     """
 
     arch = 100

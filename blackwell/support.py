@@ -11,6 +11,8 @@ and checked by its SASS (tests/test_compile_sm100.py, docs/blackwell.md).
 
 from __future__ import annotations
 
+import dataclasses
+
 from cute_fa.config import SMEM_CAPACITY, BwdConfig, FwdConfig, Sm100BwdTuning, Sm100FwdTuning
 
 SM100_FWD_TARGETS = ("sm_100a", "sm_103a")
@@ -257,8 +259,11 @@ SM100_BWD_TILE_M = 128
 SM100_BWD_TILE_N = 128
 SM100_BWD_WARPS = 16
 SM100_BWD_TILE = (SM100_BWD_TILE_M, SM100_BWD_TILE_N, SM100_BWD_WARPS)
-# d = dv only; d 192 / 256 need the 2-CTA MMA (FA4's design), not here yet.
+# d = dv only: what the single-CTA TMEM plan (below) holds. (192, 128) fits 512 columns only
+# with the CTA pair's plan; (192, 192) and d 256 fit neither (``bwd_tmem_plan``).
 SM100_BWD_HEAD_DIMS = (64, 96, 128)
+# (d, dv) the CTA pair's TMEM plan holds (FA4's 2-CTA backward head dims).
+SM100_BWD_PAIR_HEAD_DIM_PAIRS = ((128, 128), (192, 128))
 # Registers a thread after setmaxnreg, per warpgroup (setmaxnreg is warpgroup-wide): (compute,
 # dq, other). 128 * (2 * compute + dq + other) <= 65536 (512 threads launch at 128 each). A
 # compute thread holds one key row of P^T (64 fp32 of its half) and a 32-column chunk of dP^T;
@@ -281,34 +286,113 @@ SM100_BWD_DQ_STAGES = 2
 SM100_BWD_SMEM_SLACK = 2048
 
 
-def bwd_tmem_plan(tile_m: int, head_dim: int, head_dim_v: int) -> dict[str, int]:
-    """First TMEM column of each accumulator of the backward (and "total" columns used).
+# Note [backward TMEM plan]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Columns (32 bits, 128 lanes; 512 an SM) a CTA needs, keys x queries computed transposed so
+# the CTA's 128 keys are the 128 lanes of S^T, dP^T, dV, dK; tile_m = 128 queries a step.
+#   S^T tile_m, dP^T tile_m, dV dv, dK d: fp32 accumulators, all live across a step (dV / dK
+#   across the whole CTA); P^T (16-bit) lives over S^T's columns.
+#   dQ (queries x d, fp32): one CTA, M = tile_m queries in 128 lanes: d columns; the CTA pair
+#   (one cta_group::2 MMA of M = 128 queries, 64 a CTA, K = both CTAs' 256 keys): d / 2
+#   columns a CTA, the 64 rows in lanes 0-63 for the first d / 2 columns and in lanes 64-127
+#   for the rest (the DSL's layout, checked in tests/test_compile_sm100_bwd.py; FA4 allocates
+#   d / 2). It lives over dP^T (dead once loaded), so it needs d (or d / 2) <= tile_m.
+#   dS^T: one CTA, to smem (the A operand of dK, and transposed of dQ). The pair: a 2-CTA
+#   MMA's smem descriptors (issued by the even CTA) address the same offset in both CTAs, so
+#   dQ's A operand (each CTA: its 64 queries x the pair's 256 keys, in key order) is a tile of
+#   its own that each CTA's compute warps fill with their keys' dS, the partner's half across
+#   the cluster; a second smem copy of dS^T for dK does not fit (``bwd_smem_bytes``), so dK
+#   takes dS^T from TMEM (A from TMEM, as dV takes P^T; FA4 does so): 16-bit, each compute
+#   warpgroup's half over the first half of its own dP^T columns (as P^T over S^T: no barrier
+#   between the warpgroups), and dQ moves to dP^T's end (it may cover dS^T columns: dQ(i) is
+#   issued after dK(i), which reads them, by the same thread).
+# One CTA, 2 tile_m + d + dv (+ what dQ needs beyond dP^T's columns): d 64: 384, d 96: 448,
+#   d 128: 512; (192, 128): 576 + 64 = 640, (192, 192): 704, d 256: 896: no.
+# CTA pair (cta_group::2, M = 256 keys a pair, each CTA's 128 keys in its own 128 lanes: the
+#   pair halves no key-row accumulator, only dQ and the smem of the B operands):
+#   d 128: 512: S^T [0, 128) (P^T [0, 32) and [64, 96)), dP^T [128, 256) with dS^T [128, 160)
+#   and [192, 224) and dQ (64) [192, 256) over it, dV [256, 384), dK [384, 512).
+#   (192, 128): 2 x 128 + 192 + 128 = 576 > 512, so S^T and dP^T share 64 columns: dP^T
+#   starts at S^T's second half, over the second warpgroup's P^T, so each block runs S(i),
+#   dV(i) (once both P^T halves are stored), dP(i) (issued after the dV that reads them),
+#   dK(i), dQ(i), and S(i + 1) only once dQ(i) is drained (and dP^T(i) loaded):
+#   S^T [0, 128), P^T [0, 32) and [64, 96), dP^T [64, 192), dS^T [64, 96) and [128, 160),
+#   dQ (96) [96, 192), dV [192, 320), dK [320, 512): 1.5 x 128 + 192 + 128 = 512. (FA4,
+#   flash_bwd_sm100.py, the same sharing in another order: dV 0, dK 128, S 320, dP 384, dS
+#   384, dQ 416.) tests/test_sm100_bwd_protocol.py checks both orders (and the single CTA's)
+#   over every interleaving of the roles.
+#   One CTA could hold (192, 128) in 512 the same way only with dQ (192) over S^T and dP^T
+#   both (S(i + 1) behind the dQ drain too) and one Q stage (217088 bytes of smem; two:
+#   266240 > 227 KiB); not the plan: FA4 takes the pair there.
+#   (192, 192): 1.5 x 128 + 384 = 576; d 256: 704: no (FA4's fused backward takes dv <= 128;
+#   it runs d 256 as two other kernels, dQ and dK / dV with 64-key tiles).
+
+
+def bwd_tmem_columns(tile_m: int, head_dim: int, head_dim_v: int, ctas: int = 1) -> int:
+    """Columns the backward's TMEM plan needs (Note [backward TMEM plan]); may exceed 512.
+    One CTA: S^T, dP^T (dQ over it), dV, dK; where that exceeds 512, the pair shares half of
+    S^T with dP^T; a dQ wider than dP^T adds its excess."""
+    cols = 2 * tile_m + head_dim + head_dim_v
+    if ctas == 2 and cols > TMEM_COLUMNS:
+        cols -= tile_m // 2
+    return cols + max(0, head_dim // ctas - tile_m)
+
+
+def bwd_tmem_plan(tile_m: int, head_dim: int, head_dim_v: int, ctas: int = 1) -> dict[str, int]:
+    """First TMEM column of each accumulator of the backward (and "total" columns used; Note
+    [backward TMEM plan]); ``ctas`` 2: the CTA pair's plan ("shared": the S^T columns dP^T
+    reuses, 0 where none; "dS": dS^T, 16-bit, over dP^T's first columns).
 
     S^T [0, tile_m) (keys x queries, fp32); P^T (16-bit) over it: the half of the queries of
     compute warpgroup w at columns [w tile_m / 2, w tile_m / 2 + tile_m / 4), inside the S^T
-    columns that warpgroup alone reads. dP^T [tile_m, 2 tile_m); dQ (queries x d) over dP^T's
-    columns (dP^T is dead once the compute warps loaded it; dQ is drained before the next
-    dP^T). dV [2 tile_m, 2 tile_m + dv), dK after it."""
-    assert head_dim <= tile_m, "dQ must fit in dP^T's columns"
-    plan = {"S": 0, "P": 0, "dP": tile_m, "dQ": tile_m, "dV": 2 * tile_m}
+    columns that warpgroup alone reads. dP^T [tile_m, 2 tile_m) (shared: [tile_m / 2,
+    1.5 tile_m)); the pair's dS^T (16-bit) likewise over each warpgroup's own dP^T columns;
+    dQ (queries x d / ctas) over dP^T's columns (dP^T is dead once the compute warps loaded
+    it; dQ is drained before the next dP^T; the pair: at dP^T's end). dV after dP^T, dK
+    after dV."""
+    assert ctas in (1, 2), ctas
+    assert head_dim // ctas <= tile_m, "dQ must fit in dP^T's columns"
+    shared = tile_m // 2 if ctas == 2 and 2 * tile_m + head_dim + head_dim_v > TMEM_COLUMNS else 0
+    plan = {"S": 0, "P": 0, "dP": tile_m - shared}
+    plan["dQ"] = plan["dP"]
+    if ctas == 2:
+        plan.update(shared=shared, dS=plan["dP"], dQ=plan["dP"] + tile_m - head_dim // 2)
+    plan["dV"] = plan["dP"] + tile_m
     plan["dK"] = plan["dV"] + head_dim_v
     plan["total"] = plan["dK"] + head_dim
+    assert plan["total"] == bwd_tmem_columns(tile_m, head_dim, head_dim_v, ctas)
     assert plan["total"] <= TMEM_COLUMNS, f"TMEM plan of {plan['total']} columns"
     return plan
 
 
-def bwd_tmem_columns(tile_m: int, head_dim: int, head_dim_v: int) -> int:
-    """Columns of the backward's TMEM plan: S^T, dP^T (dQ over it), dV, dK."""
-    return 2 * tile_m + head_dim + head_dim_v
+# The CTA pair's Q (and LSE / delta) stages: one, as FA4's 2-CTA backward (two fit no head dim).
+SM100_BWD_PAIR_Q_STAGES = 1
+
+
+def bwd_ctas(config: BwdConfig) -> int:
+    """CTAs of one MMA of the backward: 2 with the tuning's ``cta_pair``, else 1."""
+    return 2 if getattr(config.tuning, "cta_pair", False) else 1
 
 
 def bwd_smem_bytes(config: BwdConfig) -> int:
-    """Shared memory of the sm100 backward: K and V once, the Q and dO stages, one dS tile
-    (16-bit), the fp32 dQ staging buffers, LSE and delta stages (fp32), plus slack."""
+    """Shared memory of the sm100 backward (a CTA): K and V once, the Q and dO stages, one dS
+    tile (16-bit), the fp32 dQ staging buffers, LSE and delta stages (fp32), plus slack.
+
+    CTA pair: a B operand of a cta_group::2 MMA is split by its N between the two CTAs, and
+    Q, dO and K are B operands split two ways (S^T = K Q^T and dP^T = V dO^T by query rows;
+    dK += dS^T Q and dV += P^T dO by head-dim columns; dQ = dS K by head-dim columns over
+    both CTAs' keys), so each stage holds two halves: 64 x d of Q and d / 2 x 128 of Q^T (the
+    bytes of one Q tile, likewise dO), and K^T's half (d / 2 x 256 keys: the bytes of K
+    again). In place of the dS^T tile, dQ's A operand: 64 queries x 256 keys, the same
+    element count (dS^T for dK stays in TMEM, Note [backward TMEM plan])."""
     tm, tn, d, dv = config.tile_m, config.tile_n, config.head_dim, config.head_dim_v
-    tiles = tn * (d + dv) + SM100_BWD_Q_STAGES * tm * d + SM100_BWD_DO_STAGES * tm * dv + tm * tn
+    pair = bwd_ctas(config) == 2
+    q_stages = SM100_BWD_PAIR_Q_STAGES if pair else SM100_BWD_Q_STAGES
+    tiles = tn * (d + dv) + q_stages * tm * d + SM100_BWD_DO_STAGES * tm * dv + tm * tn
+    if pair:
+        tiles += tn * d  # K^T's half
     dq = SM100_BWD_DQ_STAGES * tm * SM100_BWD_DQ_CHUNK * 4
-    stats = 2 * SM100_BWD_Q_STAGES * tm * 4
+    stats = 2 * q_stages * tm * 4
     return tiles * 2 + dq + stats + SM100_BWD_SMEM_SLACK
 
 
@@ -320,26 +404,61 @@ def bwd_can_implement(config: BwdConfig) -> tuple[bool, str]:
         return False, (
             f"target {config.target}: the sm100 backward needs one of {SM100_FWD_TARGETS}"
         )
-    if config.head_dim != config.head_dim_v or config.head_dim not in SM100_BWD_HEAD_DIMS:
-        return False, (
-            f"head_dim {config.head_dim} / head_dim_v {config.head_dim_v}: the sm100 backward "
-            f"takes d = dv in {SM100_BWD_HEAD_DIMS} (d 192 / 256 need the 2-CTA MMA: not yet)"
-        )
     if not isinstance(config.tuning, Sm100BwdTuning):
         return False, f"tuning {type(config.tuning).__name__} is not an Sm100BwdTuning"
+    d, dv, ctas = config.head_dim, config.head_dim_v, bwd_ctas(config)
+    cols = bwd_tmem_columns(SM100_BWD_TILE_M, d, dv, ctas)
+    if ctas == 1 and (d != dv or d not in SM100_BWD_HEAD_DIMS):
+        pair_cols = bwd_tmem_columns(SM100_BWD_TILE_M, d, dv, 2)
+        return False, (
+            f"head_dim {d} / head_dim_v {dv}: the sm100 backward takes d = dv in "
+            f"{SM100_BWD_HEAD_DIMS} (one CTA's TMEM plan: {cols} columns; the 2-CTA MMA's: "
+            f"{pair_cols}, of 512; Note [backward TMEM plan])"
+        )
+    if ctas == 2 and (d, dv) not in SM100_BWD_PAIR_HEAD_DIM_PAIRS:
+        return False, (
+            f"cta_pair at head_dim {d} / head_dim_v {dv}: the 2-CTA MMA's TMEM plan holds "
+            f"{SM100_BWD_PAIR_HEAD_DIM_PAIRS} ({cols} columns here, of 512; Note [backward "
+            f"TMEM plan])"
+        )
     if (config.tile_m, config.tile_n, config.num_warps) != SM100_BWD_TILE:
         tile = f"{config.tile_m}x{config.tile_n}w{config.num_warps}"
         return False, f"tile {tile}: the sm100 backward needs {SM100_BWD_TILE}"
-    if bwd_tmem_columns(config.tile_m, config.head_dim, config.head_dim_v) > TMEM_COLUMNS:
+    if bwd_tmem_columns(config.tile_m, d, dv, ctas) > TMEM_COLUMNS:
         return False, "the TMEM plan needs more than 512 columns"
     if bwd_smem_bytes(config) > SMEM_CAPACITY[config.target]:
-        return False, f"shared memory {bwd_smem_bytes(config)} bytes exceeds the target's"
+        reason = f"shared memory {bwd_smem_bytes(config)} bytes exceeds the target's"
+        if ctas == 2:
+            reason += (
+                " (the pair's split B operands: Q, dO and K held twice, bwd_smem_bytes; FA4 "
+                "reuses Q's bytes for Q^T at d 192)"
+            )
+        return False, reason
+    if ctas == 2:
+        return False, (
+            "cta_pair: the 2-CTA backward is planned (TMEM and shared memory fit: Note "
+            "[backward TMEM plan], bwd_smem_bytes), not built: its split B operands (Q^T, dO^T, "
+            "K^T loads), dK with dS^T from TMEM, dQ's dS operand filled across the pair, "
+            "cluster pipelines and the pair's TMEM allocation are missing (docs/blackwell.md); "
+            "one CTA serves d 128"
+        )
     if config.det_coresident:
         return False, (
             "det_coresident (the sm80 kernel's coresident turn order) is not implemented in the "
             "sm100 backward: its deterministic mode takes the chain order"
         )
     return True, ""
+
+
+def bwd_pair_wanted(config: BwdConfig) -> bool:
+    """Whether dispatch takes the CTA pair for ``config``: FA4's rule for its 2-CTA backward
+    (flash_attn/cute/interface.py, ``use_2cta_instrs = head_dim >= 128`` on sm100, whatever the
+    mask or layout), unmeasured here; and only where the pair implements the call
+    (``bwd_can_implement`` of the pair's config): today nowhere, so d 128 stays on one CTA."""
+    if config.head_dim < 128 or not isinstance(config.tuning, Sm100BwdTuning):
+        return False
+    pair = config.replace(tuning=dataclasses.replace(config.tuning, cta_pair=True))
+    return bwd_can_implement(pair)[0]
 
 
 def bwd_config(d: int, dv: int, target: str = "sm_100a", dtype: str = "bf16", **flags) -> BwdConfig:

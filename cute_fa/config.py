@@ -248,10 +248,18 @@ class Sm100FwdTuning(_Sm100Tiles):
 @dataclass(frozen=True)
 class Sm100BwdTuning(_Sm100Tiles):
     """Tuning of FlashAttentionBackwardSm100 (blackwell/flash_bwd.py): tile_n keys a CTA (the M
-    of its tcgen05 MMAs) and tile_m query rows a step."""
+    of its tcgen05 MMAs) and tile_m query rows a step; the CTA pair."""
 
     tile_m: int = 128
     tile_n: int = 128
+    # A cluster of two CTAs (2 x tile_n keys) runs every GEMM as one cta_group::2 tcgen05 MMA
+    # (M = 256 keys; dQ M = 128 queries, 64 a CTA). Planned (Note [backward TMEM plan] in
+    # blackwell/support.py), not built: ``bwd_can_implement`` declines it, saying why.
+    cta_pair: bool = False
+
+    @property
+    def label(self) -> str:
+        return super().label + ("_pair" if self.cta_pair else "")
 
 
 def check_field_types(cls: type, values: dict) -> None:

@@ -453,6 +453,8 @@ def bwd_config(
         config = sm100_support.bwd_config(
             head_dim, head_dim_v, **{k: v for k, v in flags.items() if "head_dim" not in k}
         )
+        if sm100_support.bwd_pair_wanted(config):  # FA4's 2-CTA rule (support.py)
+            config = config.replace(tuning=dataclasses.replace(config.tuning, cta_pair=True))
         ok, reason = sm100_support.bwd_can_implement(config)
         if ok:
             return config

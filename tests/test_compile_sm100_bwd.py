@@ -23,11 +23,13 @@ import pytest
 from cute_fa.blackwell.support import (
     SM100_BWD_DQ_CHUNK,
     SM100_BWD_HEAD_DIMS,
+    SM100_BWD_PAIR_HEAD_DIM_PAIRS,
     SM100_BWD_REGS,
     SM100_BWD_TILE,
     TMEM_COLUMNS,
     bwd_can_implement,
     bwd_config,
+    bwd_pair_wanted,
     bwd_smem_bytes,
     bwd_tmem_columns,
     bwd_tmem_plan,
@@ -83,7 +85,8 @@ def test_sm100_bwd_can_implement_accepts(d: int, target: str, dtype: str, flags:
     [
         ({"arch": 90}, "sm90"),
         ({"target": "sm_90a"}, "sm_100a"),
-        ({"head_dim": 192, "head_dim_v": 192}, "2-CTA"),
+        ({"head_dim": 192, "head_dim_v": 192}, "2-CTA MMA's: 576"),
+        ({"head_dim": 192, "head_dim_v": 128}, "one CTA's TMEM plan: 640 columns"),
         ({"head_dim": 256, "head_dim_v": 256}, "head_dim 256"),
         ({"head_dim_v": 64}, "head_dim_v 64"),
         ({"tuning": Sm100BwdTuning(tile_m=64)}, "tile"),
@@ -121,6 +124,68 @@ def test_sm100_bwd_tmem_plan_and_budget() -> None:
         bwd_tmem_plan(tile_m + 16, 128, 128)  # 544 columns
     compute, dq, other = SM100_BWD_REGS
     assert 128 * (2 * compute + dq + other) <= 65536
+
+
+def test_sm100_bwd_pair_tmem_plan() -> None:
+    """Note [backward TMEM plan]: the columns of every head-dim case, one CTA and the pair."""
+    tm = SM100_BWD_TILE[0]
+    one = {(64, 64): 384, (96, 96): 448, (128, 128): 512, (192, 128): 640, (192, 192): 704,
+           (256, 256): 896}  # fmt: skip
+    pair = {(64, 64): 384, (96, 96): 448, (128, 128): 512, (192, 128): 512, (192, 192): 576,
+            (256, 256): 704}  # fmt: skip
+    for (d, dv), cols in one.items():
+        assert bwd_tmem_columns(tm, d, dv) == cols, (d, dv)
+        assert bwd_tmem_columns(tm, d, dv, 2) == pair[(d, dv)], (d, dv)
+    fits = {k for k, cols in pair.items() if cols <= TMEM_COLUMNS and k[0] >= 128}
+    assert fits == set(SM100_BWD_PAIR_HEAD_DIM_PAIRS)
+    # d 128: the one-CTA layout; dS^T (16-bit) over dP^T's first half, dQ (64 a CTA) after it.
+    assert bwd_tmem_plan(tm, 128, 128, 2) == {
+        **bwd_tmem_plan(tm, 128, 128), "shared": 0, "dS": tm, "dQ": tm + 64,
+    }  # fmt: skip
+    # (192, 128): P^T [0, 64) under S^T [0, 128), dP^T [64, 192) over S^T's second half, dS^T
+    # [64, 128) over dP^T, dQ (96) at dP^T's end [96, 192), dV [192, 320), dK [320, 512).
+    assert bwd_tmem_plan(tm, 192, 128, 2) == {
+        "S": 0, "P": 0, "shared": 64, "dP": 64, "dS": 64, "dQ": 96, "dV": 192, "dK": 320,
+        "total": 512,
+    }  # fmt: skip
+    for d, dv in ((192, 192), (256, 256)):
+        with pytest.raises(AssertionError):
+            bwd_tmem_plan(tm, d, dv, 2)
+
+
+def _pair(config):
+    return config.replace(tuning=Sm100BwdTuning(cta_pair=True))
+
+
+@pytest.mark.parametrize(
+    "d, dv, needle",
+    [
+        (128, 128, "planned"),  # TMEM and smem fit; not built
+        (192, 128, "shared memory 265216 bytes"),  # TMEM fits; Q, dO, K held twice do not
+        (192, 192, "576 columns"),
+        (256, 256, "704 columns"),
+        (64, 64, "cta_pair at head_dim 64"),
+    ],
+)
+def test_sm100_bwd_cta_pair_declined_with_reason(d: int, dv: int, needle: str) -> None:
+    config = _pair(bwd_config(d, dv))
+    assert config.tuning.label == "128x128w16_pair" and "pair" in config.name
+    ok, reason = bwd_can_implement(config)
+    assert not ok and needle in reason, reason
+    assert bwd_smem_bytes(_pair(bwd_config(128, 128))) == 216064 <= SMEM_CAPACITY["sm_100a"]
+
+
+def test_sm100_bwd_dispatch_keeps_one_cta_while_the_pair_is_declined() -> None:
+    """FA4's rule (d >= 128 takes its 2-CTA backward) only where the pair implements the call:
+    nowhere yet, so planning keeps d 128 on one CTA and declines 192 / 256 to the sm80 kernel."""
+    from cute_fa import planning
+
+    for flags in ({}, {"causal": True}, {"varlen_q": True, "varlen_k": True}):
+        assert not bwd_pair_wanted(bwd_config(128, 128, **flags))
+        config = planning.bwd_config("sm_100a", "bf16", 128, 128, **flags)
+        assert config.arch == 100 and not config.tuning.cta_pair
+    assert not bwd_pair_wanted(bwd_config(64, 64))
+    assert planning.bwd_config("sm_100a", "bf16", 192, 128).arch == 80
 
 
 @pytest.mark.parametrize("causal, local", [(True, False), (False, True), (False, False)])
@@ -338,3 +403,45 @@ def test_cpu_demo_shows_the_sm100_backward(capsys) -> None:
         row = re.search(rf"sm_100a\s+bwd\s+sm100\s+64\s+{causal}\s+128x128w16\s+\d+\s+\d+K\s+"
                         rf"0\s+0\s+0\s+0\s+(\d+)", out)  # fmt: skip
         assert row and int(row.group(1)) > 0, out  # UTCHMMA
+
+
+@pytest.mark.compile
+def test_sm100_bwd_pair_tmem_footprints_from_the_dsl() -> None:
+    """The plan's assumptions about the 2-CTA accumulators, from the DSL's own layouts (traced on
+    the CPU, nothing compiled for the GPU): a cta_group::2 MMA of M = 128 (dQ) keeps its 64 rows
+    a CTA in 64 lanes for the first N / 2 columns and in lanes 64-127 for the rest, so it takes
+    N / 2 columns (d / 2); of M = 256 (S^T, dP^T, dV, dK) 128 lanes x N, as one CTA's M = 128;
+    and dK += dS^T Q may take A (dS^T) from TMEM as a 2-CTA MMA."""
+    import cutlass.cute as cute
+    import cutlass.utils.blackwell_helpers as sm100_utils
+    from cutlass import BFloat16, Float32
+    from cutlass.cute.nvgpu import tcgen05
+
+    mn, k = cute.nvgpu.OperandMajorMode.MN, cute.nvgpu.OperandMajorMode.K
+    found = {}
+
+    @cute.jit
+    def trace():
+        for group, shape in ((tcgen05.CtaGroup.ONE, (128, 128)), (tcgen05.CtaGroup.TWO, (128, 128)),
+                             (tcgen05.CtaGroup.TWO, (128, 192)), (tcgen05.CtaGroup.TWO, (256, 128)),
+                             (tcgen05.CtaGroup.TWO, (256, 192))):  # fmt: skip
+            mma = sm100_utils.make_trivial_tiled_mma(
+                BFloat16, BFloat16, mn, mn, Float32, group, shape, tcgen05.OperandSource.SMEM
+            )
+            thr = mma.get_slice(0)
+            acc = thr.make_fragment_C(thr.partition_shape_C(shape))
+            found[(group == tcgen05.CtaGroup.TWO, shape)] = (
+                tcgen05.find_tmem_tensor_col_offset(acc), cute.size(acc.layout, mode=[0, 0])
+            )
+        ts = sm100_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, k, mn, Float32, tcgen05.CtaGroup.TWO, (256, 192),
+            tcgen05.OperandSource.TMEM,
+        )  # fmt: skip
+        found["ts"] = cute.size(ts.thr_id)
+
+    trace()
+    assert found[(False, (128, 128))] == (128, 128)
+    assert found[(True, (128, 128))] == (64, 64)  # dQ at d128: 64 columns, 64 rows a lane half
+    assert found[(True, (128, 192))] == (96, 64)  # (192, 128): 96
+    assert found[(True, (256, 128))] == (128, 128) and found[(True, (256, 192))] == (192, 128)
+    assert found["ts"] == 2
